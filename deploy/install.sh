@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything tectonic-py needs on a fresh Debian machine: the FUSE and
+# build packages from apt, then a virtualenv (.venv) holding the project, its test
+# extras and torch (pinned: the local CPU wheel; an unpinned torch pulls GBs).
+# Idempotent: a second run only checks. Needs root (or sudo) for apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc)
+need=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+# python3-venv/python3-dev are only needed when the interpreter is Debian's own.
+if [ ${#need[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    echo "installing apt packages: ${need[*]}" >&2
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.tectonic-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e ".[test,bench]"
+    touch "$stamp"
+fi

@@ -1,0 +1,68 @@
+"""The ``tectonic`` command: one entry point, one subcommand module per part of the system.
+
+Each module in ``_COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its
+subcommands with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. User
+mistakes and domain failures (``TectonicError``) print one clear line and exit non-zero;
+only a genuine bug prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from tectonic_py.errors import TectonicError
+
+_COMMAND_MODULES = [
+    "chunkstore.main",  # tectonic chunkstore
+    "metadata.main",  # tectonic metadata
+    "tectonic_py.local_cluster_cli",  # tectonic cluster up/down
+    "tectonic_py.data_cli",  # tectonic put/get/ls/rm/stat/mkdir/status
+    "tectonic_py.fs_cli",  # tectonic mount/umount
+    "tectonic_py.maintenance_cli",  # tectonic maintenance / repair
+    "tectonic_py.loadtest",  # tectonic loadtest
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tectonic", description="tectonic-py: an erasure-coded checkpoint filesystem"
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except TectonicError as e:
+        print(f"tectonic {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Wire protocol: framing, multiplexing, mutual auth, limits and hostile input."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tectonic_py import wire
+from tectonic_py.errors import (
+    AuthError,
+    Busy,
+    ChunkNotFound,
+    InvalidArgument,
+    ProtocolError,
+    Unavailable,
+    UnknownOp,
+)
+
+
+async def _echo(req: wire.Request):
+    data = req.payload
+    return {"n": req.int("n", 0), "len": 0 if data is None else len(data)}, (data or b"")
+
+
+async def _slow(req: wire.Request):
+    await trio.sleep(req.float("s"))
+    return {"tag": req.int("tag")}
+
+
+async def _missing(req: wire.Request):
+    raise ChunkNotFound(f"no chunk {req.str('id')}")
+
+
+async def _crash(req: wire.Request):
+    raise RuntimeError("bug")
+
+
+HANDLERS = {"echo": _echo, "slow": _slow, "missing": _missing, "crash": _crash}
+
+
+async def start_server(nursery, secret, limits=wire.DEFAULT_LIMITS):
+    server = wire.RpcServer("test", secret, HANDLERS, limits)
+    host, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    return server, port
+
+
+async def test_round_trip_payload_and_fields(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        data = bytes(range(256)) * 4096
+        resp = await conn.call("echo", {"n": 7}, data)
+        assert resp.fields == {"n": 7, "len": len(data)}
+        assert bytes(resp.payload) == data
+        into = bytearray(len(data))
+        resp = await conn.call("echo", {}, data, into=into)
+        assert bytes(into) == data and resp.payload.obj is into
+
+
+async def test_many_in_flight_matched_by_request_id(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    results = {}
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+
+        async def one(tag):
+            # Later tags finish first: replies come back out of order.
+            resp = await conn.call("slow", {"s": 0.002 * (50 - tag), "tag": tag})
+            results[tag] = resp.fields["tag"]
+
+        async with trio.open_nursery() as n:
+            for tag in range(50):
+                n.start_soon(one, tag)
+    assert results == {t: t for t in range(50)}
+
+
+async def test_domain_errors_come_back_as_the_same_class(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        with pytest.raises(ChunkNotFound, match="no chunk abc"):
+            await conn.call("missing", {"id": "abc"})
+        with pytest.raises(UnknownOp):
+            await conn.call("nope", {}, b"x" * 1000)
+        with pytest.raises(InvalidArgument):
+            await conn.call("slow", {"s": "soon", "tag": 1})
+        with pytest.raises(InvalidArgument):
+            await conn.call("missing", {})
+        with pytest.raises(Exception, match="internal error: RuntimeError"):
+            await conn.call("crash")
+        # The connection survived every one of those.
+        assert (await conn.call("echo", {"n": 1})).fields["n"] == 1
+
+
+async def test_wrong_secret_is_refused_both_ways(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    with pytest.raises(AuthError):
+        async with wire.open_connection("127.0.0.1", port, b"x" * 32):
+            pass
+
+
+async def test_client_rejects_impostor_server(nursery, secret):
+    """A server that does not know the secret cannot pass the client's check."""
+
+    async def impostor(stream):
+        sock = stream.socket
+        await wire._send_all(sock, wire._pack_frame({"op": "hello", "proto": 1, "nonce": b"n" * 32}, 0))
+        await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
+        await wire._send_all(sock, wire._pack_frame({"op": "welcome", "mac": b"m" * 32}, 0))
+        await trio.sleep(1)
+
+    listeners = await nursery.start(trio.serve_tcp, impostor, 0)
+    port = listeners[0].socket.getsockname()[1]
+    with pytest.raises(AuthError):
+        async with wire.open_connection("127.0.0.1", port, secret):
+            pass
+
+
+async def test_unreachable_server_is_unavailable(secret):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(Unavailable):
+        async with wire.open_connection("127.0.0.1", port, secret):
+            pass
+
+
+async def _raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
+    sock = trio.socket.socket()
+    await sock.connect(("127.0.0.1", port))
+    hello, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
+    cn = b"c" * 32
+    mac = wire._mac(secret, b"client", hello["nonce"], cn)
+    await wire._send_all(sock, wire._pack_frame({"op": "auth", "nonce": cn, "mac": mac}, 0))
+    welcome, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
+    assert welcome["op"] == "welcome"
+    return sock
+
+
+async def _read_reply(sock):
+    with trio.fail_after(5):
+        try:
+            return await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
+        except (wire._Closed, ConnectionResetError):
+            return None
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("!BBHII", 9, 0, 0, 4, 0) + b"abcd",  # bad version
+        struct.pack("!BBHII", 1, 0, 0, 0, 0),  # empty header
+        struct.pack("!BBHII", 1, 0, 0, 2**31, 0),  # oversized header
+        struct.pack("!BBHII", 1, 0, 0, 4, 2**31) + b"abcd",  # oversized payload
+        struct.pack("!BBHII", 1, 0, 0, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
+        wire.PREFIX.pack(1, 0, 0, 2, 0) + msgpack.packb([1]),  # not a map
+        wire._pack_frame({"op": 5, "rid": 1}, 0),  # op not a string
+        wire._pack_frame({"op": "echo", "rid": -1}, 0),  # bad rid
+        wire._pack_frame({"op": "echo", "rid": 1, "f": [1]}, 0),  # fields not a map
+        wire.PREFIX.pack(1, 0, 0, 50, 0) + b"\x81",  # truncated frame, then EOF
+    ],
+)
+async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(
+    nursery, secret, frame
+):
+    server, port = await start_server(nursery, secret)
+    sock = await _raw_authenticated(port, secret)
+    await wire._send_all(sock, frame)
+    if frame.startswith(wire.PREFIX.pack(1, 0, 0, 50, 0)):
+        sock.shutdown(socket.SHUT_WR)
+    reply = await _read_reply(sock)
+    if reply is not None:
+        header, _ = reply
+        assert header["rid"] == 0 and header["err"] == ProtocolError.code
+    # The server closed that connection...
+    assert await _read_reply(sock) is None
+    sock.close()
+    # ...and still serves everyone else.
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        assert (await conn.call("echo", {"n": 3})).fields["n"] == 3
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(garbage=st.binary(min_size=1, max_size=300), authenticate=st.booleans())
+def test_garbage_never_hurts_the_server(secret, garbage, authenticate):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            _, port = await start_server(nursery, secret, wire.Limits(auth_timeout=1))
+            if authenticate:
+                sock = await _raw_authenticated(port, secret)
+            else:
+                sock = trio.socket.socket()
+                await sock.connect(("127.0.0.1", port))
+            try:
+                await wire._send_all(sock, garbage)
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            with trio.move_on_after(3):
+                try:
+                    while await sock.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+            sock.close()
+            async with wire.open_connection("127.0.0.1", port, secret) as conn:
+                assert (await conn.call("echo", {"n": 1})).fields["n"] == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def test_payload_budget_refuses_with_busy_past_the_queue(nursery, secret):
+    limits = wire.Limits(payload_budget=1024 * 1024, max_payload_waiters=0)
+    hold = trio.Event()
+
+    async def blocking(req):
+        await hold.wait()
+        return {}
+
+    server = wire.RpcServer("t", secret, {"hold": blocking, **HANDLERS}, limits)
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        async with trio.open_nursery() as n:
+            n.start_soon(conn.call, "hold", {}, b"x" * (1024 * 1024))
+            await trio.sleep(0.2)
+            assert server.stats.payload_bytes_held == 1024 * 1024
+            with pytest.raises(Busy):
+                await conn.call("echo", {}, b"y" * 1000)
+            # Payload-free requests are still served.
+            assert (await conn.call("echo", {"n": 2})).fields["n"] == 2
+            hold.set()
+    assert server.stats.busy_refusals == 1
+    assert server.stats.payload_bytes_held == 0
+
+
+async def test_cancelled_call_leaves_the_connection_usable(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        with trio.move_on_after(0.05):
+            await conn.call("slow", {"s": 0.5, "tag": 1})
+        resp = await conn.call("echo", {}, b"z" * 100_000)
+        assert bytes(resp.payload) == b"z" * 100_000
+
+
+async def test_server_death_fails_pending_calls_with_unavailable(secret):
+    async with trio.open_nursery() as outer:
+        server_scope = trio.CancelScope()
+
+        async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+            with server_scope:
+                server = wire.RpcServer("t", secret, HANDLERS)
+                await server.serve("127.0.0.1", 0, task_status=task_status)
+
+        _, port = await outer.start(run_server)
+        async with wire.open_connection("127.0.0.1", port, secret) as conn:
+            async with trio.open_nursery() as n:
+
+                async def doomed():
+                    with pytest.raises(Unavailable):
+                        await conn.call("slow", {"s": 10, "tag": 1})
+
+                n.start_soon(doomed)
+                await trio.sleep(0.1)
+                server_scope.cancel()
+            with pytest.raises(Unavailable):
+                await conn.call("echo")
+
+
+def test_parse_address():
+    assert wire.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert wire.parse_address("[::1]:9") == ("::1", 9)
+    from tectonic_py.errors import ConfigError
+
+    for bad in ["nohost", ":80", "h:", "h:99999", "h:x"]:
+        with pytest.raises(ConfigError):
+            wire.parse_address(bad)
