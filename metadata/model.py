@@ -1,0 +1,166 @@
+"""Records of the metadata service as the client library sees them.
+
+These travel over the wire as plain msgpack maps (``to_wire``/``from_wire``); the
+dataclasses are the typed view on both sides. Sizes are bytes, times are integer
+nanoseconds since the epoch, modes are permission bits only (the kind says file or dir).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+KIND_FILE = "file"
+KIND_DIR = "dir"
+
+
+def _from_wire(cls: type[T], data: dict[str, Any]) -> T:
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Attrs:
+    """A file's or directory's attributes (File layer; directories live there too)."""
+
+    id: int
+    kind: str  # KIND_FILE or KIND_DIR
+    size: int = 0
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    sealed: bool = False
+    ec: str = "rs-6-3"  # files: their policy; directories: the policy new files inherit
+    chunk_size: int = 4 * 1024 * 1024  # C: bytes per data chunk of a full block
+    nlink: int = 1
+    writer: bool = False  # a writer token is held (and its lease not expired)
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == KIND_DIR
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Attrs:
+        return _from_wire(cls, data)
+
+
+@dataclass
+class DirEntry:
+    name: str
+    id: int
+    kind: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> DirEntry:
+        return _from_wire(cls, data)
+
+
+@dataclass
+class NodeInfo:
+    """A chunk store as the node registry knows it."""
+
+    node_id: str
+    address: str
+    failure_domain: str
+    state: str = "up"  # "up" or "down"
+    capacity: int = 0
+    free: int = 0
+    chunk_count: int = 0
+    queue_depth: int = 0
+    last_seen: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> NodeInfo:
+        return _from_wire(cls, data)
+
+
+@dataclass
+class ChunkPlacement:
+    """Where one chunk of a block lives, and its CRC-32C."""
+
+    index: int
+    node_id: str
+    checksum: int
+    address: str = ""  # filled in by the client from the registry when locating
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"index": self.index, "node_id": self.node_id, "checksum": self.checksum}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> ChunkPlacement:
+        return _from_wire(cls, data)
+
+
+@dataclass
+class BlockInfo:
+    """A committed block: its erasure code, lengths and chunks (Block layer record).
+
+    ``file_index`` is the block's position in its file: it covers file bytes
+    ``[file_index * k * file_chunk_size, ... + data_len)``. ``chunk_len`` is the padded
+    length of each chunk of this block (short for a file's last, short block).
+    """
+
+    block_id: int
+    ec: str
+    chunk_len: int
+    data_len: int
+    chunks: list[ChunkPlacement] = field(default_factory=list)
+    file_index: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "block_id": self.block_id,
+            "ec": self.ec,
+            "chunk_len": self.chunk_len,
+            "data_len": self.data_len,
+            "chunks": [c.to_wire() for c in self.chunks],
+            "file_index": self.file_index,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> BlockInfo:
+        info = _from_wire(cls, data)
+        info.chunks = [ChunkPlacement.from_wire(c) for c in data.get("chunks", [])]
+        return info
+
+
+@dataclass
+class BlockGrant:
+    """A freshly allocated block id, the nodes to write its chunks to, and the capability.
+
+    ``nodes`` has k+m entries in distinct failure domains where the cluster allows, then
+    the hedge nodes; ``capability`` names all of them.
+    """
+
+    block_id: int
+    nodes: list[NodeInfo]
+    capability: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "block_id": self.block_id,
+            "nodes": [n.to_wire() for n in self.nodes],
+            "capability": self.capability,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> BlockGrant:
+        return cls(
+            block_id=data["block_id"],
+            nodes=[NodeInfo.from_wire(n) for n in data["nodes"]],
+            capability=data["capability"],
+        )
