@@ -155,6 +155,22 @@ class MetadataClient:
         (addresses filled in from the registry)."""
         raise NotImplementedError
 
+    async def locate_blocks(self, block_ids: Sequence[int]) -> list[BlockInfo]:
+        """Block layer records of the given blocks (grouped per shard), addresses filled in."""
+        raise NotImplementedError
+
+    async def blocks_on_node(self, node_id: str) -> list[tuple[int, int]]:
+        """(block_id, chunk_index) of every committed chunk on a node: the reverse index,
+        gathered from every block shard (repair and ``tectonic status`` use it)."""
+        raise NotImplementedError
+
+    async def replace_chunk(
+        self, block_id: int, index: int, old_node: str, new_node: str, checksum: int
+    ) -> None:
+        """Point one chunk of a committed block at a new node (repair, rebalance), keeping
+        the reverse index in step; refused if the chunk is no longer on ``old_node``."""
+        raise NotImplementedError
+
     # --- Node registry ----------------------------------------------------------------------
 
     async def nodes(self) -> list[NodeInfo]:
