@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "tectonic_py.local_cluster_cli",  # tectonic cluster up/down
     "tectonic_py.data_cli",  # tectonic put/get/ls/rm/stat/mkdir/status
     "tectonic_py.fs_cli",  # tectonic mount/umount
+    "tectonic_py.status",  # tectonic status
     "tectonic_py.maintenance_cli",  # tectonic maintenance / repair
     "tectonic_py.loadtest",  # tectonic loadtest
 ]

@@ -1,0 +1,216 @@
+"""``tectonic status CLUSTER_FILE``: what an operator needs to see before and after a fault.
+
+It shows the chunk stores as the node registry knows them (up/down, failure domain,
+capacity, free space, chunk count, load), the metadata servers and the shards each hosts,
+and the blocks that are degraded: blocks with fewer than k+m chunks on live nodes. Those
+are found from the Block layer's reverse index of every down node (``blocks_on_node``),
+never by scanning all blocks, so the cost grows with what is broken, not with the cluster.
+A block with fewer than k live chunks cannot be read until a node comes back, so it is
+reported as ``lost`` (the exit code says so too: 2 if any block is lost, so scripts can
+alert on it).
+
+A chunk that is missing or corrupt on a live node is not visible here: only the chunk
+store's scrub finds those (it reports them for repair).
+
+``--json`` prints one object::
+
+    {"cluster": str, "nodes": [{node_id, address, failure_domain, state, capacity, free,
+      chunk_count, queue_depth, last_seen}],
+     "metadata_servers": [{address, shards, state, error}],
+     "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id], readable}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import trio
+
+from metadata.client import MetadataClient
+from metadata.model import BlockInfo, NodeInfo
+from tectonic_py import cluster_file
+from tectonic_py.aio import open_service_nursery
+from tectonic_py.cluster_file import ClusterConfig
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import TectonicError, Timeout, Unavailable
+from tectonic_py.wire import open_connection, parse_address
+
+log = logging.getLogger(__name__)
+
+# locate_blocks is grouped per shard by the client; keep each call a bounded size
+_LOCATE_BATCH = 1000
+
+
+async def probe_metadata_server(address: str, secret: bytes) -> str | None:
+    """None if the server completes the authenticated handshake, else why not (one line)."""
+    host, port = parse_address(address)
+    try:
+        async with open_connection(host, port, secret):
+            return None
+    except TectonicError as e:
+        return str(e)
+
+
+async def degraded_blocks(client: MetadataClient, nodes: list[NodeInfo]) -> list[dict[str, Any]]:
+    """Blocks with a chunk on a down node, with how many of their chunks are still live."""
+    state = {n.node_id: n.state for n in nodes}
+    suspect: set[int] = set()
+    for node in nodes:
+        if node.state != "up":
+            suspect.update(block_id for block_id, _ in await client.blocks_on_node(node.node_id))
+    ids = sorted(suspect)
+    infos: list[BlockInfo] = []
+    for i in range(0, len(ids), _LOCATE_BATCH):
+        infos.extend(await client.locate_blocks(ids[i : i + _LOCATE_BATCH]))
+    out = []
+    for info in infos:
+        policy = ECPolicy.parse(info.ec)
+        missing = sorted(c.node_id for c in info.chunks if state.get(c.node_id) != "up")
+        live = len(info.chunks) - len(missing)
+        if live < policy.n:
+            out.append(
+                {
+                    "block_id": info.block_id,
+                    "ec": info.ec,
+                    "live": live,
+                    "total": policy.n,
+                    "k": policy.k,
+                    "missing": missing,
+                    "readable": live >= policy.k,
+                }
+            )
+    return out
+
+
+async def gather(config: ClusterConfig) -> dict[str, Any]:
+    """The whole status as one JSON-ready object. Unavailable if the registry is unreachable:
+    without it nothing about the nodes is known, and a half-empty table would mislead."""
+    secret = config.secret()
+    servers: list[dict[str, Any]] = [
+        {"address": s.address, "shards": sorted(s.shards), "state": "up", "error": None}
+        for s in config.metadata_servers
+    ]
+
+    async def probe(entry: dict[str, Any]) -> None:
+        error = await probe_metadata_server(entry["address"], secret)
+        if error is not None:
+            entry["state"], entry["error"] = "down", error
+
+    async with trio.open_nursery() as nursery:
+        for entry in servers:
+            nursery.start_soon(probe, entry)
+    registry = config.registry_address
+    if any(s["address"] == registry and s["state"] != "up" for s in servers):
+        raise Unavailable(f"cannot reach the node registry (metadata server {registry})")
+
+    async with open_service_nursery() as nursery:
+        client = MetadataClient(config, nursery=nursery)
+        try:
+            nodes = sorted(await client.nodes(), key=lambda n: n.node_id)
+            degraded = await degraded_blocks(client, nodes)
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+    return {
+        "cluster": config.name,
+        "nodes": [asdict(n) for n in nodes],
+        "metadata_servers": servers,
+        "degraded_blocks": degraded,
+    }
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render(status: dict[str, Any]) -> None:
+    """Readable tables (rich); colours only where stdout is a terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    nodes = status["nodes"]
+    up = sum(1 for n in nodes if n["state"] == "up")
+    table = Table(title=f"cluster {status['cluster']}: {up} of {len(nodes)} chunk stores up")
+    for col in ("node", "address", "failure domain", "state"):
+        table.add_column(col)
+    for col in ("capacity", "free", "used", "chunks", "load"):
+        table.add_column(col, justify="right")
+    for n in nodes:
+        used = 1 - n["free"] / n["capacity"] if n["capacity"] else 0.0
+        state = "[green]up[/]" if n["state"] == "up" else "[bold red]down[/]"
+        table.add_row(
+            n["node_id"], n["address"], n["failure_domain"], state, _size(n["capacity"]),
+            _size(n["free"]), f"{used:.0%}", str(n["chunk_count"]), str(n["queue_depth"]),
+        )
+    console.print(table)
+
+    meta = Table(title="metadata servers")
+    for col in ("address", "shards", "state"):
+        meta.add_column(col)
+    for s in status["metadata_servers"]:
+        shards = s["shards"]
+        span = f"{len(shards)} ({shards[0]}-{shards[-1]})" if shards else "0"
+        state = "[green]up[/]" if s["state"] == "up" else f"[bold red]down[/] {s['error']}"
+        meta.add_row(s["address"], span, state)
+    console.print(meta)
+
+    degraded = status["degraded_blocks"]
+    if not degraded:
+        console.print("no degraded blocks")
+        return
+    lost = [b for b in degraded if not b["readable"]]
+    blocks = Table(title=f"{len(degraded)} degraded blocks, {len(lost)} unreadable")
+    for col in ("block", "ec", "live chunks", "missing on"):
+        blocks.add_column(col)
+    for b in degraded[:50]:
+        live = f"{b['live']}/{b['total']}" + ("" if b["readable"] else " [bold red]lost[/]")
+        blocks.add_row(f"{b['block_id']:016x}", b["ec"], live, ", ".join(b["missing"]))
+    console.print(blocks)
+    if len(degraded) > 50:
+        console.print(f"... and {len(degraded) - 50} more (--json lists all)")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = cluster_file.load(args.cluster_file)
+
+    async def run() -> dict[str, Any]:
+        try:
+            with trio.fail_after(args.timeout):
+                return await gather(config)
+        except trio.TooSlowError:
+            raise Timeout(f"no complete answer from the cluster within {args.timeout:g} s") from None
+
+    status = trio.run(run)
+    if args.json:
+        json.dump(status, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(status)
+    return 2 if any(not b["readable"] for b in status["degraded_blocks"]) else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="nodes, metadata servers and degraded blocks of a cluster",
+        description="Show chunk stores (up/down, failure domain, capacity, free, chunks, load), "
+        "metadata servers and their shards, and blocks with fewer than k+m live chunks. "
+        "Exit code 2 if some block has fewer than k live chunks (unreadable).",
+    )
+    p.add_argument("cluster_file", metavar="CLUSTER_FILE", help="the cluster.toml to use")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument(
+        "--timeout", type=float, default=15.0, help="seconds to wait for the cluster (15)"
+    )
+    p.set_defaults(func=cmd_status)
