@@ -194,6 +194,12 @@ class FileSealed(TectonicError):
     code = "sealed"
 
 
+class XattrNotFound(TectonicError):
+    """The file has no extended attribute of that name."""
+
+    code = "enodata"
+
+
 class WrongShard(TectonicError):
     """The server does not host the shard named in the request."""
 
