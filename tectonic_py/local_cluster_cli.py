@@ -1,0 +1,316 @@
+"""``tectonic cluster up/down``: the embedded local cluster as a command, a thin layer over
+``tectonic_py.local_cluster.LocalCluster``.
+
+``up`` runs in the foreground until Ctrl-C (or SIGTERM/SIGHUP), then stops every daemon
+cleanly. ``up --detach`` starts the same supervisor as a background process in its own
+session and returns once the cluster is healthy; ``down`` stops it.
+
+Files in DIR besides the cluster's own data:
+
+* ``cluster.pid``: JSON ``{"pid", "daemons": [pids], "cluster_file"}`` written atomically by
+  the supervisor once the cluster is healthy, removed when it stops. ``down`` signals only
+  PIDs from this file, and only while their command line still names DIR: a PID reused by
+  an unrelated process after a crash is never signalled.
+* ``cluster.log``: stdout/stderr of a detached supervisor and its daemons' start-up errors.
+
+Why a supervisor process at all (rather than detached daemons): one process owns the
+daemons' lifetimes, so a Ctrl-C or a ``down`` stops all of them together and a failed
+start never leaves half a cluster running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import ConfigError, Timeout
+
+log = logging.getLogger(__name__)
+
+PID_FILE = "cluster.pid"
+LOG_FILE = "cluster.log"
+# bounds on waiting: a cold start of 2 metadata servers and 9 chunk stores on a loaded
+# 2-core machine takes seconds; minutes mean something is wrong and the log says what
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+
+
+class _Stop(Exception):
+    """A stop signal arrived (SIGINT, SIGTERM, SIGHUP)."""
+
+
+def _read_pid_file(root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((root / PID_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        raise ConfigError(f"{root / PID_FILE} is unreadable: remove it by hand") from None
+    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+        raise ConfigError(f"{root / PID_FILE} is malformed: remove it by hand")
+    return data
+
+
+def _write_pid_file(root: Path, data: dict[str, Any]) -> None:
+    tmp = root / (PID_FILE + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, root / PID_FILE)
+
+
+def _ours(pid: int, root: Path) -> psutil.Process | None:
+    """The live process ``pid`` if its command line names ``root``, else None."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        cmdline = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    text = str(root)
+    return proc if any(text in part for part in cmdline) else None
+
+
+def _running_supervisor(root: Path) -> psutil.Process | None:
+    data = _read_pid_file(root)
+    return None if data is None else _ours(data["pid"], root)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Catch impossible layouts before any process starts, each with a one-line reason."""
+    policy = ECPolicy.parse(args.ec)
+    if args.chunkstores < 1:
+        raise ConfigError("--chunkstores must be at least 1")
+    if args.chunkstores < policy.n:
+        raise ConfigError(
+            f"{policy} writes {policy.n} chunks per block on distinct nodes: "
+            f"needs --chunkstores >= {policy.n}, not {args.chunkstores}"
+        )
+    if args.metadata_servers < 1:
+        raise ConfigError("--metadata-servers must be at least 1")
+    if not 1 <= args.shards <= 65536:
+        raise ConfigError(f"--shards must be 1..65536, not {args.shards}")
+    if args.metadata_servers > args.shards:
+        raise ConfigError("--metadata-servers cannot exceed --shards")
+    if args.failure_domains is not None and not 1 <= args.failure_domains <= args.chunkstores:
+        raise ConfigError(f"--failure-domains must be 1..{args.chunkstores}")
+
+
+def _make_cluster(args: argparse.Namespace, root: Path) -> Any:
+    from tectonic_py.local_cluster import LocalCluster
+
+    return LocalCluster(
+        root,
+        chunkstores=args.chunkstores,
+        metadata_servers=args.metadata_servers,
+        shards=args.shards,
+        ec=args.ec,
+        failure_domains=args.failure_domains,
+    )
+
+
+def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> str:
+    how_to_stop = (
+        f"stop it:       tectonic cluster down --dir {args.dir}"
+        if detached
+        else "stop it:       Ctrl-C"
+    )
+    return "\n".join(
+        [
+            f"cluster up: {args.metadata_servers} metadata server(s), {args.chunkstores} chunk "
+            f"stores, {args.ec}, data in {args.dir}",
+            f"cluster file:  {cluster_file}",
+            f"status:        tectonic status {cluster_file}",
+            f"mount:         tectonic mount {cluster_file} MOUNTPOINT",
+            how_to_stop,
+        ]
+    )
+
+
+def _run_foreground(args: argparse.Namespace, root: Path, *, detached: bool) -> int:
+    """Start, publish the pid file, wait for a stop signal, stop. Always stops what started."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise _Stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    cluster = _make_cluster(args, root)
+    try:
+        try:
+            cluster.start()
+            pids = [int(p) for p in cluster.pids()]
+            _write_pid_file(
+                root, {"pid": os.getpid(), "daemons": pids, "cluster_file": str(cluster.cluster_file)}
+            )
+            print(_summary(Path(cluster.cluster_file), args, detached), flush=True)
+            _watch(pids)
+        finally:
+            # a second Ctrl-C during the stop must not leave daemons behind
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            cluster.stop()
+            (root / PID_FILE).unlink(missing_ok=True)
+    except _Stop:
+        print("cluster stopped", flush=True)
+        return 0
+    return 0
+
+
+def _watch(pids: list[int]) -> None:
+    """Wait for a stop signal; say once (to stderr) when a daemon dies on its own, since the
+    cluster then runs degraded until it is restarted."""
+    reported: set[int] = set()
+    while True:
+        time.sleep(1.0)
+        for pid in pids:
+            if pid in reported:
+                continue
+            try:
+                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                reported.add(pid)
+                print(f"warning: daemon pid {pid} exited; the cluster is degraded", file=sys.stderr)
+
+
+def _detach(args: argparse.Namespace, root: Path) -> int:
+    """Start the supervisor in its own session and wait (bounded) until it reports healthy."""
+    argv = [
+        sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root),
+        "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
+        "--shards", str(args.shards), "--ec", args.ec, "--supervisor",
+    ]  # fmt: skip
+    if args.failure_domains is not None:
+        argv += ["--failure-domains", str(args.failure_domains)]
+    log_path = root / LOG_FILE
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        data = _read_pid_file(root)
+        if data is not None and data["pid"] == proc.pid:
+            print(_summary(Path(data["cluster_file"]), args, detached=True))
+            print(f"supervisor pid {proc.pid}, log {log_path}")
+            return 0
+        if proc.poll() is not None:
+            raise ConfigError(f"the cluster did not start: {_last_error(log_path)}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise Timeout(f"the cluster was not healthy after {START_TIMEOUT_S:.0f} s; see {log_path}")
+        time.sleep(0.2)
+
+
+def _last_error(log_path: Path) -> str:
+    """The last non-empty line of the log (the supervisor's one-line error), with its path."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    except OSError:
+        lines = []
+    lines = [ln for ln in lines if ln]
+    return f"{lines[-1]} (log: {log_path})" if lines else f"see {log_path}"
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    root = Path(args.dir).resolve()
+    args.dir = str(root)
+    _validate(args)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {root}: {e.strerror}") from None
+    running = _running_supervisor(root)
+    if running is not None:
+        raise ConfigError(
+            f"a cluster is already running in {root} (pid {running.pid}); "
+            f"stop it with: tectonic cluster down --dir {root}"
+        )
+    (root / PID_FILE).unlink(missing_ok=True)  # stale: its process is gone
+    if args.detach:
+        return _detach(args, root)
+    return _run_foreground(args, root, detached=args.supervisor)
+
+
+def _terminate(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    root = Path(args.dir).resolve()
+    data = _read_pid_file(root)
+    if data is None:
+        print(f"no cluster is running in {root}")
+        return 0
+    supervisor = _ours(data["pid"], root)
+    if supervisor is not None:
+        if _terminate([supervisor], STOP_TIMEOUT_S):
+            raise Timeout(
+                f"the cluster supervisor (pid {supervisor.pid}) did not stop within "
+                f"{STOP_TIMEOUT_S:.0f} s; see {root / LOG_FILE}"
+            )
+    # daemons left behind by a supervisor that was killed (kill -9, OOM): stop them too
+    leftovers = [p for p in (_ours(int(pid), root) for pid in data.get("daemons", [])) if p]
+    if leftovers:
+        log.warning("stopping %d daemons left by a dead supervisor", len(leftovers))
+        for p in _terminate(leftovers, STOP_TIMEOUT_S / 2):
+            p.kill()
+    (root / PID_FILE).unlink(missing_ok=True)
+    print(f"cluster in {root} stopped")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "cluster",
+        help="an embedded cluster on this machine (up/down)",
+        description="Run metadata servers and chunk stores as local processes with data in "
+        "one directory.",
+    )
+    sub = p.add_subparsers(dest="cluster_command", metavar="{up,down}")
+    sub.required = True
+    up = sub.add_parser(
+        "up",
+        help="create (first time) and start a local cluster; Ctrl-C stops it",
+        description="Create the cluster in DIR on first use (secret, shard map, config), start "
+        "its daemons, wait until all are healthy and write DIR/cluster.toml. Restarting on "
+        "the same DIR brings back all data.",
+    )
+    up.add_argument("--dir", required=True, help="directory for all data and DIR/cluster.toml")
+    up.add_argument("--chunkstores", type=int, default=9, help="chunk store processes (9)")
+    up.add_argument("--metadata-servers", type=int, default=2, help="metadata servers (2)")
+    up.add_argument("--shards", type=int, default=64, help="logical metadata shards (64)")
+    up.add_argument("--ec", default="rs-6-3", help="default EC policy: rs-K-M or rN (rs-6-3)")
+    up.add_argument(
+        "--failure-domains", type=int, default=None,
+        help="spread chunk stores over this many failure domains (default: one each)",
+    )  # fmt: skip
+    up.add_argument(
+        "--detach", action="store_true",
+        help="run in the background (pid file DIR/cluster.pid); stop with `cluster down`",
+    )  # fmt: skip
+    up.add_argument("--supervisor", action="store_true", help=argparse.SUPPRESS)
+    up.set_defaults(func=cmd_up)
+    down = sub.add_parser("down", help="stop a cluster started with `cluster up --detach`")
+    down.add_argument("--dir", required=True, help="the directory given to `cluster up`")
+    down.set_defaults(func=cmd_down)
+
