@@ -1,0 +1,121 @@
+"""ChunkClient: typed calls to one chunk store over an authenticated wire connection.
+
+The data-path client, repair and the CLI use this rather than raw ``Connection.call`` so that
+field names and the end-to-end check of returned bytes live in one place: every ``get``
+verifies the bytes it received against the CRC the store computed from verified disk data,
+so a chunk is checked from disk to the caller's buffer (ChecksumMismatch, retryable, if
+the bytes were damaged on the way).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from tectonic_py import wire
+from tectonic_py.checksum import checksum as crc32c
+from tectonic_py.errors import ChecksumMismatch
+
+log = logging.getLogger(__name__)
+
+# Below this, computing a CRC in the event loop is cheaper than a thread hop.
+_INLINE_CRC = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ChunkStat:
+    size: int
+    checksum: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    node_id: str
+    failure_domain: str
+    capacity: int
+    free: int
+    used: int
+    chunk_count: int
+    queue_depth: int
+    bytes_in: int
+    bytes_out: int
+
+
+async def _crc(data: wire.Buffer) -> int:
+    if memoryview(data).nbytes <= _INLINE_CRC:
+        return crc32c(data)
+    return await trio.to_thread.run_sync(crc32c, data)
+
+
+class ChunkClient:
+    """Calls on one chunk store; shares ``conn`` (many calls may be in flight at once)."""
+
+    def __init__(self, conn: wire.Connection) -> None:
+        self.conn = conn
+
+    async def put(
+        self, chunk_id: str, data: wire.Buffer, cap: bytes, checksum: int | None = None
+    ) -> None:
+        """Store a chunk durably; returns once it is on the store's disk.
+
+        ``checksum`` is the chunk's crc32c (computed here if not given). Raises ChunkConflict
+        if other bytes are stored under the id, Busy (retryable) when the store is at its
+        admission limit, DiskFull, BadCapability, ChecksumMismatch.
+        """
+        if checksum is None:
+            checksum = await _crc(data)
+        await self.conn.call("put", {"chunk_id": chunk_id, "checksum": checksum, "cap": cap}, data)
+
+    async def get(
+        self,
+        chunk_id: str,
+        offset: int = 0,
+        length: int | None = None,
+        *,
+        into: bytearray | memoryview | None = None,
+    ) -> memoryview:
+        """Verified bytes of a chunk (``length`` None: to its end); a view of ``into`` when a
+        buffer large enough is given. ChunkCorrupt if the store's copy is damaged."""
+        fields: dict[str, object] = {"chunk_id": chunk_id, "offset": offset}
+        if length is not None:
+            fields["length"] = length
+        resp = await self.conn.call("get", fields, into=into)
+        data = resp.payload if resp.payload is not None else memoryview(b"")
+        expected = resp.fields.get("range_checksum")
+        got = await _crc(data)
+        if got != expected:
+            raise ChecksumMismatch(
+                f"chunk {chunk_id} bytes {offset}+{len(data)} damaged in transit from"
+                f" {self.conn.address} (crc {got:08x} != {expected})"
+            )
+        return data
+
+    async def delete(self, chunk_id: str) -> bool:
+        """Remove a chunk; True if it existed."""
+        resp = await self.conn.call("delete", {"chunk_id": chunk_id})
+        return bool(resp.fields["existed"])
+
+    async def stat(self, chunk_id: str) -> ChunkStat:
+        f = (await self.conn.call("stat", {"chunk_id": chunk_id})).fields
+        return ChunkStat(int(f["size"]), int(f["checksum"]), float(f["mtime"]))
+
+    async def list(self, after: str = "", limit: int = 1000) -> tuple[list[tuple[str, int]], str | None]:
+        """One page of (chunk_id, size) in id order and the ``after`` of the next page."""
+        f = (await self.conn.call("list", {"after": after, "limit": limit})).fields
+        return [(str(c), int(n)) for c, n in f["chunks"]], f["next"]
+
+    async def list_all(self, page: int = 1000) -> list[tuple[str, int]]:
+        """Every chunk on the store, page by page."""
+        out: list[tuple[str, int]] = []
+        after: str | None = ""
+        while after is not None:
+            chunks, after = await self.list(after, page)
+            out.extend(chunks)
+        return out
+
+    async def node_stats(self) -> NodeStats:
+        f = (await self.conn.call("node_stats")).fields
+        return NodeStats(**{k: f[k] for k in NodeStats.__dataclass_fields__})

@@ -1,0 +1,471 @@
+"""The on-disk format of one chunk, and the durable, atomic ways to write, read and check it.
+
+A chunk file holds a small header, a table of per-segment CRCs, then the chunk's bytes.
+Integers are big-endian; the version field comes first so a later format can be told apart
+by reading two bytes::
+
+    offset    size  field
+    0         2     version        (1)
+    2         6     magic          b"TCHUNK"
+    8         8     length         L, bytes of chunk data
+    16        4     checksum       crc32c of the whole chunk (what the client sent and the
+                                   Block layer records)
+    20        4     segment_size   S (65536 in version 1)
+    24        4     segments       N = ceil(L / S)
+    28        4     header_crc     crc32c of bytes 0..27 followed by the segment table
+    32        4*N   segment table  crc32c of each S-byte segment (the last may be shorter)
+    32+4N     L     data
+
+Why segments: a ranged get of 4 KiB must not read and checksum a whole 4 MiB chunk, yet must
+never return unverified bytes; it reads and verifies only the segments it touches. A whole
+get checks the whole-chunk CRC in one pass. The header has its own CRC, so a flipped bit in
+the length or the table is reported as corruption rather than misread.
+
+Files live under ``<data_dir>/chunks/<2 hex chars>/<chunk id>`` (the first two characters of
+the chunk id, which come from its random block id), so no directory holds millions of
+entries, and a listing in chunk-id order can walk the shard directories in order.
+
+Durability protocol of a write: the chunk goes to a temporary name (``.tmp-...``, never a
+valid chunk id) in the same directory, is fsynced, renamed over its final name and the
+directory is fsynced. A crash leaves either no file under the final name or a complete one;
+leftover temporary files are removed at startup (``recover``).
+
+All functions here do blocking disk I/O and are meant to run in ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tectonic_py.checksum import checksum as crc32c
+from tectonic_py.errors import (
+    ChecksumMismatch,
+    ChunkConflict,
+    ChunkCorrupt,
+    ChunkNotFound,
+    DiskFull,
+    InvalidArgument,
+)
+from tectonic_py.ids import parse_chunk_id
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+MAGIC = b"TCHUNK"
+SEGMENT_SIZE = 64 * 1024
+HEADER = struct.Struct("!H6sQIIII")
+HEADER_CRC_OFFSET = 28
+TMP_PREFIX = ".tmp-"
+MAX_CHUNK_ID_LEN = 24
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The parsed, CRC-checked header of a chunk file."""
+
+    length: int
+    checksum: int
+    segment_size: int
+    segment_crcs: tuple[int, ...]
+
+    @property
+    def data_offset(self) -> int:
+        return HEADER.size + 4 * len(self.segment_crcs)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_offset + self.length
+
+
+def segment_count(length: int, segment_size: int = SEGMENT_SIZE) -> int:
+    return -(-length // segment_size)
+
+
+def file_size_for(length: int) -> int:
+    """Bytes a chunk of ``length`` bytes takes on disk (before filesystem rounding)."""
+    return HEADER.size + 4 * segment_count(length) + length
+
+
+def length_from_file_size(size: int) -> int:
+    """Invert ``file_size_for`` (for listings and startup scans that only stat files).
+
+    With n segments the file holds 32 + 4n + L bytes, L in ((n-1)S, nS], so
+    n = ceil((size - 32) / (S + 4)) exactly.
+    """
+    body = max(size - HEADER.size, 0)
+    n = -(-body // (SEGMENT_SIZE + 4))
+    return max(body - 4 * n, 0)
+
+
+def encode_header(data: memoryview | bytes | bytearray, whole_crc: int) -> bytes:
+    """Header and segment table for ``data``, whose crc32c the caller already checked."""
+    view = memoryview(data).cast("B")
+    length = len(view)
+    crcs = [crc32c(view[i : i + SEGMENT_SIZE]) for i in range(0, length, SEGMENT_SIZE)]
+    table = struct.pack(f"!{len(crcs)}I", *crcs)
+    head = HEADER.pack(VERSION, MAGIC, length, whole_crc, SEGMENT_SIZE, len(crcs), 0)
+    hcrc = crc32c(table, crc32c(head[:HEADER_CRC_OFFSET]))
+    return head[:HEADER_CRC_OFFSET] + struct.pack("!I", hcrc) + table
+
+
+def decode_header(buf: bytes, file_size: int | None = None) -> ChunkHeader:
+    """Parse and check a header; ``buf`` must start at offset 0 and hold the whole table.
+
+    Raises ChunkCorrupt for anything that is not a well-formed version-1 header.
+    """
+    if len(buf) < HEADER.size:
+        raise ChunkCorrupt("chunk file shorter than its header")
+    version, magic, length, whole, seg_size, nseg, hcrc = HEADER.unpack_from(buf)
+    if version != VERSION or magic != MAGIC:
+        raise ChunkCorrupt(f"not a chunk file (version {version}, magic {magic!r})")
+    if seg_size != SEGMENT_SIZE or nseg != segment_count(length, seg_size):
+        raise ChunkCorrupt("chunk header has an inconsistent segment table")
+    end = HEADER.size + 4 * nseg
+    if len(buf) < end:
+        raise ChunkCorrupt("chunk file shorter than its segment table")
+    table = buf[HEADER.size : end]
+    if crc32c(table, crc32c(buf[:HEADER_CRC_OFFSET])) != hcrc:
+        raise ChunkCorrupt("chunk header failed its checksum")
+    header = ChunkHeader(length, whole, seg_size, struct.unpack(f"!{nseg}I", table))
+    if file_size is not None and file_size != header.file_size:
+        raise ChunkCorrupt(f"chunk file is {file_size} bytes, header says {header.file_size}")
+    return header
+
+
+# --- paths ----------------------------------------------------------------------------------
+
+
+def validate_chunk_id(chunk_id: object) -> str:
+    """Return ``chunk_id`` if it is exactly a chunk id, else InvalidArgument.
+
+    Only ``<16 hex>.<index>`` passes (tectonic_py.ids), so no id can hold '/', '..', NUL or
+    an absolute path, and none can name a temporary file.
+    """
+    if not isinstance(chunk_id, str) or len(chunk_id) > MAX_CHUNK_ID_LEN:
+        raise InvalidArgument("invalid chunk id")
+    try:
+        parse_chunk_id(chunk_id)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+    return chunk_id
+
+
+def chunks_root(data_dir: Path) -> Path:
+    return data_dir / "chunks"
+
+
+def shard_dir(data_dir: Path, chunk_id: str) -> Path:
+    return chunks_root(data_dir) / chunk_id[:2]
+
+
+def chunk_path(data_dir: Path, chunk_id: str) -> Path:
+    """The file of a (validated) chunk id; checked again to lie inside the data directory."""
+    path = shard_dir(data_dir, validate_chunk_id(chunk_id)) / chunk_id
+    if path.parent.parent != chunks_root(data_dir):
+        raise InvalidArgument("invalid chunk id")
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- write ----------------------------------------------------------------------------------
+
+
+def write_chunk(
+    data_dir: Path, chunk_id: str, data: memoryview | bytes | bytearray, checksum: int
+) -> tuple[int, int]:
+    """Store a chunk durably and atomically; returns (bytes added, chunks added) on disk.
+
+    (0, 0) when the chunk was already there.
+    Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
+    on the way). The same chunk again is a no-op; different contents under the same id raise
+    ChunkConflict. An existing file that fails its own checks is replaced, so a retried put
+    heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary file.
+    The caller serialises writes of one chunk id.
+    """
+    view = memoryview(data).cast("B")
+    whole = crc32c(view)
+    if whole != checksum:
+        raise ChecksumMismatch(
+            f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"
+        )
+    path = chunk_path(data_dir, chunk_id)
+    old_size: int | None
+    try:
+        old_size = path.stat().st_size
+    except FileNotFoundError:
+        old_size = None
+    existing: ChunkHeader | None = None
+    if old_size is not None:
+        try:
+            existing = read_header(path)
+        except ChunkNotFound:
+            old_size = None
+        except ChunkCorrupt as e:
+            log.warning("chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e)
+    if existing is not None:
+        if existing.length != len(view) or existing.checksum != whole:
+            raise ChunkConflict(
+                f"chunk {chunk_id} exists with length {existing.length} crc {existing.checksum:08x},"
+                f" put has length {len(view)} crc {whole:08x}"
+            )
+        if verify_chunk(path):
+            return 0, 0
+        log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
+    header = encode_header(view, whole)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, [header, view])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        _fsync_dir(directory)
+    except OSError as e:
+        _remove_quietly(tmp)
+        if e.errno in _NOSPACE:
+            raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
+        raise
+    return len(header) + len(view) - (old_size or 0), 1 if old_size is None else 0
+
+
+def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
+    views = [memoryview(p).cast("B") for p in pieces]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not remove %s: %s", path, e)
+
+
+def delete_chunk(data_dir: Path, chunk_id: str) -> int | None:
+    """Remove a chunk durably; its file size if it existed, else None."""
+    path = chunk_path(data_dir, chunk_id)
+    try:
+        size = path.stat().st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    _fsync_dir(path.parent)
+    return size
+
+
+# --- read and verify ------------------------------------------------------------------------
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ChunkNotFound(f"no chunk {path.name}") from None
+
+
+def _read_header_fd(fd: int, name: str) -> ChunkHeader:
+    size = os.fstat(fd).st_size
+    buf = os.pread(fd, 4096, 0)
+    if len(buf) >= HEADER.size:
+        nseg = struct.unpack_from("!I", buf, 24)[0]
+        need = HEADER.size + 4 * nseg
+        if len(buf) < need <= size:
+            buf = os.pread(fd, need, 0)
+    try:
+        return decode_header(buf, size)
+    except ChunkCorrupt as e:
+        raise ChunkCorrupt(f"chunk {name}: {e}") from None
+
+
+def read_header(path: Path) -> ChunkHeader:
+    fd = _open(path)
+    try:
+        return _read_header_fd(fd, path.name)
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise ChunkCorrupt(f"chunk {name}: file ends early")
+        view = view[n:]
+        offset += n
+
+
+def read_chunk(
+    data_dir: Path, chunk_id: str, offset: int = 0, length: int | None = None
+) -> tuple[ChunkHeader, memoryview, int]:
+    """Read verified bytes of a chunk: (header, bytes, crc32c of those bytes).
+
+    A whole read is checked against the whole-chunk CRC; a ranged read reads and checks
+    only the segments it overlaps. Either way, bytes that fail raise ChunkCorrupt and are
+    never returned. The bytes are a view of one buffer read straight from the file.
+    """
+    path = chunk_path(data_dir, chunk_id)
+    fd = _open(path)
+    try:
+        header = _read_header_fd(fd, chunk_id)
+        if offset > header.length:
+            raise InvalidArgument(f"offset {offset} past the end of chunk {chunk_id} ({header.length})")
+        if length is None:
+            length = header.length - offset
+        if offset + length > header.length:
+            raise InvalidArgument(
+                f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
+            )
+        if offset == 0 and length == header.length:
+            buf = memoryview(bytearray(length))
+            _pread_into(fd, buf, header.data_offset, chunk_id)
+            crc = crc32c(buf)
+            if crc != header.checksum:
+                raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
+            return header, buf, crc
+        seg = header.segment_size
+        first = offset // seg
+        last = segment_count(offset + length, seg) if length else first
+        start = first * seg
+        span = min(last * seg, header.length) - start
+        buf = memoryview(bytearray(span))
+        _pread_into(fd, buf, header.data_offset + start, chunk_id)
+        for i in range(first, last):
+            lo = i * seg - start
+            if crc32c(buf[lo : lo + seg]) != header.segment_crcs[i]:
+                raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum in segment {i}")
+        out = buf[offset - start : offset - start + length]
+        return header, out, crc32c(out)
+    finally:
+        os.close(fd)
+
+
+def verify_chunk(path: Path) -> bool:
+    """True if the chunk file at ``path`` is whole: header, every segment and the chunk CRC.
+
+    The reusable check for scrub. A missing file is ChunkNotFound, not False.
+    """
+    fd = _open(path)
+    try:
+        try:
+            header = _read_header_fd(fd, path.name)
+        except ChunkCorrupt:
+            return False
+        buf = memoryview(bytearray(min(header.length, 16 * header.segment_size)))
+        pos, whole, i = 0, 0, 0
+        while pos < header.length:
+            view = buf[: min(len(buf), header.length - pos)]
+            try:
+                _pread_into(fd, view, header.data_offset + pos, path.name)
+            except ChunkCorrupt:
+                return False
+            for lo in range(0, len(view), header.segment_size):
+                piece = view[lo : lo + header.segment_size]
+                if crc32c(piece) != header.segment_crcs[i]:
+                    return False
+                whole = crc32c(piece, whole)
+                i += 1
+            pos += len(view)
+        return whole == header.checksum
+    finally:
+        os.close(fd)
+
+
+# --- listing and recovery -------------------------------------------------------------------
+
+
+def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str, int]], str | None]:
+    """Chunk ids greater than ``after`` in order, with their lengths, at most ``limit``.
+
+    Walks the shard directories in order from ``after``'s, so a page costs a directory or
+    two, not a scan of the whole store. ``next`` is the last id returned when more may follow.
+    """
+    root = chunks_root(data_dir)
+    try:
+        shards = sorted(d for d in os.listdir(root) if len(d) == 2 and d >= after[:2])
+    except FileNotFoundError:
+        return [], None
+    out: list[tuple[str, int]] = []
+    for shard in shards:
+        try:
+            entries = sorted(
+                (e.name, e) for e in os.scandir(root / shard) if e.name > after and _is_chunk(e.name)
+            )
+        except FileNotFoundError:
+            continue
+        for name, entry in entries:
+            try:
+                size = entry.stat().st_size
+            except FileNotFoundError:
+                continue
+            out.append((name, length_from_file_size(size)))
+            if len(out) >= limit:
+                return out, name
+    return out, None
+
+
+def _is_chunk(name: str) -> bool:
+    try:
+        validate_chunk_id(name)
+    except InvalidArgument:
+        return False
+    return True
+
+
+@dataclass
+class ScanResult:
+    chunk_count: int
+    used_bytes: int
+    temp_files_removed: int
+
+
+def recover(data_dir: Path) -> ScanResult:
+    """Startup pass: remove temporary files a crash left behind and count what is stored.
+
+    A scan of directory entries with one stat each; fast enough for the chunk counts of one
+    node (a persisted index would have to be kept crash-consistent itself).
+    """
+    root = chunks_root(data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    count = used = removed = 0
+    for shard in os.scandir(root):
+        if not shard.is_dir(follow_symlinks=False):
+            continue
+        dirty = False
+        for entry in os.scandir(shard.path):
+            if entry.name.startswith(TMP_PREFIX):
+                _remove_quietly(Path(entry.path))
+                removed += 1
+                dirty = True
+            elif _is_chunk(entry.name) and entry.is_file(follow_symlinks=False):
+                count += 1
+                used += entry.stat().st_size
+        if dirty:
+            _fsync_dir(Path(shard.path))
+    if removed:
+        log.info("removed %d partial chunk files left by a crash", removed)
+    return ScanResult(count, used, removed)

@@ -1,0 +1,79 @@
+"""``tectonic chunkstore``: run one chunk store daemon (flags in docs/INTERFACES.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from chunkstore.server import StoreConfig, serve
+from tectonic_py import wire
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("chunkstore", help="run a chunk store daemon")
+    p.add_argument("--data-dir", required=True, type=Path, help="where chunks are stored")
+    p.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any)")
+    p.add_argument("--node-id", required=True, help="this node's name in the cluster")
+    p.add_argument("--failure-domain", required=True, help="e.g. the rack of this node")
+    p.add_argument("--secret-file", required=True, type=Path, help="the cluster secret")
+    p.add_argument("--registry", help="HOST:PORT of the metadata server hosting shard 0")
+    p.add_argument("--capacity", type=int, help="bytes this node may store (default: the disk)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--ready-file", type=Path, help="written (JSON address, pid) once serving")
+    p.add_argument("--max-concurrent-writes", type=int, default=8, help="puts on disk at once")
+    p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
+    p.add_argument("--payload-budget", type=int, default=256 * 1024 * 1024,
+                   help="bytes of put payloads held in memory at once")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="puts waiting for payload memory before new ones get 'busy'")
+    p.set_defaults(func=run)
+
+
+def _raise_fd_limit() -> None:
+    """A burst of connections needs descriptors; take the hard limit the operator allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(args: argparse.Namespace) -> int:
+    host, port = wire.parse_address(args.listen)
+    config = StoreConfig(
+        data_dir=args.data_dir,
+        node_id=args.node_id,
+        failure_domain=args.failure_domain,
+        secret=wire.load_secret(args.secret_file),
+        host=host,
+        port=port,
+        capacity=args.capacity,
+        registry=args.registry,
+        heartbeat_interval=args.heartbeat_interval,
+        ready_file=args.ready_file,
+        max_concurrent_writes=args.max_concurrent_writes,
+        max_concurrent_reads=args.max_concurrent_reads,
+        payload_budget=args.payload_budget,
+        max_payload_waiters=args.max_queued,
+    )
+    _raise_fd_limit()
+    trio.run(_main, config)
+    return 0
+
+
+async def _main(config: StoreConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly (puts already acknowledged are on
+    disk either way; this only spares clients a reset connection mid-reply)."""
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await nursery.start(serve, config)
+            async for signum in signals:
+                log.info("signal %d: shutting down", signum)
+                nursery.cancel_scope.cancel()
+                break

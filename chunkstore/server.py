@@ -1,0 +1,377 @@
+"""The chunk store daemon: a flat store of chunks on one node's disk, served over the wire.
+
+It knows nothing of files or blocks. Ops (docs/INTERFACES.md): ``put``, ``get`` (whole or a
+byte range), ``delete``, ``stat``, ``list`` (paged), ``node_stats``; the on-disk format and
+its durability protocol are in ``chunkstore.layout``.
+
+Admission control, so that a checkpoint burst from thousands of writers queues instead of
+crashing the node:
+
+* the wire layer bounds request payload bytes held in memory (``payload_budget``) and the
+  number of requests waiting for that budget (``max_payload_waiters``); past that a put gets
+  the retryable ``Busy`` and its bytes are drained, not kept;
+* at most ``max_concurrent_writes`` puts (and ``max_concurrent_reads`` gets) touch the disk at
+  once, each in a worker thread (``trio.to_thread.run_sync``); the rest wait, and their count
+  is the ``queue_depth`` placement uses to favour idle nodes;
+* a put is refused with ``DiskFull`` before any byte is written when it would take the node
+  past ``--capacity``; a real ENOSPC gives the same error and the daemon keeps serving.
+
+Puts of one chunk id are serialised (``_ChunkLocks``), which makes the exists-check and the
+rename of ``layout.write_chunk`` one step as far as this process can see; a lock file in the
+data directory keeps a second daemon off the same directory.
+
+Membership: with a registry configured, the daemon calls ``node.heartbeat`` every interval
+and writes its ready file after the first heartbeat the registry accepted; a registry that is
+down is logged once and retried every interval.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from chunkstore import layout
+from tectonic_py import capability, wire
+from tectonic_py.errors import ConfigError, DiskFull, InvalidArgument, TectonicError
+from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+MAX_CHUNK = 64 * MiB
+LIST_LIMIT = 10_000
+
+
+@dataclass
+class StoreConfig:
+    """Everything one chunk store daemon needs (the CLI flags of ``tectonic chunkstore``)."""
+
+    data_dir: Path
+    node_id: str
+    failure_domain: str
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    capacity: int | None = None
+    registry: str | None = None
+    heartbeat_interval: float = 1.0
+    ready_file: Path | None = None
+    max_concurrent_writes: int = 8
+    max_concurrent_reads: int = 16
+    payload_budget: int = 256 * MiB
+    max_payload_waiters: int = 1024
+    limits: wire.Limits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if not NODE_ID_RE.match(self.node_id):
+            raise ConfigError(f"bad node id {self.node_id!r}: letters, digits, '_.-', <= 64")
+        if not self.failure_domain or len(self.failure_domain) > 255:
+            raise ConfigError("failure domain must be 1..255 characters")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ConfigError("capacity must be positive")
+        if not self.heartbeat_interval > 0:
+            raise ConfigError("heartbeat interval must be positive")
+        if self.max_concurrent_writes < 1 or self.max_concurrent_reads < 1:
+            raise ConfigError("concurrency limits must be at least 1")
+        if self.payload_budget < MiB:
+            raise ConfigError("payload budget must be at least 1 MiB")
+        if self.max_payload_waiters < 0:
+            raise ConfigError("max payload waiters must be >= 0")
+        if self.registry is not None:
+            wire.parse_address(self.registry)
+        self.limits = wire.Limits(
+            max_payload=MAX_CHUNK,
+            payload_budget=self.payload_budget,
+            max_payload_waiters=self.max_payload_waiters,
+        )
+
+
+class _ChunkLocks:
+    """One lock per chunk id being written or deleted, dropped when nobody holds it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[trio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, chunk_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(chunk_id, (None, 0))
+        if lock is None:
+            lock = trio.Lock()
+        self._locks[chunk_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[chunk_id]
+            if users == 1:
+                del self._locks[chunk_id]
+            else:
+                self._locks[chunk_id] = (lock, users - 1)
+
+
+class ChunkStoreServer:
+    """One node's chunk store: the data directory, its accounting and the RPC handlers."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.data_dir = config.data_dir
+        self.rpc = wire.RpcServer(
+            f"chunkstore[{config.node_id}]",
+            config.secret,
+            {
+                "put": self._put,
+                "get": self._get,
+                "delete": self._delete,
+                "stat": self._stat,
+                "list": self._list,
+                "node_stats": self._node_stats,
+            },
+            config.limits,
+        )
+        self._writes = trio.CapacityLimiter(config.max_concurrent_writes)
+        self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
+        self._locks = _ChunkLocks()
+        self.chunk_count = 0
+        self.used = 0
+        self._reserved = 0
+        self._outstanding = 0
+        self.address: str | None = None
+        self.heartbeats_accepted = 0
+        self._lock_fd: int | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the data directory, recover, listen; ``started((host, port))`` after bind."""
+        await trio.to_thread.run_sync(self._open_data_dir)
+        try:
+            async with trio.open_nursery() as nursery:
+                host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
+                self.address = f"{host}:{port}"
+                log.info("chunk store %s serving %s on %s", self.config.node_id,
+                         self.data_dir, self.address)
+                if self.config.registry is not None:
+                    nursery.start_soon(self._heartbeat_loop)
+                elif self.config.ready_file is not None:
+                    await trio.to_thread.run_sync(self._write_ready_file)
+                task_status.started((host, port))
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def _open_data_dir(self) -> None:
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"cannot open data directory {self.data_dir}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"data directory {self.data_dir} is in use by another chunk store")
+        self._lock_fd = fd
+        scan = layout.recover(self.data_dir)
+        self.chunk_count, self.used = scan.chunk_count, scan.used_bytes
+        log.info("%s: %d chunks, %d bytes; %d partial files removed", self.data_dir,
+                 scan.chunk_count, scan.used_bytes, scan.temp_files_removed)
+
+    def _write_ready_file(self) -> None:
+        path = self.config.ready_file
+        assert path is not None and self.address is not None
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"address": self.address, "pid": os.getpid()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # --- accounting --------------------------------------------------------------------------
+
+    def _disk(self) -> tuple[int, int]:
+        """(capacity, free) as the registry should see them: the configured capacity bounds
+        both, and the filesystem's own free space bounds free."""
+        st = os.statvfs(self.data_dir)
+        fs_total, fs_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        if self.config.capacity is None:
+            return fs_total, max(fs_free - self._reserved, 0)
+        free = self.config.capacity - self.used - self._reserved
+        return self.config.capacity, max(min(free, fs_free - self._reserved), 0)
+
+    def _reserve(self, chunk_id: str, need: int) -> None:
+        cap = self.config.capacity
+        if cap is not None and self.used + self._reserved + need > cap:
+            raise DiskFull(
+                f"{self.config.node_id}: no room for chunk {chunk_id} ({need} bytes;"
+                f" {cap - self.used - self._reserved} of {cap} free)"
+            )
+        self._reserved += need
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests admitted and not yet done with the disk, plus puts waiting for memory."""
+        return self._outstanding + self.rpc.stats.payload_waiters
+
+    # --- handlers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _chunk_id(req: wire.Request) -> str:
+        return layout.validate_chunk_id(req.str("chunk_id", max_len=layout.MAX_CHUNK_ID_LEN))
+
+    async def _put(self, req: wire.Request) -> dict[str, Any]:
+        chunk_id = self._chunk_id(req)
+        checksum = req.int("checksum", hi=2**32 - 1)
+        cap = req.bytes("cap", max_len=16384)
+        block_id, _index = parse_chunk_id(chunk_id)
+        capability.verify(self.config.secret, cap, block_id, self.config.node_id)
+        data = req.require_payload()
+        need = layout.file_size_for(len(data))
+        self._reserve(chunk_id, need)
+        self._outstanding += 1
+        try:
+            async with self._locks.hold(chunk_id), self._writes:
+                added, count = await trio.to_thread.run_sync(
+                    layout.write_chunk, self.data_dir, chunk_id, data, checksum
+                )
+        finally:
+            self._outstanding -= 1
+            self._reserved -= need
+        self.used += added
+        self.chunk_count += count
+        return {}
+
+    async def _get(self, req: wire.Request) -> tuple[dict[str, Any], memoryview]:
+        chunk_id = self._chunk_id(req)
+        offset = req.int("offset", 0, hi=MAX_CHUNK)
+        length = req.int("length", None, hi=MAX_CHUNK)
+        self._outstanding += 1
+        try:
+            async with self._reads:
+                header, data, crc = await trio.to_thread.run_sync(
+                    layout.read_chunk, self.data_dir, chunk_id, offset, length
+                )
+        finally:
+            self._outstanding -= 1
+        return {"size": header.length, "checksum": header.checksum, "range_checksum": crc}, data
+
+    async def _delete(self, req: wire.Request) -> dict[str, Any]:
+        chunk_id = self._chunk_id(req)
+        self._outstanding += 1
+        try:
+            async with self._locks.hold(chunk_id), self._writes:
+                size = await trio.to_thread.run_sync(layout.delete_chunk, self.data_dir, chunk_id)
+        finally:
+            self._outstanding -= 1
+        if size is not None:
+            self.used -= size
+            self.chunk_count -= 1
+        return {"existed": size is not None}
+
+    async def _stat(self, req: wire.Request) -> dict[str, Any]:
+        chunk_id = self._chunk_id(req)
+
+        def stat() -> dict[str, Any]:
+            path = layout.chunk_path(self.data_dir, chunk_id)
+            header = layout.read_header(path)
+            return {"size": header.length, "checksum": header.checksum,
+                    "mtime": path.stat().st_mtime}
+
+        async with self._reads:
+            return await trio.to_thread.run_sync(stat)
+
+    async def _list(self, req: wire.Request) -> dict[str, Any]:
+        after = req.str("after", "", max_len=layout.MAX_CHUNK_ID_LEN)
+        limit = req.int("limit", 1000, lo=1, hi=LIST_LIMIT)
+        async with self._reads:
+            chunks, nxt = await trio.to_thread.run_sync(
+                layout.list_chunks, self.data_dir, after, limit
+            )
+        return {"chunks": [[c, n] for c, n in chunks], "next": nxt}
+
+    async def _node_stats(self, req: wire.Request) -> dict[str, Any]:
+        return await self.node_stats()
+
+    async def node_stats(self) -> dict[str, Any]:
+        capacity, free = await trio.to_thread.run_sync(self._disk)
+        return {
+            "node_id": self.config.node_id,
+            "failure_domain": self.config.failure_domain,
+            "capacity": capacity,
+            "free": free,
+            "used": self.used,
+            "chunk_count": self.chunk_count,
+            "queue_depth": self.queue_depth,
+            "bytes_in": self.rpc.stats.bytes_in,
+            "bytes_out": self.rpc.stats.bytes_out,
+        }
+
+    # --- membership --------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeat the registry forever; ready file after the first accepted heartbeat."""
+        assert self.config.registry is not None
+        host, port = wire.parse_address(self.config.registry)
+        down_logged = False
+        async with trio.open_nursery() as nursery:
+            conn: wire.Connection | None = None
+            while True:
+                try:
+                    if conn is None or conn.broken is not None:
+                        if conn is not None:
+                            await conn.aclose()
+                        conn = None
+                        conn = await wire.Connection.connect(
+                            host, port, self.config.secret, nursery=nursery,
+                            limits=self.config.limits,
+                        )
+                    stats = await self.node_stats()
+                    with trio.fail_after(max(self.config.heartbeat_interval * 5, 5.0)):
+                        await conn.call("node.heartbeat", {
+                            "node_id": self.config.node_id,
+                            "address": self.address,
+                            "failure_domain": self.config.failure_domain,
+                            "capacity": stats["capacity"],
+                            "free": stats["free"],
+                            "chunk_count": stats["chunk_count"],
+                            "queue_depth": stats["queue_depth"],
+                        })
+                except (TectonicError, trio.TooSlowError) as e:
+                    if not down_logged:
+                        log.warning("%s: heartbeat to registry %s failed (%s); retrying every %ss",
+                                    self.config.node_id, self.config.registry, e,
+                                    self.config.heartbeat_interval)
+                        down_logged = True
+                    if isinstance(e, trio.TooSlowError) and conn is not None:
+                        await conn.aclose()
+                        conn = None
+                else:
+                    if down_logged:
+                        log.info("%s: registry %s reachable again", self.config.node_id,
+                                    self.config.registry)
+                        down_logged = False
+                    self.heartbeats_accepted += 1
+                    if self.heartbeats_accepted == 1 and self.config.ready_file is not None:
+                        await trio.to_thread.run_sync(self._write_ready_file)
+                await trio.sleep(self.config.heartbeat_interval)
+
+
+async def serve(
+    config: StoreConfig,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a chunk store until cancelled: ``addr = await nursery.start(serve, config)``."""
+    await ChunkStoreServer(config).serve(task_status=task_status)
