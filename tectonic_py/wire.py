@@ -407,73 +407,79 @@ class RpcServer:
         send_lock = trio.Lock()
         inflight = trio.Semaphore(self.limits.max_inflight)
         async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    header, plen = await _read_prefix_and_header(sock, self.limits)
-                except _Closed:
-                    break
-                except ProtocolError as e:
-                    self.stats.protocol_errors += 1
-                    log.warning("%s: protocol error from %s: %s; closed", self.name, peer, e)
-                    await self._send_error_quietly(sock, 0, e)
-                    break
-                op, rid, fields = header.get("op"), header.get("rid"), header.get("f", {})
-                if (
-                    not isinstance(op, str)
-                    or not isinstance(rid, int)
-                    or isinstance(rid, bool)
-                    or not 0 < rid < 2**63
-                    or not isinstance(fields, dict)
-                ):
-                    self.stats.protocol_errors += 1
-                    log.warning("%s: malformed request header from %s; closed", self.name, peer)
-                    await self._send_error_quietly(
-                        sock, 0, ProtocolError("malformed request header")
-                    )
-                    break
-                self.stats.bytes_in += PREFIX.size + plen
-                handler = self.handlers.get(op)
-                if handler is None:
-                    await _drain(sock, plen)
-                    async with send_lock:
-                        await _send_all(
-                            sock,
-                            _pack_frame(error_to_header(rid, UnknownOp(f"unknown op {op!r}")), 0),
+            # A peer that vanishes mid-frame (EOF or reset inside a payload) must end only
+            # its own connection: raised here, inside the nursery, it would arrive as an
+            # exception group that _handle_connection cannot catch and stop the server.
+            try:
+                while True:
+                    try:
+                        header, plen = await _read_prefix_and_header(sock, self.limits)
+                    except _Closed:
+                        break
+                    except ProtocolError as e:
+                        self.stats.protocol_errors += 1
+                        log.warning("%s: protocol error from %s: %s; closed", self.name, peer, e)
+                        await self._send_error_quietly(sock, 0, e)
+                        break
+                    op, rid, fields = header.get("op"), header.get("rid"), header.get("f", {})
+                    if (
+                        not isinstance(op, str)
+                        or not isinstance(rid, int)
+                        or isinstance(rid, bool)
+                        or not 0 < rid < 2**63
+                        or not isinstance(fields, dict)
+                    ):
+                        self.stats.protocol_errors += 1
+                        log.warning("%s: malformed request header from %s; closed", self.name, peer)
+                        await self._send_error_quietly(
+                            sock, 0, ProtocolError("malformed request header")
                         )
-                    continue
-                payload: memoryview | None = None
-                if plen:
-                    if self._budget._free < plen and not self._budget.can_queue():
+                        break
+                    self.stats.bytes_in += PREFIX.size + plen
+                    handler = self.handlers.get(op)
+                    if handler is None:
                         await _drain(sock, plen)
-                        self.stats.busy_refusals += 1
                         async with send_lock:
                             await _send_all(
                                 sock,
-                                _pack_frame(
-                                    error_to_header(rid, Busy(f"{self.name}: payload queue full")),
-                                    0,
-                                ),
+                                _pack_frame(error_to_header(rid, UnknownOp(f"unknown op {op!r}")), 0),
                             )
                         continue
-                    await self._budget.acquire(plen)
-                    try:
-                        buf = bytearray(plen)
-                        await _recv_exactly(sock, memoryview(buf))
-                    except BaseException:
-                        await self._budget.release(plen)
-                        raise
-                    payload = memoryview(buf)
-                await inflight.acquire()
-                nursery.start_soon(
-                    self._run_handler,
-                    sock,
-                    send_lock,
-                    inflight,
-                    handler,
-                    Request(op, fields, payload, peer),
-                    rid,
-                    plen,
-                )
+                    payload: memoryview | None = None
+                    if plen:
+                        if self._budget._free < plen and not self._budget.can_queue():
+                            await _drain(sock, plen)
+                            self.stats.busy_refusals += 1
+                            async with send_lock:
+                                await _send_all(
+                                    sock,
+                                    _pack_frame(
+                                        error_to_header(rid, Busy(f"{self.name}: payload queue full")),
+                                        0,
+                                    ),
+                                )
+                            continue
+                        await self._budget.acquire(plen)
+                        try:
+                            buf = bytearray(plen)
+                            await _recv_exactly(sock, memoryview(buf))
+                        except BaseException:
+                            await self._budget.release(plen)
+                            raise
+                        payload = memoryview(buf)
+                    await inflight.acquire()
+                    nursery.start_soon(
+                        self._run_handler,
+                        sock,
+                        send_lock,
+                        inflight,
+                        handler,
+                        Request(op, fields, payload, peer),
+                        rid,
+                        plen,
+                    )
+            except (_Closed, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
             nursery.cancel_scope.cancel()
 
     async def _run_handler(
