@@ -237,7 +237,8 @@ class ChunkStoreServer:
         cap = req.bytes("cap", max_len=16384)
         block_id, _index = parse_chunk_id(chunk_id)
         capability.verify(self.config.secret, cap, block_id, self.config.node_id)
-        data = req.require_payload()
+        # A zero-length chunk is legal (a short block's padding); the wire sends no payload.
+        data = req.payload if req.payload is not None else memoryview(b"")
         need = layout.file_size_for(len(data))
         self._reserve(chunk_id, need)
         self._outstanding += 1
