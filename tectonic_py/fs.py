@@ -1,0 +1,756 @@
+"""The FUSE mount: a pyfuse3 ``Operations`` class, a thin layer over the client library.
+
+All logic of reads and writes lives in ``tectonic_py.client`` (as in Tectonic); this module
+only translates kernel requests into client calls and keeps the per-mount bookkeeping the
+kernel needs (``tectonic_py.inode_cache``). It is also the ONE place where domain errors
+become errno (``errno_of``): pyfuse3 ends the whole mount when a handler raises anything but
+``FUSEError``, so every handler goes through ``_fuse_op``, which maps ``TectonicError`` to its
+errno and turns a bug into EIO plus a traceback in the log instead of a dead mount.
+
+Semantics, and why (see shared/CHECKPOINT_IO.md for what each checkpoint writer asks):
+
+* **One writer per inode.** Every handle that writes an inode shares one ``FileWriter``
+  (a second would steal the writer token and fence the first off). Reads of an inode that has
+  a writer in this mount go through the writer's ``pread`` (read-your-writes).
+* **close is the durability point even without fsync.** torch.save, safetensors and numpy
+  never call fsync, and the kernel ignores release's result and sends release *after*
+  close(2) has returned. So ``flush`` (sent synchronously by every close(2)) makes all written
+  bytes durable and committed with ``FileWriter.fsync`` and reports errors to close(2); it is
+  skipped when nothing was written since the last fsync, so the several flushes of dup'd
+  descriptors cost one round trip at most. The last ``release`` of a written inode seals the
+  file (``FileWriter.close``). A reader that opens right after close(2) therefore sees every
+  byte, even before the seal lands.
+* **Never seal what may be incomplete.** The first write-path error of an inode is sticky:
+  later writes, flushes and fsyncs fail with it, and release aborts the writer instead of
+  sealing it. A mount killed mid-write leaves the file unsealed with its committed size,
+  which a checkpoint reader rejects (a zip without its tail), never a short file that loads.
+* **Unlinked files stay readable** while open: readers are opened at ``open`` and the
+  writer lives until the last release.
+* **getxattr is cheap.** The kernel asks for ``security.capability`` before every write once
+  getxattr exists; only ``user.*`` names ever reach the metadata service. The EC policy of a
+  file or directory is the xattr ``user.tectonic.ec`` (settable on directories: new files
+  inherit it).
+* No ``direct_io`` (numpy memmap needs shared mmap) and no ``writeback_cache`` (it reorders
+  and splits writes, see shared/CEILINGS.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+
+import pyfuse3
+import trio
+
+from metadata.model import Attrs, DirEntry
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import (
+    AuthError,
+    BadCapability,
+    Busy,
+    ChecksumMismatch,
+    ChunkConflict,
+    ChunkCorrupt,
+    ChunkNotFound,
+    ConfigError,
+    DirectoryNotEmpty,
+    DiskFull,
+    FileExists,
+    FileNotFound,
+    FileSealed,
+    InvalidArgument,
+    InvalidName,
+    IsADirectory,
+    NoSpace,
+    NotADirectory,
+    ProtocolError,
+    QuorumLost,
+    ShardUnavailable,
+    StaleWriterToken,
+    TectonicError,
+    Timeout,
+    Unavailable,
+    UnknownOp,
+    WrongShard,
+    XattrNotFound,
+)
+from tectonic_py.inode_cache import Handle, InodeCache, OpenFile
+
+if TYPE_CHECKING:
+    from tectonic_py.client import TectonicClient
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# --- errors: the one place domain errors become errno -------------------------------------
+
+ERRNO: dict[type[TectonicError], int] = {
+    FileNotFound: errno.ENOENT,
+    FileExists: errno.EEXIST,
+    NotADirectory: errno.ENOTDIR,
+    IsADirectory: errno.EISDIR,
+    DirectoryNotEmpty: errno.ENOTEMPTY,
+    InvalidName: errno.EINVAL,
+    InvalidArgument: errno.EINVAL,
+    NoSpace: errno.ENOSPC,
+    DiskFull: errno.ENOSPC,
+    # Another writer (another mount, or a recovery) took the file: this handle is fenced
+    # off for good, which is what "stale file handle" tells a program.
+    StaleWriterToken: errno.ESTALE,
+    # Appending to a sealed file without reopening it for writing: not permitted.
+    FileSealed: errno.EPERM,
+    XattrNotFound: pyfuse3.ENOATTR,
+    Timeout: errno.ETIMEDOUT,
+    # Data or the service is unreachable or damaged. Programs handle EIO as "this call
+    # failed"; EAGAIN would make a blocking write look spuriously non-blocking, and EACCES
+    # for an auth failure would send the user hunting for file permissions.
+    QuorumLost: errno.EIO,
+    ShardUnavailable: errno.EIO,
+    Unavailable: errno.EIO,
+    Busy: errno.EIO,
+    WrongShard: errno.EIO,
+    ChunkNotFound: errno.EIO,
+    ChunkCorrupt: errno.EIO,
+    ChunkConflict: errno.EIO,
+    ChecksumMismatch: errno.EIO,
+    BadCapability: errno.EIO,
+    AuthError: errno.EIO,
+    ProtocolError: errno.EIO,
+    UnknownOp: errno.EIO,
+    ConfigError: errno.EIO,
+    TectonicError: errno.EIO,
+}
+
+# Errors that are a normal answer (existence checks, O_EXCL races, rmdir of a full
+# directory): logged at debug. Everything else is a failure of the system and is logged as
+# one clear error line.
+_ANSWERS = frozenset(
+    {
+        errno.ENOENT,
+        errno.EEXIST,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENOTEMPTY,
+        errno.EINVAL,
+        errno.ENAMETOOLONG,
+        errno.ENODATA,
+        errno.EOPNOTSUPP,
+        errno.EPERM,
+    }
+)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(_leaves(inner))
+        return out
+    return [exc]
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a handler answers for ``exc``.
+
+    ``FUSEError`` keeps its errno; a domain error maps by class (the nearest mapped base
+    class wins, so a new subclass inherits its parent's errno); an exception group (a client
+    nursery) answers for its first domain error; anything else is a bug and answers EIO.
+    """
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = _leaves(exc)
+        for leaf in leaves:
+            if isinstance(leaf, (TectonicError, pyfuse3.FUSEError)):
+                return errno_of(leaf)
+        return errno.EIO
+    if isinstance(exc, TectonicError):
+        for cls in type(exc).__mro__:
+            if cls in ERRNO:
+                return ERRNO[cls]  # type: ignore[index]
+        return errno.EIO
+    return errno.EIO
+
+
+def _fuse_op(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Wrap a handler so that nothing but ``FUSEError`` ever leaves it."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self: Operations, *args: Any) -> T:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as e:
+            code = errno_of(e)
+            domain = isinstance(e, TectonicError) or (
+                isinstance(e, ExceptionGroup)
+                and any(isinstance(x, (TectonicError, pyfuse3.FUSEError)) for x in _leaves(e))
+            )
+            name = errno.errorcode.get(code, str(code))
+            if not domain:
+                log.exception("%s%r: internal error -> %s", op, args[:2], name)
+            elif code in _ANSWERS:
+                log.debug("%s%r: %s -> %s", op, args[:2], e, name)
+            else:
+                log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)
+            raise pyfuse3.FUSEError(code) from None
+
+    return handler
+
+
+def _name(raw: bytes) -> str:
+    """A FUSE name as the metadata service spells it (UTF-8, at most 255 bytes)."""
+    if len(raw) > 255:
+        raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidName(f"name {raw!r} is not UTF-8") from None
+
+
+# --- the Operations class -------------------------------------------------------------------
+
+# st_blksize sets the buffer size of Python's io (and so the size of the read/write calls of
+# torch.load's buffered reader): 128 KiB matches the kernel's FUSE read request size.
+BLKSIZE = 128 * 1024
+FRSIZE = 4096
+EC_XATTR = "user.tectonic.ec"
+READDIR_PAGE = 64  # entries per metadata page; the kernel's buffer holds roughly this many
+ATTR_FETCH_LIMIT = 32  # concurrent getattr calls per readdir page
+
+
+class Operations(pyfuse3.Operations):
+    """pyfuse3 handlers over a ``TectonicClient``.
+
+    Inode numbers are metadata ids (the root directory is id 1, as FUSE's root inode).
+    ``entry_timeout``/``attr_timeout`` bound how long the kernel trusts a name or attributes
+    without asking: another mount's changes show within that time (close-to-open within
+    this mount is exact, as sizes of written files come from the local writer).
+    """
+
+    supports_dot_lookup = False  # no ".." lookups: we keep no parent pointers
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self,
+        client: TectonicClient,
+        *,
+        entry_timeout: float = 1.0,
+        attr_timeout: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.client = client
+        self.meta = client.meta
+        self.cache = InodeCache()
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+
+    # --- attributes -----------------------------------------------------------------------
+
+    def _entry(self, attrs: Attrs) -> pyfuse3.EntryAttributes:
+        ofile = self.cache.writing(attrs.id)
+        size = ofile.writer.size if ofile is not None else attrs.size
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = attrs.id
+        e.generation = 0
+        e.entry_timeout = self.entry_timeout
+        e.attr_timeout = self.attr_timeout
+        kind = stat.S_IFDIR if attrs.is_dir else stat.S_IFREG
+        e.st_mode = kind | (attrs.mode & 0o7777)
+        e.st_nlink = max(attrs.nlink, 1)
+        e.st_uid = attrs.uid
+        e.st_gid = attrs.gid
+        e.st_rdev = 0
+        e.st_size = size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = -(-size // 512)
+        e.st_atime_ns = attrs.atime_ns
+        e.st_mtime_ns = attrs.mtime_ns
+        e.st_ctime_ns = attrs.ctime_ns
+        return e
+
+    async def _attrs(self, inode: int) -> Attrs:
+        """Attributes of an inode; a file this mount writes needs no round trip."""
+        ofile = self.cache.writing(inode)
+        if ofile is not None and ofile.attrs is not None:
+            return ofile.attrs
+        return await self.meta.getattr(inode)
+
+    @_fuse_op
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        if name == b".":
+            attrs = await self._attrs(parent_inode)
+        else:
+            attrs = await self.meta.lookup(parent_inode, _name(name))
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
+    @_fuse_op
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            self.cache.forget(inode, count)
+
+    @_fuse_op
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(await self._attrs(inode))
+
+    @_fuse_op
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        if fields.update_size:
+            await self._truncate(inode, attr.st_size)
+        changes: dict[str, int] = {}
+        if fields.update_mode:
+            changes["mode"] = attr.st_mode & 0o7777
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        if changes:
+            attrs = await self.meta.setattr(inode, **changes)
+            ofile = self.cache.open_files.get(inode)
+            if ofile is not None and ofile.writer is not None:
+                ofile.attrs = attrs
+        else:
+            attrs = await self._attrs(inode)
+        return self._entry(attrs)
+
+    async def _truncate(self, inode: int, size: int) -> None:
+        """ftruncate: grow sparse or cut. A file no handle writes gets a writer of its own
+        for the change, sealed at once (truncate(1) on a path, or O_TRUNC on a kernel
+        without atomic_o_trunc)."""
+        if size < 0:
+            raise InvalidArgument(f"negative size {size}")
+        ofile = self.cache.open_file(inode)
+        try:
+            async with ofile.lock:
+                if ofile.error is not None:
+                    raise ofile.error
+                if ofile.writer is not None:
+                    await self._guard(ofile, ofile.writer.truncate(size))
+                    ofile.write_seq += 1
+                    return
+                writer = await self.client.open_writer(inode, truncate=size == 0)
+                try:
+                    if size:
+                        await writer.truncate(size)
+                    await writer.close()
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await _abort(writer)
+                    raise
+        finally:
+            self.cache.drop_if_idle(ofile)
+
+    # --- files ----------------------------------------------------------------------------
+
+    @_fuse_op
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        writer = await self.client.create_in(
+            parent_inode,
+            _name(name),
+            mode=mode & 0o7777,
+            uid=ctx.uid,
+            gid=ctx.gid,
+            exclusive=bool(flags & os.O_EXCL),
+            ec=None,
+        )
+        attrs = writer.attrs
+        ofile = self.cache.open_file(attrs.id)
+        if ofile.writer is not None:
+            # Only an O_CREAT without O_EXCL racing with an open of the same new name gets
+            # here: the new writer has taken the token, so the old one is fenced anyway.
+            log.warning("create of %r replaced the open writer of inode %d", name, attrs.id)
+            await _abort(ofile.writer)
+        ofile.writer = writer
+        ofile.attrs = attrs
+        ofile.error = None
+        # A handle that holds a writer reference is writable whatever its flags say, so
+        # that its release seals the new file.
+        handle = self.cache.add_handle(
+            ofile, readable=(flags & os.O_ACCMODE) != os.O_WRONLY, writable=True
+        )
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return pyfuse3.FileInfo(fh=handle.fh), entry
+
+    @_fuse_op
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        acc = flags & os.O_ACCMODE
+        writable = acc in (os.O_WRONLY, os.O_RDWR)
+        readable = acc in (os.O_RDONLY, os.O_RDWR)
+        truncate = writable and bool(flags & os.O_TRUNC)
+        ofile = self.cache.open_file(inode)
+        reader = None
+        try:
+            if writable:
+                async with ofile.lock:
+                    if ofile.writer is None:
+                        writer = await self.client.open_writer(inode, truncate=truncate)
+                        ofile.writer, ofile.attrs, ofile.error = writer, writer.attrs, None
+                        ofile.write_seq = ofile.synced_seq = 0
+                    elif truncate:
+                        if ofile.error is not None:
+                            raise ofile.error
+                        await self._guard(ofile, ofile.writer.truncate(0))
+                        ofile.write_seq += 1
+            elif readable:
+                if ofile.closing:
+                    async with ofile.lock:  # wait for the seal of the last writer
+                        pass
+                if ofile.writer is None:
+                    reader = await self.client.open_reader(inode)
+        except BaseException:
+            self.cache.drop_if_idle(ofile)
+            raise
+        handle = self.cache.add_handle(ofile, readable=readable, writable=writable)
+        handle.reader = reader
+        return pyfuse3.FileInfo(fh=handle.fh)
+
+    async def _guard(self, ofile: OpenFile, call: Awaitable[T]) -> T:
+        """Run a write-path call; its first failure becomes the inode's sticky error."""
+        try:
+            return await call
+        except Exception as e:
+            if ofile.error is None:
+                ofile.error = e
+                log.error(
+                    "inode %d: write path failed (%s: %s); the file will not be sealed",
+                    ofile.inode,
+                    type(e).__name__,
+                    e,
+                )
+            raise
+
+    @_fuse_op
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        ofile = handle.ofile
+        writer = ofile.writer
+        if writer is not None and not ofile.closing:
+            return await writer.pread(off, size)
+        if handle.reader is None:
+            async with ofile.lock:  # the last writer may be sealing right now
+                if ofile.writer is not None:
+                    return await ofile.writer.pread(off, size)
+                if handle.reader is None:
+                    handle.reader = await self.client.open_reader(ofile.inode)
+        return await handle.reader.pread(off, size)
+
+    @_fuse_op
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handle(fh)
+        ofile = handle.ofile
+        async with ofile.lock:
+            if ofile.error is not None:
+                raise ofile.error
+            writer = ofile.writer
+            if writer is None or not handle.writable:
+                raise pyfuse3.FUSEError(errno.EBADF)
+            if off == writer.size:
+                await self._guard(ofile, writer.write(buf))  # the append fast path
+            else:
+                await self._guard(ofile, writer.pwrite(buf, off))
+            ofile.write_seq += 1
+        return len(buf)
+
+    async def _sync(self, handle: Handle, *, always: bool) -> None:
+        ofile = handle.ofile
+        if ofile.error is not None:
+            raise ofile.error
+        writer = ofile.writer
+        if writer is None or ofile.closing:
+            return
+        seq = ofile.write_seq
+        if seq == ofile.synced_seq and not always:
+            return
+        await self._guard(ofile, writer.fsync())
+        ofile.synced_seq = max(ofile.synced_seq, seq)
+
+    @_fuse_op
+    async def flush(self, fh: int) -> None:
+        handle = self._handle(fh)
+        if handle.writable:
+            await self._sync(handle, always=False)
+
+    @_fuse_op
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self._sync(self._handle(fh), always=True)
+
+    @_fuse_op
+    async def release(self, fh: int) -> None:
+        handle, last_writer, _ = self.cache.remove_handle(fh)
+        ofile = handle.ofile
+        try:
+            if last_writer and ofile.writer is not None:
+                async with ofile.lock:
+                    await self._seal(ofile)
+        finally:
+            if handle.reader is not None:
+                with trio.CancelScope(shield=True):
+                    await _aclose_reader(handle.reader)
+            self.cache.drop_if_idle(ofile)
+
+    async def _seal(self, ofile: OpenFile) -> None:
+        """Seal the inode's writer after its last writable handle is gone (or abort it if
+        a write failed: a sealed file must never be missing data). The kernel ignores
+        release's result, so failures are logged, loudly, and the file stays unsealed."""
+        writer = ofile.writer
+        ofile.closing = True
+        try:
+            if ofile.error is not None:
+                log.error(
+                    "inode %d: not sealed after a failed write (%s); it stays incomplete",
+                    ofile.inode,
+                    ofile.error,
+                )
+                await _abort(writer)
+                return
+            try:
+                with trio.CancelScope(shield=True):
+                    ofile.attrs = await writer.close()
+            except FileNotFound:
+                log.debug("inode %d was removed before its seal", ofile.inode)
+            except TectonicError as e:
+                log.error(
+                    "inode %d: seal failed (%s: %s); the file stays unsealed",
+                    ofile.inode,
+                    type(e).__name__,
+                    e,
+                )
+        finally:
+            ofile.writer = None
+            ofile.closing = False
+            ofile.error = None
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self.cache.handle(fh)
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+
+    # --- namespace ------------------------------------------------------------------------
+
+    @_fuse_op
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        attrs = await self.meta.mkdir(
+            parent_inode, _name(name), mode=mode & 0o7777, uid=ctx.uid, gid=ctx.gid
+        )
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
+    @_fuse_op
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.meta.rmdir(parent_inode, _name(name))
+
+    @_fuse_op
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        # Open handles keep their FileReader/FileWriter, so the data stays readable until
+        # the last release; the metadata service collects the blocks after a grace period.
+        await self.meta.unlink(parent_inode, _name(name))
+
+    @_fuse_op
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        old, new = _name(name_old), _name(name_new)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        if flags & pyfuse3.RENAME_NOREPLACE:
+            # Not atomic against a concurrent create of the target by another mount; within
+            # this mount the kernel holds the directory locks across the whole call.
+            try:
+                await self.meta.lookup(parent_inode_new, new)
+            except FileNotFound:
+                pass
+            else:
+                raise FileExists(f"{new!r} exists")
+        await self.meta.rename(parent_inode_old, old, parent_inode_new, new)
+
+    @_fuse_op
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        return self.cache.open_dir(inode).fh
+
+    @_fuse_op
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        try:
+            dh = self.cache.dir_handle(fh)
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+        if start_id == 0:
+            after: str | None = ""
+        else:
+            after = dh.cursors.get(start_id)
+            if after is None:
+                raise InvalidArgument(f"readdir offset {start_id} was never handed out")
+        while True:
+            entries, cursor = await self.meta.readdir(dh.inode, after, READDIR_PAGE)
+            attrs = await self._attrs_of(entries)
+            for entry in entries:
+                a = attrs.get(entry.id)
+                if a is None:
+                    continue  # removed since the page was read
+                offset = dh.next_offset
+                dh.next_offset += 1
+                dh.cursors[offset] = entry.name
+                if not pyfuse3.readdir_reply(
+                    token, entry.name.encode("utf-8"), self._entry(a), offset
+                ):
+                    return
+                self.cache.remember(a.id)  # the kernel took a reference (readdirplus)
+            if cursor is None or not entries:
+                return
+            after = cursor
+
+    async def _attrs_of(self, entries: list[DirEntry]) -> dict[int, Attrs]:
+        """Attributes of a readdir page, fetched concurrently; vanished entries are left out."""
+        out: dict[int, Attrs] = {}
+        limiter = trio.CapacityLimiter(ATTR_FETCH_LIMIT)
+
+        async def one(entry: DirEntry) -> None:
+            async with limiter:
+                try:
+                    out[entry.id] = await self._attrs(entry.id)
+                except FileNotFound:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for entry in entries:
+                nursery.start_soon(one, entry)
+        return out
+
+    @_fuse_op
+    async def releasedir(self, fh: int) -> None:
+        self.cache.close_dir(fh)
+
+    @_fuse_op
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """Real capacity from the node registry, as usable bytes under the cluster's
+        default EC policy (raw bytes * k / n), so that df shows what fits."""
+        stats = await self.meta.statfs()
+        policy = ECPolicy.parse(self.client.config.default_ec)
+        usable = int(stats.get("capacity", 0)) * policy.k // policy.n
+        free = int(stats.get("free", 0)) * policy.k // policy.n
+        files = int(stats.get("files", 0))
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = BLKSIZE
+        s.f_frsize = FRSIZE
+        s.f_blocks = usable // FRSIZE
+        s.f_bfree = free // FRSIZE
+        s.f_bavail = free // FRSIZE
+        s.f_files = files + 2**32
+        s.f_ffree = 2**32
+        s.f_favail = 2**32
+        s.f_namemax = 255
+        return s
+
+    # --- extended attributes --------------------------------------------------------------
+
+    @_fuse_op
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        # Hot path: security.capability before every write. No round trip for it.
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        key = _name(name)
+        if key == EC_XATTR:
+            return (await self._attrs(inode)).ec.encode()
+        return await self.meta.getxattr(inode, key)
+
+    @_fuse_op
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        key = _name(name)
+        if key == EC_XATTR:
+            try:
+                text = value.decode("ascii")
+            except UnicodeDecodeError:
+                raise InvalidArgument(f"EC policy {value!r} is not ASCII") from None
+            policy = ECPolicy.parse(text)
+            attrs = await self._attrs(inode)
+            if not attrs.is_dir:
+                # A file's blocks are already coded; only new files may choose a policy.
+                raise pyfuse3.FUSEError(errno.EPERM)
+            await self.meta.setattr(inode, ec=policy.name)
+            return
+        await self.meta.setxattr(inode, key, value)
+
+    @_fuse_op
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        names = await self.meta.listxattr(inode)
+        return [EC_XATTR.encode()] + [n.encode() for n in names if n != EC_XATTR]
+
+    @_fuse_op
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        key = _name(name)
+        if key == EC_XATTR:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        await self.meta.removexattr(inode, key)
+
+    # --- shutdown ---------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """After the main loop ends: abort writers still open (never seal them: their
+        program did not close them, so they may be incomplete) and close readers."""
+        with trio.CancelScope(shield=True):
+            for ofile in list(self.cache.open_files.values()):
+                if ofile.writer is not None:
+                    log.warning("inode %d still open for writing at unmount: left unsealed",
+                                ofile.inode)
+                    await _abort(ofile.writer)
+                    ofile.writer = None
+            for handle in list(self.cache.handles.values()):
+                if handle.reader is not None:
+                    await _aclose_reader(handle.reader)
+                    handle.reader = None
+
+
+async def _abort(writer: Any) -> None:
+    try:
+        await writer.abort()
+    except TectonicError as e:
+        log.warning("aborting writer of file %s failed: %s", getattr(writer, "file_id", "?"), e)
+
+
+async def _aclose_reader(reader: Any) -> None:
+    try:
+        await reader.aclose()
+    except TectonicError as e:
+        log.warning("closing reader of file %s failed: %s", getattr(reader, "file_id", "?"), e)
+

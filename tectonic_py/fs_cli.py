@@ -1,0 +1,240 @@
+"""``tectonic mount`` and ``tectonic umount``: run the FUSE mount of a cluster.
+
+``tectonic mount CLUSTER_FILE MOUNTPOINT [--foreground] [--allow-other]`` connects to the
+cluster (and fails with one clear line if it cannot), mounts, and serves until the mount is
+unmounted (``tectonic umount MOUNTPOINT`` or ``fusermount3 -u``) or the process gets SIGTERM
+or SIGINT. Without ``--foreground`` it forks into the background and returns only once the
+mount is up, with the child's error if it failed, so scripts can rely on its exit status.
+
+After mounting it raises the mount's ``read_ahead_kb`` (found through /proc/self/mountinfo,
+which needs no call into the mount itself and so cannot deadlock before the main loop runs):
+the kernel otherwise asks a FUSE daemon for 128 KiB per read, and 1 MiB gives about +70% on
+sequential reads (shared/CEILINGS.md). Writes cannot be raised past 1 MiB: libfuse 3.14 caps
+the request buffer at 256 pages and pyfuse3 rejects ``-o max_write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from tectonic_py import cluster_file
+from tectonic_py.cluster_file import ClusterConfig
+from tectonic_py.errors import ConfigError
+from tectonic_py.ids import ROOT_ID
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_AHEAD_KB = 1024
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("mount", help="mount a cluster with FUSE")
+    p.add_argument("cluster_file", help="the cluster file (cluster.toml)")
+    p.add_argument("mountpoint", help="an empty directory to mount on")
+    p.add_argument("--foreground", action="store_true", help="do not fork into the background")
+    p.add_argument(
+        "--allow-other", action="store_true", help="let users other than the mounter in"
+    )
+    p.add_argument(
+        "--read-ahead-kb",
+        type=int,
+        default=DEFAULT_READ_AHEAD_KB,
+        help="kernel read-ahead of the mount (0 keeps the kernel's default)",
+    )
+    p.add_argument("--ready-file", help="write {mountpoint, pid} as JSON here once mounted")
+    p.add_argument("--log-file", help="log here when in the background (default: discard)")
+    p.set_defaults(func=cmd_mount)
+
+    u = subparsers.add_parser("umount", help="unmount a tectonic FUSE mount")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    u.set_defaults(func=cmd_umount)
+
+
+def mount_options(config: ClusterConfig, *, allow_other: bool) -> set[str]:
+    """pyfuse3's defaults (default_permissions: the kernel checks modes) plus our names.
+    Deliberately no direct_io and no writeback_cache (see tectonic_py.fs)."""
+    options = set(pyfuse3.default_options)
+    options.add(f"fsname=tectonic:{config.name}")
+    options.add("subtype=tectonic")
+    if allow_other:
+        options.add("allow_other")
+    return options
+
+
+def _check_mountpoint(path: str) -> str:
+    mnt = os.path.abspath(path)
+    if not os.path.isdir(mnt):
+        raise ConfigError(f"mount point {mnt!r} is not a directory")
+    if os.path.ismount(mnt):
+        raise ConfigError(f"{mnt!r} is already a mount point")
+    return mnt
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = cluster_file.load(args.cluster_file)
+    mnt = _check_mountpoint(args.mountpoint)
+    options = mount_options(config, allow_other=args.allow_other)
+    if args.foreground:
+        trio.run(serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file)
+        return 0
+    return _daemonize(config, mnt, options, args)
+
+
+def _daemonize(
+    config: ClusterConfig, mnt: str, options: set[str], args: argparse.Namespace
+) -> int:
+    """Fork; the parent waits on a pipe for "ok" or the child's error line."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as pipe:
+            message = pipe.read().decode(errors="replace")
+        if message == "ok":
+            return 0
+        os.waitpid(pid, 0)
+        print(f"tectonic mount: error: {message or 'the mount process died'}", file=sys.stderr)
+        return 1
+    os.close(rfd)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    if args.log_file:
+        log_fd = os.open(args.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 2)
+    else:
+        os.dup2(devnull, 2)
+
+    def ready() -> None:
+        os.write(wfd, b"ok")
+        os.close(wfd)
+
+    code = 0
+    try:
+        trio.run(serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file, ready)
+    except BaseException as e:
+        log.exception("mount of %s failed", mnt)
+        try:
+            os.write(wfd, str(e).encode() or type(e).__name__.encode())
+        except OSError:
+            pass
+        code = 1
+    os._exit(code)
+
+
+async def serve_mount(
+    config: ClusterConfig,
+    mountpoint: str,
+    options: set[str],
+    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB,
+    ready_file: str | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Mount and serve until unmounted or signalled; always leaves no mount behind."""
+    from tectonic_py.client import open_client
+    from tectonic_py.fs import Operations
+
+    async with open_client(config) as client:
+        # Fail now, with the client's one-line error, rather than mount a dead cluster.
+        await client.meta.getattr(ROOT_ID)
+        ops = Operations(client)
+        pyfuse3.init(ops, mountpoint, options)
+        try:
+            if read_ahead_kb > 0:
+                set_read_ahead(mountpoint, read_ahead_kb)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_terminate_on_signal)
+                if ready_file:
+                    _write_ready_file(ready_file, mountpoint)
+                if ready is not None:
+                    ready()
+                log.info("mounted %s on %s", config.name, mountpoint)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await ops.shutdown()
+            # As root libfuse detaches lazily; after a clean fusermount -u this is a no-op.
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", mountpoint)
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+def _write_ready_file(path: str, mountpoint: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"mountpoint": mountpoint, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+
+def mount_device(mountpoint: str) -> str | None:
+    """``major:minor`` of the mount at ``mountpoint`` from /proc/self/mountinfo (the last
+    one wins: a later mount on the same path hides the earlier ones)."""
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and _unescape(fields[4]) == mountpoint:
+                    found = fields[2]
+    except OSError:
+        return None
+    return found
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def set_read_ahead(mountpoint: str, kb: int) -> bool:
+    """Raise the kernel read-ahead of the mount's backing device info; True if it worked.
+    Needs root (or a writable sysfs); without it reads still work, in 128 KiB requests."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        log.warning("cannot find %s in /proc/self/mountinfo; read-ahead left as is", mountpoint)
+        return False
+    path = Path("/sys/class/bdi") / dev / "read_ahead_kb"
+    try:
+        path.write_text(f"{kb}\n")
+    except OSError as e:
+        log.warning("cannot set %s to %d: %s; reads stay in 128 KiB requests", path, kb, e)
+        return False
+    log.info("read_ahead_kb of %s (%s) set to %d", mountpoint, dev, kb)
+    return True
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    if not os.path.ismount(mnt):
+        raise ConfigError(f"{mnt!r} is not mounted")
+    flag = "-uz" if args.lazy else "-u"
+    proc = subprocess.run(
+        ["fusermount3", flag, mnt], capture_output=True, text=True, timeout=60, check=False
+    )
+    if proc.returncode != 0:
+        msg = proc.stderr.strip() or f"fusermount3 exited {proc.returncode}"
+        raise ConfigError(f"cannot unmount {mnt!r}: {msg} (files still open? try --lazy)")
+    return 0
