@@ -1,0 +1,1144 @@
+"""The data-path client: striped, erasure-coded writes and reads (Tectonic's client library).
+
+All the logic of reads and writes lives here, as in Tectonic; the FUSE mount, the ``tectonic``
+CLI, the blocking wrapper and the load test are thin layers over it::
+
+    async with open_client("cluster.toml") as client:
+        w = await client.create("/ckpt/rank_0.pt")
+        await w.write(data)
+        await w.close()                  # durable, committed and sealed
+        r = await client.open_read("/ckpt/rank_0.pt")
+        data = await r.read()
+
+Write path. Bytes go into the *open block*, a buffer of one block (k chunks of C bytes) taken
+from the client-wide ``BufferPool``. When the open block is full it is handed to a flush task
+in the client's nursery: zfec encodes it in a worker thread (CRC-32C of every chunk in the
+same call), the metadata service allocates a block id and places its n = k + m chunks on
+chunk stores in distinct failure domains plus a few hedge nodes, all n chunks go out at once
+over pooled, persistent connections, and the block is committed (Block layer, then File layer
+at its ``file_index``, with the writer token). A chunk store that fails or stalls mid-write
+gets its chunk re-sent to a hedge node (then to nodes asked for with ``more_nodes``); if fewer
+than ``write_quorum`` (default k + 1) chunks land, the write fails with ``QuorumLost``.
+
+Backpressure: the pool holds at most ``window_bytes`` of block buffers (and their parity)
+across all writers of the client, so a writer that outruns the cluster waits in ``write``
+for a buffer; nothing buffers without bound. Several blocks are in flight at once inside the
+window, which keeps both cores busy (one encoding while another's chunks are on the wire).
+
+``fsync`` flushes the open block, even a short one (committed at its index; when the writer
+later fills it, the full block replaces it at the same index), and waits until every flush
+task has committed. ``close`` is fsync + seal. Commits of one index are ordered by a per-index
+generation, so an older, slower flush of a block never overwrites a newer one. A writer whose
+token was stolen gets ``StaleWriterToken`` from its next commit, and from every call after.
+
+Read path. A reader fetches the file's block list once. ``pread`` maps a range to blocks and
+then to byte ranges of data chunks (systematic code: no decoding), verified by the chunk
+store's CRC of the range. Sequential ``read`` fetches whole blocks (k chunks received straight
+into one buffer, each checked against the CRC-32C recorded in the Block layer) and reads ahead
+``readahead_blocks`` in parallel into the bounded block cache. Any chunk that is missing,
+corrupt or slower than ``slow_chunk_s`` makes the read *degraded*: parity chunks are fetched
+and zfec rebuilds the data (at most ``max_reconstructions`` at once per client, so an overload
+cannot become a reconstruction storm). Every bad chunk is logged at WARNING and recorded in
+``statistics().bad_chunks`` for the repair service.
+
+Error handling: every public method raises only ``tectonic_py.errors`` classes, never
+exception groups. Resource handling: background tasks (flushes, readahead, connection
+receivers) live in the nursery of ``open_client``; leaving it closes every connection.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import trio
+
+from metadata.model import Attrs, BlockGrant, BlockInfo, ChunkPlacement, DirEntry, NodeInfo
+from tectonic_py import cluster_file
+from tectonic_py.aio import open_service_nursery
+from tectonic_py.checksum import checksum
+from tectonic_py.cluster_file import ClusterConfig
+from tectonic_py.codec import Codec, EncodedBlock
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import (
+    ChunkCorrupt,
+    FileExists,
+    FileNotFound,
+    InvalidArgument,
+    InvalidName,
+    QuorumLost,
+    TectonicError,
+    Timeout,
+    Unavailable,
+)
+from tectonic_py.ids import ROOT_ID, chunk_id
+from tectonic_py.stripe import Layout, chunk_len_for, chunk_ranges
+from tectonic_py import wire
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+Buffer = Union[bytes, bytearray, memoryview]
+
+DEFAULT_WINDOW_BYTES = 256 * MiB
+DEFAULT_CACHE_BYTES = 192 * MiB
+
+
+@dataclass
+class ClientStats:
+    """Counters of one client (``TectonicClient.statistics()``)."""
+
+    blocks_written: int = 0
+    bytes_written: int = 0
+    chunks_written: int = 0
+    chunk_write_failures: int = 0
+    chunks_replaced: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    range_reads: int = 0
+    degraded_reads: int = 0
+    corrupt_chunks: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    buffer_waits: int = 0
+    # (block_id, chunk_index, node_id, reason) of chunks found missing or corrupt: repair's input.
+    bad_chunks: list[tuple[int, int, str, str]] = field(default_factory=list)
+
+
+# --- memory window ---------------------------------------------------------------------------
+
+
+class BufferPool:
+    """The client-wide memory window: block buffers, reused, at most ``capacity`` bytes.
+
+    A buffer is charged ``charge`` bytes (its size plus the parity zfec will allocate for it)
+    from ``acquire`` to ``release``. Released buffers are kept for reuse (allocation of large
+    buffers is costly, CEILINGS.md) but count toward the capacity too, so the pool's memory
+    never exceeds it; spare buffers of other sizes are dropped to make room.
+    """
+
+    def __init__(self, capacity: int, stats: ClientStats) -> None:
+        self.capacity = capacity
+        self._stats = stats
+        self._charged = 0
+        self._spare: dict[int, list[bytearray]] = {}
+        self._spare_bytes = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    @property
+    def charged(self) -> int:
+        return self._charged
+
+    async def acquire(self, size: int, charge: int) -> bytearray:
+        charge = min(max(charge, size), self.capacity)
+        if self._charged + charge > self.capacity:
+            self._stats.buffer_waits += 1
+            while self._charged + charge > self.capacity:
+                await self._lot.park()
+        self._charged += charge
+        spares = self._spare.get(size)
+        if spares:
+            self._spare_bytes -= size
+            return spares.pop()
+        while self._spare_bytes and self._charged + self._spare_bytes > self.capacity:
+            self._drop_one_spare()
+        return bytearray(size)
+
+    def release(self, buf: bytearray, charge: int) -> None:
+        charge = min(max(charge, len(buf)), self.capacity)
+        self._charged -= charge
+        if self._charged + self._spare_bytes + len(buf) <= self.capacity:
+            self._spare.setdefault(len(buf), []).append(buf)
+            self._spare_bytes += len(buf)
+        self._lot.unpark_all()
+
+    def _drop_one_spare(self) -> None:
+        for size, bufs in self._spare.items():
+            if bufs:
+                bufs.pop()
+                self._spare_bytes -= size
+                return
+
+
+class BlockCache:
+    """A bounded LRU of whole blocks' data, keyed by block id (blocks are immutable)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, memoryview] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, block_id: int) -> memoryview | None:
+        data = self._blocks.get(block_id)
+        if data is not None:
+            self._blocks.move_to_end(block_id)
+        return data
+
+    def put(self, block_id: int, data: memoryview) -> None:
+        if data.nbytes > self.capacity:
+            return
+        self.discard(block_id)
+        self._blocks[block_id] = data
+        self._bytes += data.nbytes
+        while self._bytes > self.capacity:
+            _, old = self._blocks.popitem(last=False)
+            self._bytes -= old.nbytes
+
+    def discard(self, block_id: int) -> None:
+        old = self._blocks.pop(block_id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+
+
+# --- connections to chunk stores -------------------------------------------------------------
+
+
+class ChunkPool:
+    """Persistent, pooled connections to chunk stores, one (or a few) per node.
+
+    Connections are opened on first use and replaced when broken; their receiver tasks live
+    in the client's nursery. ``wire.Connection`` multiplexes many requests, so one connection
+    per node carries every block's chunk for that node.
+    """
+
+    def __init__(self, secret: bytes, nursery: trio.Nursery, per_node: int = 1) -> None:
+        self._secret = secret
+        self._nursery = nursery
+        self._per_node = max(1, per_node)
+        self._conns: dict[str, list[wire.Connection]] = {}
+        self._locks: dict[str, trio.Lock] = {}
+        self._rr = itertools.count()
+
+    async def get(self, address: str) -> wire.Connection:
+        if not address:
+            raise Unavailable("chunk store address unknown (node not registered)")
+        conns = self._conns.setdefault(address, [])
+        conns[:] = [c for c in conns if c.broken is None]
+        if len(conns) >= self._per_node:
+            return conns[next(self._rr) % len(conns)]
+        lock = self._locks.setdefault(address, trio.Lock())
+        async with lock:
+            conns[:] = [c for c in conns if c.broken is None]
+            if len(conns) < self._per_node:
+                host, port = wire.parse_address(address)
+                conns.append(
+                    await wire.Connection.connect(host, port, self._secret, nursery=self._nursery)
+                )
+            return conns[-1]
+
+    async def call(
+        self,
+        address: str,
+        op: str,
+        fields: dict[str, Any],
+        payload: Buffer | None = None,
+        *,
+        into: memoryview | None = None,
+    ) -> wire.Response:
+        conn = await self.get(address)
+        return await conn.call(op, fields, payload, into=into)
+
+    async def aclose(self) -> None:
+        for conns in self._conns.values():
+            for c in conns:
+                with trio.CancelScope(shield=True):
+                    await c.aclose()
+        self._conns.clear()
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+class TectonicClient:
+    """One per process: metadata client, chunk-store pool, codec threads, window and cache.
+
+    Tuning (keyword arguments of ``open_client``):
+
+    * ``window_bytes``: memory for block buffers across all writers (backpressure bound);
+    * ``cache_bytes``: the block cache of readers (readahead lands here);
+    * ``readahead_blocks``: whole blocks fetched ahead of a sequential reader;
+    * ``write_quorum``: chunks that must land for a block to commit (default k + 1);
+    * ``hedge``: extra nodes asked for with every block, for re-sending failed chunks;
+    * ``chunk_timeout``: a chunk put slower than this is re-sent elsewhere;
+    * ``slow_chunk_s``: a chunk get slower than this makes the read degraded;
+    * ``codec_threads``: zfec/CRC worker threads (the cores);
+    * ``max_reconstructions``: degraded decodes at once.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        meta: Any,
+        nursery: trio.Nursery,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        readahead_blocks: int = 3,
+        write_quorum: int | None = None,
+        hedge: int = 2,
+        chunk_timeout: float = 30.0,
+        slow_chunk_s: float = 10.0,
+        codec_threads: int = 2,
+        max_reconstructions: int = 2,
+        conns_per_node: int = 1,
+    ) -> None:
+        if window_bytes < MiB:
+            raise InvalidArgument("window_bytes must be at least 1 MiB")
+        self.config = config
+        self.meta = meta
+        self._nursery = nursery
+        self.stats = ClientStats()
+        self.pool = ChunkPool(config.secret(), nursery, conns_per_node)
+        self.buffers = BufferPool(window_bytes, self.stats)
+        self.cache = BlockCache(cache_bytes)
+        self.codec = Codec(codec_threads)
+        self.readahead_blocks = max(0, readahead_blocks)
+        self.write_quorum = write_quorum
+        self.hedge = max(0, hedge)
+        self.chunk_timeout = chunk_timeout
+        self.slow_chunk_s = slow_chunk_s
+        self._reconstruct = trio.CapacityLimiter(max(1, max_reconstructions))
+        self._fetching: dict[int, trio.Event] = {}
+        self._addresses: dict[str, str] = {}
+        self._closed = False
+
+    def statistics(self) -> ClientStats:
+        return self.stats
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.pool.aclose()
+
+    # --- path level ------------------------------------------------------------------------
+
+    async def stat(self, path: str) -> Attrs:
+        return await self.meta.resolve(_normpath(path))
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        d = await self.stat(path)
+        out: list[DirEntry] = []
+        after = ""
+        while True:
+            page, nxt = await self.meta.readdir(d.id, after, 1000)
+            out.extend(page)
+            if nxt is None or not page:
+                return out
+            after = nxt
+
+    async def mkdir(self, path: str, mode: int = 0o755, parents: bool = False) -> Attrs:
+        path = _normpath(path)
+        if not parents:
+            parent, name = _split(path)
+            d = await self.meta.resolve(parent)
+            return await self.meta.mkdir(d.id, name, mode=mode)
+        current = await self.meta.getattr(ROOT_ID)
+        for name in [p for p in path.split("/") if p]:
+            try:
+                current = await self.meta.lookup(current.id, name)
+            except FileNotFound:
+                try:
+                    current = await self.meta.mkdir(current.id, name, mode=mode)
+                except FileExists:
+                    current = await self.meta.lookup(current.id, name)
+        return current
+
+    async def unlink(self, path: str) -> None:
+        parent, name = _split(_normpath(path))
+        d = await self.meta.resolve(parent)
+        await self.meta.unlink(d.id, name)
+
+    async def rmdir(self, path: str) -> None:
+        parent, name = _split(_normpath(path))
+        d = await self.meta.resolve(parent)
+        await self.meta.rmdir(d.id, name)
+
+    async def rename(self, src: str, dst: str) -> None:
+        sp, sn = _split(_normpath(src))
+        dp, dn = _split(_normpath(dst))
+        sd = await self.meta.resolve(sp)
+        dd = sd if dp == sp else await self.meta.resolve(dp)
+        await self.meta.rename(sd.id, sn, dd.id, dn)
+
+    async def create(
+        self, path: str, *, mode: int = 0o644, exclusive: bool = False, ec: str | None = None
+    ) -> FileWriter:
+        parent, name = _split(_normpath(path))
+        d = await self.meta.resolve(parent)
+        return await self.create_in(d.id, name, mode=mode, exclusive=exclusive, ec=ec)
+
+    async def open_read(self, path: str) -> FileReader:
+        attrs = await self.stat(path)
+        return await self.open_reader(attrs.id)
+
+    # --- id level ----------------------------------------------------------------------------
+
+    async def create_in(
+        self,
+        dir_id: int,
+        name: str,
+        *,
+        mode: int = 0o644,
+        uid: int = 0,
+        gid: int = 0,
+        exclusive: bool = False,
+        ec: str | None = None,
+    ) -> FileWriter:
+        if ec is not None:
+            ECPolicy.parse(ec)
+        attrs, token = await self.meta.create(
+            dir_id, name, mode=mode, uid=uid, gid=gid, exclusive=exclusive, ec=ec
+        )
+        return FileWriter(self, attrs, token, {})
+
+    async def open_writer(self, file_id: int, *, truncate: bool = False) -> FileWriter:
+        token = await self.meta.open_for_write(file_id, truncate=truncate)
+        attrs = await self.meta.getattr(file_id)
+        blocks: dict[int, BlockInfo] = {}
+        if not truncate and attrs.size:
+            blocks = {b.file_index: b for b in await self.meta.block_list(file_id)}
+        return FileWriter(self, attrs, token, blocks)
+
+    async def open_reader(self, file_id: int) -> FileReader:
+        attrs = await self.meta.getattr(file_id)
+        if attrs.is_dir:
+            from tectonic_py.errors import IsADirectory
+
+            raise IsADirectory(f"file id {file_id} is a directory")
+        blocks = await self.meta.block_list(file_id) if attrs.size else []
+        return FileReader(self, attrs, {b.file_index: b for b in blocks})
+
+    # --- write side: one block to chunk stores ----------------------------------------------
+
+    def _quorum(self, policy: ECPolicy) -> int:
+        q = self.write_quorum if self.write_quorum is not None else policy.k + 1
+        return max(policy.k, min(q, policy.n))
+
+    async def store_block(
+        self,
+        file_id: int,
+        token: int,
+        policy: ECPolicy,
+        file_index: int,
+        block: memoryview,
+        data_len: int,
+    ) -> BlockInfo:
+        """Encode one block held in ``block`` (>= k * chunk_len bytes) and make its chunks
+        durable on chunk stores; returns the record to commit. Raises QuorumLost when fewer
+        than the write quorum of chunks could be written."""
+        k = policy.k
+        cl = max(1, chunk_len_for(data_len, k))
+        padded = block[: k * cl]
+        padded[data_len:] = bytes(k * cl - data_len)
+        enc = await self.codec.encode(policy, padded, cl)
+        grant = await self.meta.allocate_block(file_id, token, policy.name, hedge=self.hedge)
+        placements = await self._put_chunks(grant, policy, enc)
+        self.stats.blocks_written += 1
+        self.stats.bytes_written += data_len
+        return BlockInfo(
+            block_id=grant.block_id,
+            ec=policy.name,
+            chunk_len=cl,
+            data_len=data_len,
+            chunks=placements,
+            file_index=file_index,
+        )
+
+    async def _put_chunks(
+        self, grant: BlockGrant, policy: ECPolicy, enc: EncodedBlock
+    ) -> list[ChunkPlacement]:
+        n = policy.n
+        spares: deque[tuple[NodeInfo, bytes]] = deque(
+            (node, grant.capability) for node in grant.nodes[n:]
+        )
+        tried: set[str] = {node.node_id for node in grant.nodes}
+        results: dict[int, ChunkPlacement] = {}
+        more_lock = trio.Lock()
+        asked_more = 0
+
+        async def replacement() -> tuple[NodeInfo, bytes] | None:
+            nonlocal asked_more
+            async with more_lock:
+                if spares:
+                    return spares.popleft()
+                if asked_more >= 2:
+                    return None
+                asked_more += 1
+                try:
+                    more = await self.meta.more_nodes(grant.block_id, sorted(tried), 2)
+                except TectonicError as e:
+                    log.info("no replacement nodes for block %016x: %s", grant.block_id, e)
+                    return None
+                for node in more.nodes:
+                    if node.node_id not in tried:
+                        tried.add(node.node_id)
+                        spares.append((node, more.capability))
+                return spares.popleft() if spares else None
+
+        async def put_one(i: int, target: tuple[NodeInfo, bytes] | None) -> None:
+            attempts = 0
+            while attempts < 2 * n + 4:
+                attempts += 1
+                if target is None:
+                    target = await replacement()
+                    if target is None:
+                        return
+                    self.stats.chunks_replaced += 1
+                node, cap = target
+                try:
+                    await self._put_chunk(node, cap, chunk_id(grant.block_id, i), enc, i)
+                except TectonicError as e:
+                    self.stats.chunk_write_failures += 1
+                    log.info(
+                        "chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
+                        i, grant.block_id, node.node_id, e,
+                    )
+                    target = None
+                    continue
+                results[i] = ChunkPlacement(i, node.node_id, enc.checksums[i], node.address)
+                self.stats.chunks_written += 1
+                return
+
+        async with open_service_nursery() as nursery:
+            for i in range(n):
+                first = (grant.nodes[i], grant.capability) if i < len(grant.nodes) else None
+                nursery.start_soon(put_one, i, first)
+        quorum = self._quorum(policy)
+        if len(results) < quorum:
+            raise QuorumLost(
+                f"only {len(results)} of {n} chunks of block {grant.block_id:016x} could be "
+                f"written; the write quorum is {quorum}"
+            )
+        if len(results) < n:
+            log.warning(
+                "block %016x committed with %d of %d chunks (repair will restore the rest)",
+                grant.block_id, len(results), n,
+            )
+        return [results[i] for i in sorted(results)]
+
+    async def _put_chunk(
+        self, node: NodeInfo, cap: bytes, cid: str, enc: EncodedBlock, i: int
+    ) -> None:
+        """One chunk to one node, retrying only what the server says is retryable."""
+        for attempt in range(4):
+            with trio.move_on_after(self.chunk_timeout) as scope:
+                try:
+                    await self.pool.call(
+                        node.address,
+                        "put",
+                        {"chunk_id": cid, "checksum": enc.checksums[i], "cap": cap},
+                        enc.chunks[i],
+                    )
+                    return
+                except TectonicError as e:
+                    if not e.retryable or isinstance(e, Unavailable) or attempt == 3:
+                        raise
+                await trio.sleep(0.05 * (attempt + 1))
+            if scope.cancelled_caught:
+                raise Timeout(f"put of {cid} to {node.node_id} took over {self.chunk_timeout}s")
+
+    # --- read side: blocks and ranges ----------------------------------------------------------
+
+    async def _address(self, pl: ChunkPlacement) -> str:
+        if pl.address:
+            return pl.address
+        if pl.node_id not in self._addresses:
+            for node in await self.meta.nodes():
+                if node.state == "up":
+                    self._addresses[node.node_id] = node.address
+        return self._addresses.get(pl.node_id, "")
+
+    def _report_bad(self, info: BlockInfo, pl: ChunkPlacement, error: BaseException) -> None:
+        corrupt = isinstance(error, ChunkCorrupt)
+        if corrupt:
+            self.stats.corrupt_chunks += 1
+        reason = "corrupt" if corrupt else type(error).__name__
+        self.stats.bad_chunks.append((info.block_id, pl.index, pl.node_id, reason))
+        if len(self.stats.bad_chunks) > 10_000:
+            del self.stats.bad_chunks[:5000]
+        log.warning(
+            "chunk %d of block %016x on %s is %s (%s); reading degraded",
+            pl.index, info.block_id, pl.node_id, reason, error,
+        )
+
+    async def _get_into(
+        self, info: BlockInfo, pl: ChunkPlacement, into: memoryview, offset: int = 0
+    ) -> None:
+        """Fetch ``len(into)`` bytes of a chunk at ``offset`` straight into ``into``, verified:
+        a whole chunk against the Block layer's CRC (end to end), a range against the chunk
+        store's CRC of that range."""
+        address = await self._address(pl)
+        cid = chunk_id(info.block_id, pl.index)
+        with trio.move_on_after(self.slow_chunk_s) as scope:
+            resp = await self.pool.call(
+                address, "get", {"chunk_id": cid, "offset": offset, "length": into.nbytes},
+                into=into,
+            )
+        if scope.cancelled_caught:
+            raise Timeout(f"get of {cid} from {pl.node_id} took over {self.slow_chunk_s}s")
+        payload = resp.payload
+        if payload is None or payload.nbytes != into.nbytes:
+            got = 0 if payload is None else payload.nbytes
+            raise ChunkCorrupt(f"{cid} on {pl.node_id}: {got} bytes where {into.nbytes} expected")
+        whole = offset == 0 and into.nbytes == info.chunk_len
+        expected = pl.checksum if whole else resp.fields.get("range_checksum")
+        if expected is None:
+            return
+        (crc,) = await self.codec.checksums([into])
+        if crc != expected:
+            raise ChunkCorrupt(f"{cid} on {pl.node_id} failed its checksum")
+
+    async def read_block(self, info: BlockInfo) -> memoryview:
+        """The data of one committed block (``data_len`` bytes), from cache or chunk stores,
+        rebuilding it from parity when data chunks are missing, corrupt or slow."""
+        cached = self.cache.get(info.block_id)
+        if cached is not None:
+            self.stats.cache_hits += 1
+            return cached
+        pending = self._fetching.get(info.block_id)
+        if pending is not None:
+            await pending.wait()
+            cached = self.cache.get(info.block_id)
+            if cached is not None:
+                self.stats.cache_hits += 1
+                return cached
+        self.stats.cache_misses += 1
+        done = self._fetching.setdefault(info.block_id, trio.Event())
+        try:
+            data = await self._fetch_block(info)
+            self.cache.put(info.block_id, data)
+            return data
+        finally:
+            if self._fetching.get(info.block_id) is done:
+                del self._fetching[info.block_id]
+            done.set()
+
+    async def _fetch_block(self, info: BlockInfo) -> memoryview:
+        policy = ECPolicy.parse(info.ec)
+        k, cl = policy.k, info.chunk_len
+        out = memoryview(bytearray(k * cl))
+        by_index = {pl.index: pl for pl in info.chunks}
+        good: set[int] = set()
+
+        async def fetch_data(i: int) -> None:
+            pl = by_index.get(i)
+            if pl is None:
+                return
+            try:
+                await self._get_into(info, pl, out[i * cl : (i + 1) * cl])
+                good.add(i)
+            except TectonicError as e:
+                self._report_bad(info, pl, e)
+
+        async with open_service_nursery() as nursery:
+            for i in range(k):
+                nursery.start_soon(fetch_data, i)
+        self.stats.blocks_read += 1
+        if len(good) < k:
+            await self._degraded(info, policy, out, good, by_index)
+        self.stats.bytes_read += info.data_len
+        return out[: info.data_len]
+
+    async def _degraded(
+        self,
+        info: BlockInfo,
+        policy: ECPolicy,
+        out: memoryview,
+        good: set[int],
+        by_index: dict[int, ChunkPlacement],
+    ) -> None:
+        k, cl = policy.k, info.chunk_len
+        self.stats.degraded_reads += 1
+        async with self._reconstruct:
+            chunks: dict[int, Buffer] = {i: out[i * cl : (i + 1) * cl] for i in good}
+            extra = [i for i in sorted(by_index) if i >= k]
+
+            async def fetch_other(i: int) -> None:
+                pl = by_index[i]
+                buf = memoryview(bytearray(cl))
+                try:
+                    await self._get_into(info, pl, buf)
+                    chunks[i] = buf
+                except TectonicError as e:
+                    self._report_bad(info, pl, e)
+
+            async with open_service_nursery() as nursery:
+                for i in extra[: k - len(good) + 1]:
+                    nursery.start_soon(fetch_other, i)
+            if len(chunks) < k:
+                async with open_service_nursery() as nursery:
+                    for i in extra[k - len(good) + 1 :]:
+                        nursery.start_soon(fetch_other, i)
+            if len(chunks) < k:
+                raise QuorumLost(
+                    f"block {info.block_id:016x}: only {len(chunks)} of the {k} chunks needed "
+                    "could be read"
+                )
+            await self.codec.decode_into(policy, chunks, cl, out, in_place=good)
+
+    async def read_range(self, info: BlockInfo, block_offset: int, out: memoryview) -> None:
+        """Block bytes ``[block_offset, block_offset + len(out))`` (inside data_len) into
+        ``out``: the systematic fast path (data-chunk ranges only, no decoding), falling back
+        to a whole (degraded) block read if any range fails."""
+        cached = self.cache.get(info.block_id)
+        if cached is not None:
+            self.stats.cache_hits += 1
+            out[:] = cached[block_offset : block_offset + out.nbytes]
+            return
+        policy = ECPolicy.parse(info.ec)
+        by_index = {pl.index: pl for pl in info.chunks}
+        ranges = chunk_ranges(info.chunk_len, block_offset, out.nbytes, policy.k)
+        failed = False
+
+        async def fetch(r: Any) -> None:
+            nonlocal failed
+            pl = by_index.get(r.chunk_index)
+            if pl is None:
+                failed = True
+                return
+            try:
+                await self._get_into(
+                    info, pl, out[r.out_offset : r.out_offset + r.length], r.chunk_offset
+                )
+            except TectonicError as e:
+                self._report_bad(info, pl, e)
+                failed = True
+
+        self.stats.range_reads += 1
+        async with open_service_nursery() as nursery:
+            for r in ranges:
+                nursery.start_soon(fetch, r)
+        if failed:
+            data = await self.read_block(info)
+            out[:] = data[block_offset : block_offset + out.nbytes]
+
+    def prefetch(self, infos: Sequence[BlockInfo]) -> None:
+        """Start whole-block fetches in the background (readahead); errors surface later in
+        the foreground read that needs the block."""
+        for info in infos:
+            if self.cache.get(info.block_id) is None and info.block_id not in self._fetching:
+                self._fetching[info.block_id] = trio.Event()
+                self._nursery.start_soon(self._prefetch_one, info)
+
+    async def _prefetch_one(self, info: BlockInfo) -> None:
+        done = self._fetching[info.block_id]
+        try:
+            self.cache.put(info.block_id, await self._fetch_block(info))
+        except TectonicError as e:
+            log.info("readahead of block %016x failed: %s", info.block_id, e)
+        finally:
+            if self._fetching.get(info.block_id) is done:
+                del self._fetching[info.block_id]
+            done.set()
+
+
+# --- writers -----------------------------------------------------------------------------------
+
+
+class FileWriter:
+    """An open file being written; holds the writer token. See the module docstring."""
+
+    def __init__(
+        self, client: TectonicClient, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
+    ) -> None:
+        self.client = client
+        self.attrs = attrs
+        self.file_id = attrs.id
+        self.token = token
+        self.policy = ECPolicy.parse(attrs.ec)
+        self.layout = Layout(self.policy, attrs.chunk_size)
+        self.size = attrs.size
+        self._lock = trio.Lock()
+        self._committed = blocks
+        self._charge = self.layout.block_size * self.policy.n // self.policy.k
+        self._open_index: int | None = None
+        self._open_buf: bytearray | None = None
+        self._open_len = 0
+        self._dirty = False
+        self._gen = itertools.count(1)
+        self._committed_gen: dict[int, int] = {}
+        self._commit_locks: dict[int, trio.Lock] = {}
+        self._inflight: dict[int, int] = {}
+        self._idle = trio.lowlevel.ParkingLot()
+        self._synced_size = self.size
+        self._error: TectonicError | None = None
+        self._aborted = False
+        self._closed = False
+        self._final: Attrs | None = None
+
+    # --- public ------------------------------------------------------------------------------
+
+    async def write(self, data: Buffer) -> int:
+        """Append at the current end of the file: the fast path."""
+        async with self._lock:
+            return await self._pwrite(data, self.size)
+
+    async def pwrite(self, data: Buffer, offset: int) -> int:
+        """Write anywhere: the open block is patched, committed blocks are rewritten
+        (read-modify-write at the same index), a write past the end leaves a hole."""
+        async with self._lock:
+            return await self._pwrite(data, offset)
+
+    async def pread(self, offset: int, length: int) -> bytes:
+        """Read back what this writer wrote: buffered bytes and committed blocks."""
+        async with self._lock:
+            return await self._pread(offset, length)
+
+    async def truncate(self, size: int) -> None:
+        """Shrink (later bytes are dropped) or grow sparse (the new bytes read as zeros)."""
+        async with self._lock:
+            await self._truncate(size)
+
+    async def fsync(self) -> None:
+        """Return when every byte written so far is durable and committed."""
+        async with self._lock:
+            await self._fsync()
+
+    async def close(self) -> Attrs:
+        """fsync, then seal the file and release the writer token. Idempotent."""
+        async with self._lock:
+            return await self._close()
+
+    async def abort(self) -> None:
+        """Drop buffered bytes; the file keeps its last committed state."""
+        self._aborted = True
+        self._closed = True
+        async with self._lock:
+            self._release_open()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    async def _pwrite(self, data: Buffer, offset: int) -> int:
+        self._check()
+        if offset < 0:
+            raise InvalidArgument(f"negative write offset {offset}")
+        view = memoryview(data).cast("B")
+        if not view.nbytes:
+            return 0
+        layout = self.layout
+        for piece in layout.pieces(offset, view.nbytes):
+            if piece.block_index != self._open_index:
+                await self._switch_open(piece.block_index)
+            buf = self._open_buf
+            assert buf is not None
+            bo, n = piece.block_offset, piece.length
+            if bo > self._open_len:
+                buf[self._open_len : bo] = bytes(bo - self._open_len)
+            buf[bo : bo + n] = view[piece.out_offset : piece.out_offset + n]
+            self._open_len = max(self._open_len, bo + n)
+            self._dirty = True
+            self.size = max(self.size, layout.block_start(piece.block_index) + bo + n)
+            if bo + n == layout.block_size:
+                await self._flush_open()
+            self._check()
+        return view.nbytes
+
+    async def _pread(self, offset: int, length: int) -> bytes:
+        self._check()
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"bad read range {offset}+{length}")
+        length = max(0, min(length, self.size - offset))
+        out = bytearray(length)
+        view = memoryview(out)
+        for piece in self.layout.pieces(offset, length):
+            dst = view[piece.out_offset : piece.out_offset + piece.length]
+            if piece.block_index == self._open_index:
+                assert self._open_buf is not None
+                avail = max(0, min(piece.length, self._open_len - piece.block_offset))
+                dst[:avail] = memoryview(self._open_buf)[
+                    piece.block_offset : piece.block_offset + avail
+                ]
+                continue
+            await self._wait_index(piece.block_index)
+            self._check()
+            info = self._committed.get(piece.block_index)
+            if info is None:
+                continue
+            avail = max(0, min(piece.length, info.data_len - piece.block_offset))
+            if avail:
+                data = await self.client.read_block(info)
+                dst[:avail] = data[piece.block_offset : piece.block_offset + avail]
+        return bytes(out)
+
+    async def _truncate(self, size: int) -> None:
+        self._check()
+        if size < 0:
+            raise InvalidArgument(f"negative size {size}")
+        await self._flush_open()
+        await self._drain()
+        self._check()
+        layout = self.layout
+        await self._meta_call(self.client.meta.set_size(self.file_id, self.token, size))
+        if size < self.size:
+            for index in [i for i in self._committed if layout.block_start(i) >= size]:
+                del self._committed[index]
+            self.size = size
+            bi = layout.block_of(size)
+            info = self._committed.get(bi)
+            if info is not None and layout.block_start(bi) + info.data_len > size:
+                # Cut the block that straddles the new end, so that growing the file later
+                # shows zeros there rather than the old bytes.
+                await self._switch_open(bi)
+                self._dirty = True
+        self.size = size
+        self._synced_size = size
+
+    async def _fsync(self) -> None:
+        self._check()
+        if self._dirty and self._open_buf is not None and self._open_index is not None:
+            index, n = self._open_index, self._open_len
+            gen = next(self._gen)
+            self._begin(index)
+            try:
+                info = await self.client.store_block(
+                    self.file_id, self.token, self.policy, index, memoryview(self._open_buf), n
+                )
+                await self._commit(index, gen, info)
+            except TectonicError as e:
+                self._fail(e)
+            finally:
+                self._end(index)
+            self._dirty = False
+        await self._drain()
+        self._check()
+        if self.size != self._synced_size:
+            await self._meta_call(self.client.meta.set_size(self.file_id, self.token, self.size))
+            self._synced_size = self.size
+
+    async def _close(self) -> Attrs:
+        if self._final is not None:
+            return self._final
+        try:
+            await self._fsync()
+            self._final = await self._meta_call(
+                self.client.meta.seal(self.file_id, self.token, self.size)
+            )
+            self.attrs = self._final
+            return self._final
+        finally:
+            self._release_open()
+            self._closed = True
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise InvalidArgument(f"file {self.file_id} is closed for writing")
+
+    def _fail(self, error: TectonicError) -> None:
+        if self._error is None:
+            self._error = error
+            log.info("writer of file %d failed: %s", self.file_id, error)
+
+    async def _meta_call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except TectonicError as e:
+            self._fail(e)
+            raise
+
+    def _release_open(self) -> None:
+        if self._open_buf is not None:
+            self.client.buffers.release(self._open_buf, self._charge)
+        self._open_buf = None
+        self._open_index = None
+        self._open_len = 0
+        self._dirty = False
+
+    async def _switch_open(self, index: int) -> None:
+        """Make block ``index`` the open block, loading what it already holds."""
+        await self._flush_open()
+        buf = await self.client.buffers.acquire(self.layout.block_size, self._charge)
+        self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
+        valid = self.layout.block_data_len(index, self.size)
+        if valid <= 0:
+            return
+        await self._wait_index(index)
+        self._check()
+        info = self._committed.get(index)
+        have = 0
+        if info is not None:
+            have = min(info.data_len, valid)
+            data = await self.client.read_block(info)
+            buf[:have] = data[:have]
+        buf[have:valid] = bytes(valid - have)
+        self._open_len = valid
+
+    async def _flush_open(self) -> None:
+        """Hand the open block to a background flush task (or drop it if clean)."""
+        buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
+        self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
+        if buf is None:
+            return
+        if not dirty or n == 0 or index is None:
+            self.client.buffers.release(buf, self._charge)
+            return
+        gen = next(self._gen)
+        self._begin(index)
+        self.client._nursery.start_soon(self._flush_task, index, buf, n, gen)
+
+    async def _flush_task(self, index: int, buf: bytearray, n: int, gen: int) -> None:
+        try:
+            info = await self.client.store_block(
+                self.file_id, self.token, self.policy, index, memoryview(buf), n
+            )
+            await self._commit(index, gen, info)
+        except TectonicError as e:
+            self._fail(e)
+        except Exception as e:  # a bug: keep the client alive, fail this writer loudly
+            log.exception("flush of block %d of file %d failed", index, self.file_id)
+            self._fail(TectonicError(f"internal error flushing block {index}: {e!r}"))
+        finally:
+            self.client.buffers.release(buf, self._charge)
+            self._end(index)
+
+    async def _commit(self, index: int, gen: int, info: BlockInfo) -> None:
+        lock = self._commit_locks.setdefault(index, trio.Lock())
+        async with lock:
+            if self._aborted or self._error is not None:
+                return
+            if gen < self._committed_gen.get(index, 0):
+                return  # a newer version of this block is already committed
+            await self.client.meta.commit_blocks(self.file_id, self.token, [info])
+            self._committed_gen[index] = gen
+            old = self._committed.get(index)
+            if old is not None:
+                self.client.cache.discard(old.block_id)
+            self._committed[index] = info
+
+    def _begin(self, index: int) -> None:
+        self._inflight[index] = self._inflight.get(index, 0) + 1
+
+    def _end(self, index: int) -> None:
+        left = self._inflight[index] - 1
+        if left:
+            self._inflight[index] = left
+        else:
+            del self._inflight[index]
+        self._idle.unpark_all()
+
+    async def _wait_index(self, index: int) -> None:
+        while index in self._inflight:
+            await self._idle.park()
+
+    async def _drain(self) -> None:
+        while self._inflight:
+            await self._idle.park()
+
+
+# --- readers -----------------------------------------------------------------------------------
+
+
+class FileReader:
+    """An open file being read: its block list fetched once, readahead for sequential reads."""
+
+    def __init__(self, client: TectonicClient, attrs: Attrs, blocks: dict[int, BlockInfo]) -> None:
+        self.client = client
+        self.attrs = attrs
+        self.file_id = attrs.id
+        self.size = attrs.size
+        self.layout = Layout(ECPolicy.parse(attrs.ec), attrs.chunk_size)
+        self._blocks = blocks
+        self._pos = 0
+        self._last_end = -1
+
+    async def pread(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)``, short at EOF, zeros in holes."""
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"bad read range {offset}+{length}")
+        length = max(0, min(length, self.size - offset))
+        out = bytearray(length)
+        view = memoryview(out)
+        sequential = offset == self._last_end
+        self._last_end = offset + length
+        bs = self.layout.block_size
+        for piece in self.layout.pieces(offset, length):
+            info = self._blocks.get(piece.block_index)
+            if info is None:
+                continue
+            avail = max(0, min(piece.length, info.data_len - piece.block_offset))
+            if not avail:
+                continue
+            dst = view[piece.out_offset : piece.out_offset + avail]
+            if sequential or avail >= bs // 2:
+                data = await self.client.read_block(info)
+                dst[:] = data[piece.block_offset : piece.block_offset + avail]
+            else:
+                await self.client.read_range(info, piece.block_offset, dst)
+        if sequential and length and self.client.readahead_blocks:
+            last = self.layout.block_of(offset + length - 1)
+            ahead = [
+                self._blocks[i]
+                for i in range(last + 1, last + 1 + self.client.readahead_blocks)
+                if i in self._blocks
+            ]
+            self.client.prefetch(ahead)
+        return bytes(out)
+
+    async def read(self, n: int = -1) -> bytes:
+        """Sequential read from the current position, with readahead."""
+        if n < 0:
+            n = max(0, self.size - self._pos)
+        if self._pos == 0 and self._last_end == -1:
+            self._last_end = 0
+        data = await self.pread(self._pos, n)
+        self._pos += len(data)
+        return data
+
+    def seek(self, pos: int) -> None:
+        if pos < 0:
+            raise InvalidArgument(f"negative position {pos}")
+        self._pos = pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    async def aclose(self) -> None:
+        self._blocks = {}
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _normpath(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidName(f"path {path!r} must be absolute (start with '/')")
+    parts = [p for p in path.split("/") if p and p != "."]
+    if ".." in parts:
+        raise InvalidName(f"path {path!r} may not contain '..'")
+    return "/" + "/".join(parts)
+
+
+def _split(path: str) -> tuple[str, str]:
+    if path == "/":
+        raise InvalidName("the root directory has no name")
+    parent, _, name = path.rpartition("/")
+    return parent or "/", name
+
+
+@asynccontextmanager
+async def open_client(
+    cluster: ClusterConfig | str | os.PathLike[str], **tuning: Any
+) -> AsyncIterator[TectonicClient]:
+    """Connect to a cluster (a ``ClusterConfig`` or the path of its cluster file)."""
+    from metadata.client import MetadataClient
+
+    config = cluster if isinstance(cluster, ClusterConfig) else cluster_file.load(cluster)
+    async with open_service_nursery() as nursery:
+        meta = MetadataClient(config, nursery=nursery)
+        client = TectonicClient(config, meta, nursery, **tuning)
+        try:
+            yield client
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+                await meta.aclose()
+            nursery.cancel_scope.cancel()

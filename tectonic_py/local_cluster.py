@@ -1,0 +1,417 @@
+"""A whole tectonic-py cluster on one machine, as subprocesses: tests, ``tectonic cluster up``,
+the FUSE tests and the load test all start clusters through this one piece of library code.
+
+Layout under ``root``::
+
+    secret                 the cluster secret (created on first use, mode 0600)
+    cluster.toml           the cluster file clients use (rewritten on every start)
+    state.json             ports of every daemon, so a restart reuses them when free
+    metadata/N/            data directory of metadata server N
+    chunks/N/              data directory of chunk store N (node id ``csN``)
+    logs/*.log             stdout and stderr of every daemon
+    run/*.ready            ready files the daemons write once serving
+
+Every daemon is ``python -m tectonic_py.cli metadata|chunkstore ...`` in its own session
+(so a Ctrl-C in a terminal reaches only the supervisor), and the launcher waits for its
+``--ready-file``. ``stop`` signals only the PIDs it started: SIGTERM, then SIGKILL after a
+timeout. Restarting on the same root brings back all data, on the same ports when free.
+
+Why subprocesses rather than in-process daemons: fault injection by ``kill -9`` is the point
+of many tests, and a subprocess is what production runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tectonic_py import cluster_file
+from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import ConfigError, Timeout
+
+log = logging.getLogger(__name__)
+
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+def _port_free(port: int) -> bool:
+    if not port:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+class _Daemon:
+    """One subprocess we started, its ready file and its log."""
+
+    def __init__(self, name: str, ready_file: Path, log_file: Path) -> None:
+        self.name = name
+        self.ready_file = ready_file
+        self.log_file = log_file
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, argv: list[str]) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(_PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        with open(self.log_file, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=str(_PROJECT_ROOT),
+                env=env,
+            )
+
+    def wait_ready(self, deadline: float) -> str:
+        assert self.proc is not None
+        while True:
+            if self.ready_file.exists():
+                try:
+                    info = json.loads(self.ready_file.read_text())
+                    self.address = str(info["address"])
+                    return self.address
+                except (ValueError, KeyError, OSError):
+                    pass  # written atomically, but be lenient with a half-visible file
+            if self.proc.poll() is not None:
+                raise ConfigError(
+                    f"{self.name} exited with status {self.proc.returncode} before it was ready; "
+                    f"log {self.log_file}:\n{self._log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise Timeout(f"{self.name} not ready in time; log {self.log_file}:\n"
+                              f"{self._log_tail()}")
+            time.sleep(0.05)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.running:
+            assert self.proc is not None
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(30)
+
+
+class LocalCluster:
+    """Metadata servers and chunk stores under one directory. See the module docstring."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        chunkstores: int = 9,
+        metadata_servers: int = 2,
+        shards: int = 64,
+        ec: str = "rs-6-3",
+        failure_domains: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        node_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        start_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+        chunkstore_args: list[str] | None = None,
+        metadata_args: list[str] | None = None,
+    ) -> None:
+        if chunkstores < 1 or metadata_servers < 1 or not 1 <= shards <= 65536:
+            raise ConfigError("need at least one chunk store and one metadata server")
+        if metadata_servers > shards:
+            raise ConfigError(f"{metadata_servers} metadata servers for only {shards} shards")
+        ECPolicy.parse(ec)
+        if failure_domains is not None and not 1 <= failure_domains <= chunkstores:
+            raise ConfigError(f"failure_domains must be 1..{chunkstores}")
+        self.root = Path(root).resolve()
+        self.chunkstore_count = chunkstores
+        self.metadata_count = metadata_servers
+        self.shards = shards
+        self.ec = ec
+        self.failure_domains = failure_domains
+        self.chunk_size = chunk_size
+        self.node_timeout = node_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.chunkstore_args = list(chunkstore_args or [])
+        self.metadata_args = list(metadata_args or [])
+        self._meta: list[_Daemon] = []
+        self._chunk: list[_Daemon] = []
+        self._ports: dict[str, int] = {}
+        self.config: ClusterConfig | None = None
+
+    # --- paths ---------------------------------------------------------------------------------
+
+    @property
+    def cluster_file(self) -> Path:
+        return self.root / "cluster.toml"
+
+    @property
+    def secret_file(self) -> Path:
+        return self.root / "secret"
+
+    def chunkstore_dir(self, i: int) -> Path:
+        return self.root / "chunks" / str(i)
+
+    def metadata_dir(self, i: int) -> Path:
+        return self.root / "metadata" / str(i)
+
+    def node_id(self, i: int) -> str:
+        return f"cs{i}"
+
+    def failure_domain(self, i: int) -> str:
+        return f"fd{i if self.failure_domains is None else i % self.failure_domains}"
+
+    def shards_of(self, i: int) -> list[int]:
+        lo = i * self.shards // self.metadata_count
+        hi = (i + 1) * self.shards // self.metadata_count
+        return list(range(lo, hi))
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> ClusterConfig:
+        """Start (or restart) every daemon and write ``cluster.toml``; returns its config."""
+        for sub in ("metadata", "chunks", "logs", "run"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        if not self.secret_file.exists():
+            tmp = self.secret_file.with_suffix(".tmp")
+            tmp.write_bytes(secrets.token_hex(32).encode())
+            tmp.chmod(0o600)
+            os.replace(tmp, self.secret_file)
+        self._load_state()
+        if not self._meta:
+            self._meta = [self._daemon(f"metadata-{i}") for i in range(self.metadata_count)]
+        if not self._chunk:
+            self._chunk = [self._daemon(f"chunkstore-{i}") for i in range(self.chunkstore_count)]
+        try:
+            deadline = time.monotonic() + self.start_timeout
+            for i in range(self.metadata_count):
+                if not self._meta[i].running:
+                    self._spawn_metadata(i)
+            for i in range(self.metadata_count):
+                self._ports[f"metadata-{i}"] = self._port(self._meta[i].wait_ready(deadline))
+            self._write_config()
+            for i in range(len(self._chunk)):
+                if not self._chunk[i].running:
+                    self._spawn_chunkstore(i)
+            for i in range(len(self._chunk)):
+                self._ports[f"chunkstore-{i}"] = self._port(self._chunk[i].wait_ready(deadline))
+            self._save_state()
+        except BaseException:
+            self.stop()
+            raise
+        assert self.config is not None
+        return self.config
+
+    def stop(self) -> None:
+        """SIGTERM every daemon we started, SIGKILL the ones still there after a timeout."""
+        daemons = [d for d in self._chunk + self._meta if d.running]
+        for d in daemons:
+            d.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for d in daemons:
+            if not d.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("%s ignored SIGTERM; killing it", d.name)
+                d.kill()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def pids(self) -> list[int]:
+        return [d.proc.pid for d in self._meta + self._chunk if d.running and d.proc]
+
+    def chunkstore_pids(self) -> list[int | None]:
+        return [d.proc.pid if d.running and d.proc else None for d in self._chunk]
+
+    @property
+    def chunkstores(self) -> int:
+        return len(self._chunk)
+
+    def kill_chunkstore(self, i: int) -> None:
+        """kill -9 chunk store ``i`` (fault injection); its data stays on disk."""
+        self._chunk[i].kill()
+
+    def stop_chunkstore(self, i: int) -> None:
+        d = self._chunk[i]
+        d.signal(signal.SIGTERM)
+        if not d.wait(self.stop_timeout):
+            d.kill()
+
+    def start_chunkstore(self, i: int) -> str:
+        """(Re)start chunk store ``i`` with the same node id, data dir and port when free."""
+        if not self._chunk[i].running:
+            self._spawn_chunkstore(i)
+        addr = self._chunk[i].wait_ready(time.monotonic() + self.start_timeout)
+        self._ports[f"chunkstore-{i}"] = self._port(addr)
+        self._save_state()
+        return addr
+
+    def add_chunkstore(self) -> int:
+        i = len(self._chunk)
+        self._chunk.append(self._daemon(f"chunkstore-{i}"))
+        self.chunkstore_count = len(self._chunk)
+        self.start_chunkstore(i)
+        return i
+
+    def kill_metadata(self, i: int) -> None:
+        self._meta[i].kill()
+
+    def start_metadata(self, i: int) -> str:
+        """Restart metadata server ``i`` on its port (the cluster file names that port)."""
+        if not self._meta[i].running:
+            self._spawn_metadata(i, require_same_port=True)
+        addr = self._meta[i].wait_ready(time.monotonic() + self.start_timeout)
+        self._ports[f"metadata-{i}"] = self._port(addr)
+        return addr
+
+    def metadata_address(self, i: int) -> str:
+        return self._meta[i].address
+
+    def chunkstore_address(self, i: int) -> str:
+        return self._chunk[i].address
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _daemon(self, name: str) -> _Daemon:
+        return _Daemon(name, self.root / "run" / f"{name}.ready", self.root / "logs" / f"{name}.log")
+
+    @staticmethod
+    def _port(address: str) -> int:
+        return int(address.rpartition(":")[2])
+
+    def _listen(self, name: str, require_same_port: bool = False) -> str:
+        port = self._ports.get(name, 0)
+        if port and not _port_free(port):
+            if require_same_port:
+                raise ConfigError(f"{name}: port {port} is taken; cannot restart on it")
+            port = 0
+        return f"{HOST}:{port}"
+
+    def _cli(self) -> list[str]:
+        return [sys.executable, "-m", "tectonic_py.cli"]
+
+    def _spawn_metadata(self, i: int, require_same_port: bool = False) -> None:
+        d = self._meta[i]
+        data = self.metadata_dir(i)
+        data.mkdir(parents=True, exist_ok=True)
+        shards = self.shards_of(i)
+        argv = self._cli() + [
+            "metadata",
+            "--data-dir", str(data),
+            "--listen", self._listen(d.name, require_same_port),
+            "--shards", f"{shards[0]}-{shards[-1]}",
+            "--total-shards", str(self.shards),
+            "--secret-file", str(self.secret_file),
+            "--ready-file", str(d.ready_file),
+            "--node-timeout", str(self.node_timeout),
+            *self.metadata_args,
+        ]
+        d.spawn(argv)
+
+    def _spawn_chunkstore(self, i: int) -> None:
+        d = self._chunk[i]
+        data = self.chunkstore_dir(i)
+        data.mkdir(parents=True, exist_ok=True)
+        assert self.config is not None
+        argv = self._cli() + [
+            "chunkstore",
+            "--data-dir", str(data),
+            "--listen", self._listen(d.name),
+            "--node-id", self.node_id(i),
+            "--failure-domain", self.failure_domain(i),
+            "--secret-file", str(self.secret_file),
+            "--registry", self.config.registry_address,
+            "--heartbeat-interval", str(self.heartbeat_interval),
+            "--ready-file", str(d.ready_file),
+            *self.chunkstore_args,
+        ]
+        d.spawn(argv)
+
+    def _write_config(self) -> None:
+        self.config = ClusterConfig(
+            name="local",
+            secret_file=self.secret_file,
+            shards=self.shards,
+            metadata_servers=[
+                MetadataServer(self._meta[i].address, self.shards_of(i))
+                for i in range(self.metadata_count)
+            ],
+            default_ec=self.ec,
+            chunk_size=self.chunk_size,
+            path=self.cluster_file,
+        )
+        self.config.write(self.cluster_file)
+
+    def _load_state(self) -> None:
+        path = self.root / "state.json"
+        try:
+            state: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        ports = state.get("ports", {})
+        if isinstance(ports, dict):
+            self._ports.update({str(k): int(v) for k, v in ports.items()})
+        n = int(state.get("chunkstores", 0))
+        if n > self.chunkstore_count:
+            self.chunkstore_count = n
+
+    def _save_state(self) -> None:
+        path = self.root / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"ports": self._ports, "chunkstores": len(self._chunk)}))
+        os.replace(tmp, path)
+
+
+def load_config(root: str | os.PathLike[str]) -> ClusterConfig:
+    """The config of a local cluster started under ``root``."""
+    return cluster_file.load(Path(root) / "cluster.toml")
