@@ -152,11 +152,15 @@ async def _send_all(sock: trio.socket.SocketType, data: Buffer) -> None:
         view = view[n:]
 
 
+# Drained bytes are thrown away, so every drain in the process shares this one buffer (all
+# receives run on the event loop thread): a burst of refused puts costs no memory per request.
+_DRAIN_SCRATCH = memoryview(bytearray(MiB))
+
+
 async def _drain(sock: trio.socket.SocketType, n: int) -> None:
-    scratch = memoryview(bytearray(min(n, MiB) or 1))
     while n > 0:
-        k = min(n, len(scratch))
-        await _recv_exactly(sock, scratch[:k])
+        k = min(n, len(_DRAIN_SCRATCH))
+        await _recv_exactly(sock, _DRAIN_SCRATCH[:k])
         n -= k
 
 
