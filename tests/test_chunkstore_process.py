@@ -1,0 +1,225 @@
+"""Chunk store as a real process: kill -9 after acknowledged puts, a 1,000-connection burst
+with the daemon's memory measured, and the benchmark's smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+
+from chunkstore.client import ChunkClient
+from tectonic_py import capability, ids, wire
+from tectonic_py.errors import Busy, TectonicError, Unavailable
+
+REPO = Path(__file__).resolve().parent.parent
+NODE = "node-p"
+KiB, MiB = 1024, 1024 * 1024
+
+
+class Daemon:
+    """A `tectonic chunkstore` subprocess; always ended by its own pid."""
+
+    def __init__(self, data_dir: Path, secret_file: Path, *extra: str) -> None:
+        self.data_dir, self.secret_file, self.extra = data_dir, secret_file, extra
+        self.ready = data_dir.parent / f"{data_dir.name}.ready.json"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        self.ready.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tectonic_py.cli", "chunkstore", "--data-dir",
+             str(self.data_dir), "--listen", "127.0.0.1:0", "--node-id", NODE,
+             "--failure-domain", "rack-p", "--secret-file", str(self.secret_file),
+             "--ready-file", str(self.ready), *self.extra],
+            cwd=REPO,
+        )
+        for _ in range(600):  # bounded: 30 s
+            if self.ready.exists():
+                info = json.loads(self.ready.read_text())
+                assert info["pid"] == self.proc.pid
+                self.port = int(info["address"].rsplit(":", 1)[1])
+                return self.port
+            assert self.proc.poll() is None, f"chunk store exited with {self.proc.returncode}"
+            await trio.sleep(0.05)
+        raise AssertionError("chunk store did not become ready")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def daemons():
+    started: list[Daemon] = []
+    yield started
+    for d in started:
+        d.stop()
+
+
+@asynccontextmanager
+async def open_client(port: int, secret: bytes):
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        yield ChunkClient(conn)
+
+
+def new_chunk(secret: bytes) -> tuple[str, bytes]:
+    block = ids.new_id()
+    return ids.chunk_id(block, 0), capability.issue(secret, block, [NODE])
+
+
+def payload(n: int, seed: int) -> bytes:
+    return seed.to_bytes(4, "big") * (n // 4) + b"\x00" * (n % 4)
+
+
+async def test_kill9_after_acknowledged_puts_loses_nothing(tmp_path, secret, secret_file, daemons):
+    daemon = Daemon(tmp_path / "data", secret_file)
+    daemons.append(daemon)
+    port = await daemon.start()
+    acked: dict[str, bytes] = {}
+    attempted: dict[str, bytes] = {}
+    first_of_wave = trio.Event()
+
+    async def put(c: ChunkClient, size: int, seed: int, wave2: bool) -> None:
+        cid, cap = new_chunk(secret)
+        data = payload(size, seed)
+        attempted[cid] = data
+        try:
+            await c.put(cid, data, cap)
+        except Unavailable:
+            assert wave2  # only puts in flight at the kill may fail
+            return
+        acked[cid] = data
+        if wave2:
+            first_of_wave.set()
+
+    async with open_client(port, secret) as c:
+        async with trio.open_nursery() as n:
+            for i in range(40):
+                n.start_soon(put, c, (i * 37 * KiB) % (2 * MiB), i, False)
+        assert len(acked) == 40
+        # A second wave of larger chunks, killed mid-flight: some are acknowledged, some
+        # half written, some not started.
+        async with trio.open_nursery() as n:
+            for i in range(24):
+                n.start_soon(put, c, 4 * MiB, 100 + i, True)
+            await first_of_wave.wait()
+            daemon.kill9()
+    assert 41 <= len(acked) < 64
+
+    await daemon.start()
+    assert not list(daemon.data_dir.rglob(".tmp-*"))  # no partial chunk survives restart
+    async with open_client(daemon.port, secret) as c:
+        listed = dict(await c.list_all(page=17))
+        assert set(acked) <= set(listed) <= set(attempted)
+        for cid in listed:  # acknowledged or not, whatever is visible is whole
+            assert bytes(await c.get(cid)) == attempted[cid]
+            assert listed[cid] == len(attempted[cid])
+        stats = await c.node_stats()
+        assert stats.chunk_count == len(listed)
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def _peak_rss(pid: int) -> int:
+    """The kernel's high-water mark of resident memory (VmHWM), so no peak is missed."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_burst_of_1000_connections_all_succeed_or_busy_memory_bounded(
+    tmp_path, secret, secret_file, daemons
+):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2200:
+        pytest.skip(f"needs 2,200 descriptors, hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2200), hard))
+    budget = 8 * MiB
+    daemon = Daemon(tmp_path / "data", secret_file, "--payload-budget", str(budget),
+                    "--max-queued", "64", "--max-concurrent-writes", "4")
+    daemons.append(daemon)
+    try:
+        port = await daemon.start()
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        async with open_client(port, secret) as c:  # warm up: one put/get, so imports are paid
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(512 * KiB, 1), cap)
+            await c.delete(cid)
+        baseline = _rss(pid)
+        size, clients = 512 * KiB, 1000
+        data = payload(size, 7)
+        ok: list[str] = []
+        busy: list[str] = []
+        other: list[BaseException] = []
+
+        async def one() -> None:
+            cid, cap = new_chunk(secret)
+            try:
+                async with open_client(port, secret) as c:
+                    await c.put(cid, data, cap, checksum=crc)
+                ok.append(cid)
+            except Busy:
+                busy.append(cid)
+            except TectonicError as e:
+                other.append(e)
+
+        from tectonic_py.checksum import checksum
+
+        crc = checksum(data)
+        with trio.fail_after(240):
+            async with trio.open_nursery() as n:
+                for _ in range(clients):
+                    n.start_soon(one)
+        peak = _peak_rss(pid)
+        assert not other, other[:3]
+        assert len(ok) + len(busy) == clients and ok
+        async with open_client(port, secret) as c:
+            listed = dict(await c.list_all())
+            assert set(listed) == set(ok)  # every acknowledged put is there; no refused one is
+            for cid in ok[:: max(len(ok) // 50, 1)]:
+                assert bytes(await c.get(cid)) == data
+            stats = await c.node_stats()
+            assert stats.chunk_count == len(ok) and stats.queue_depth == 0
+        growth = peak - baseline
+        print(f"burst: {len(ok)} stored, {len(busy)} busy; daemon RSS {baseline / MiB:.0f} MiB"
+              f" -> peak {peak / MiB:.0f} MiB (+{growth / MiB:.0f} MiB) for"
+              f" {clients * size / MiB:.0f} MiB offered, payload budget {budget / MiB:.0f} MiB")
+        # Bounded: the payload budget plus per-connection state, far below what was offered.
+        assert growth < budget + 56 * MiB
+        assert daemon.proc.poll() is None
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_bench_smoke(tmp_path):
+    """The benchmark runs end to end on tiny sizes, so it cannot rot."""
+    r = subprocess.run(
+        [sys.executable, "bench/bench_chunkstore.py", "--smoke", "--dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ratio" in r.stdout and "put" in r.stdout and "get" in r.stdout
