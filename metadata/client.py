@@ -9,17 +9,82 @@ ShardUnavailable, NoSpace, ...). Operations that span layers (create = File laye
 the file's shard + Name layer entry in the directory's shard; commit = Block layer in the
 block's shard + File layer append in the file's shard) are sequenced here so that a crash
 between steps leaves only garbage that is collected later, never a visible half-done state.
+
+Routing: shard = ``shard_of(key, S)``; Name-layer calls go to ``shard_of(dir_id)``, File-layer
+calls to ``shard_of(file_id)``, Block-layer calls to ``shard_of(block_id)``. New files,
+directories and blocks go to a shard picked at random (spreading a burst of creates from a
+thousand ranks over every server); that shard draws the id (so ids need no central counter).
+
+Sequencing across shards (what a crash in the middle leaves):
+
+* create/mkdir: File record (unnamed) -> Name entry [-> link, mkdir only: marks it named; a
+  file is marked named by its seal]. Crash: an unnamed record, found by ``file.orphans``.
+* unlink: Name entry removed -> File record unlinked (blocks queued for GC). Crash: a named
+  record no entry reaches; the GC's mark-and-sweep finds it. Never a dangling name.
+* rmdir: directory killed in its own shard (emptiness checked atomically, creates refused) ->
+  Name entry removed -> record dropped. Crash: a dead, empty directory still listed; rmdir
+  again completes it.
+* rename: one transaction when both directories share a shard; else the intent protocol of
+  metadata/name_layer.py (both names briefly visible, never neither).
+* commit_blocks: Block layer commit -> File layer append. Crash: a committed block no file
+  references (GC), never a file pointing at an uncommitted block.
+
+Directory policies (EC scheme and chunk size that new files inherit) are cached for
+``DIR_POLICY_TTL_S``: a policy change reaches other clients' new files within that time.
+
+Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and replaced when
+broken. Requests that are safe to repeat (reads) are retried on a lost connection; mutations
+are retried only when the request never left (connect failed), because a mutation whose reply
+was lost may have committed. ``Busy`` (admission control, a pinned rename) is retried with
+backoff a bounded number of times. A server that cannot be reached is ``ShardUnavailable``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import trio
 
-from metadata.model import Attrs, BlockGrant, BlockInfo, DirEntry, NodeInfo
-from tectonic_py.cluster_file import ClusterConfig
+from metadata.model import KIND_DIR, KIND_FILE, Attrs, BlockGrant, BlockInfo, DirEntry, NodeInfo
+from metadata.name_layer import validate_name
+from tectonic_py import wire
+from tectonic_py.cluster_file import REGISTRY_SHARD, ClusterConfig
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import (
+    Busy,
+    DirectoryNotEmpty,
+    FileExists,
+    FileNotFound,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+    ShardUnavailable,
+    TectonicError,
+    Unavailable,
+)
+from tectonic_py.ids import ROOT_ID, shard_of
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+POOL_SIZE = 4
+DIR_POLICY_TTL_S = 2.0
+BUSY_RETRIES = 50
+CONNECT_RETRIES = 3
+CALL_TIMEOUT_S = 120.0
+RENAME_DEADLINE_S = 30.0
+_READ_OPS = frozenset(
+    {
+        "name.lookup", "name.list", "name.intents", "file.get", "file.blocks", "file.getxattr",
+        "file.listxattr", "file.orphans", "file.gc_blocks", "block.locate", "block.by_node",
+        "node.list", "node.place", "server.stats",
+    }
+)
 
 
 class MetadataClient:
@@ -27,29 +92,172 @@ class MetadataClient:
 
     def __init__(self, config: ClusterConfig, *, nursery: trio.Nursery) -> None:
         self.config = config
-        raise NotImplementedError
+        self._nursery = nursery
+        self._secret = config.secret()
+        self._shard_addr = {
+            s: server.address for server in config.metadata_servers for s in server.shards
+        }
+        self._pools: dict[str, list[wire.Connection | None]] = {}
+        self._pool_locks: dict[tuple[str, int], trio.Lock] = {}
+        self._next = 0
+        self._dir_policy: dict[int, tuple[float, str, int]] = {}
+        self._node_cache: dict[str, NodeInfo] = {}
+        self._rng = random.Random()
+        self._closed = False
 
     async def aclose(self) -> None:
-        raise NotImplementedError
+        self._closed = True
+        pools, self._pools = self._pools, {}
+        with trio.CancelScope(shield=True):
+            for pool in pools.values():
+                for conn in pool:
+                    if conn is not None:
+                        await conn.aclose()
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    async def _connection(self, address: str) -> wire.Connection:
+        pool = self._pools.setdefault(address, [None] * POOL_SIZE)
+        self._next = (self._next + 1) % POOL_SIZE
+        slot = self._next
+        conn = pool[slot]
+        if conn is not None and conn.broken is None:
+            return conn
+        lock = self._pool_locks.setdefault((address, slot), trio.Lock())
+        async with lock:
+            conn = pool[slot]
+            if conn is not None and conn.broken is None:
+                return conn
+            if self._closed:
+                raise ShardUnavailable("the metadata client is closed")
+            host, port = wire.parse_address(address)
+            conn = await wire.Connection.connect(host, port, self._secret, nursery=self._nursery)
+            pool[slot] = conn
+            return conn
+
+    async def _call(self, address: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        idempotent = op in _READ_OPS
+        attempt = busy = 0
+        while True:
+            sent = False
+            try:
+                with trio.fail_after(CALL_TIMEOUT_S):
+                    conn = await self._connection(address)
+                    sent = True
+                    resp = await conn.call(op, fields)
+                return resp.fields
+            except trio.TooSlowError:
+                raise ShardUnavailable(f"metadata server {address}: {op} timed out") from None
+            except Busy:
+                busy += 1
+                if busy > BUSY_RETRIES:
+                    raise
+                await trio.sleep(min(0.005 * busy, 0.2) * (0.5 + self._rng.random()))
+            except Unavailable as e:
+                attempt += 1
+                if attempt >= CONNECT_RETRIES or (sent and not idempotent):
+                    raise ShardUnavailable(
+                        f"metadata server {address} unavailable during {op}: {e.message}"
+                    ) from None
+                await trio.sleep(0.05 * attempt)
+
+    async def _shard(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        fields["shard"] = shard
+        return await self._call(self._shard_addr[shard], op, fields)
+
+    def _of(self, key: int) -> int:
+        return shard_of(key, self.config.shards)
+
+    async def _registry(self, op: str, **fields: Any) -> dict[str, Any]:
+        return await self._call(self._shard_addr[REGISTRY_SHARD], op, fields)
+
+    async def _gather(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+        """Run jobs concurrently; raise the first domain error (never an exception group)."""
+        results: list[Any] = [None] * len(jobs)
+        errors: list[TectonicError] = []
+
+        async def run(i: int, job: Callable[[], Awaitable[T]]) -> None:
+            try:
+                results[i] = await job()
+            except TectonicError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for i, job in enumerate(jobs):
+                nursery.start_soon(run, i, job)
+        if errors:
+            raise errors[0]
+        return results
 
     # --- Name layer (+ File layer records of new entries) ----------------------------------
 
     async def lookup(self, dir_id: int, name: str) -> Attrs:
         """Attrs of the child ``name`` of ``dir_id``; FileNotFound if absent."""
-        raise NotImplementedError
+        validate_name(name)
+        r = await self._shard(self._of(dir_id), "name.lookup", dir=dir_id, name=name)
+        if "attrs" in r:
+            return Attrs.from_wire(r["attrs"])
+        return await self.getattr(r["id"])
 
     async def getattr(self, file_id: int) -> Attrs:
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.get", id=file_id)
+        attrs = Attrs.from_wire(r["attrs"])
+        if attrs.is_dir:
+            self._dir_policy[file_id] = (time.monotonic() + DIR_POLICY_TTL_S, attrs.ec, attrs.chunk_size)
+        return attrs
 
     async def resolve(self, path: str) -> Attrs:
         """Walk an absolute path ('/a/b') from the root directory."""
-        raise NotImplementedError
+        if not path.startswith("/"):
+            raise InvalidArgument(f"not an absolute path: {path!r}")
+        attrs = await self.getattr(ROOT_ID)
+        for part in (p for p in path.split("/") if p):
+            if not attrs.is_dir:
+                raise NotADirectory(f"{part!r}: a component before it is not a directory")
+            attrs = await self.lookup(attrs.id, part)
+        return attrs
+
+    async def _policy(self, dir_id: int) -> tuple[str, int]:
+        cached = self._dir_policy.get(dir_id)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1], cached[2]
+        attrs = await self.getattr(dir_id)
+        if not attrs.is_dir:
+            raise NotADirectory(f"{dir_id} is not a directory")
+        return attrs.ec, attrs.chunk_size
+
+    async def _new_record(
+        self, dir_id: int, name: str, kind: str, mode: int, uid: int, gid: int, ec: str | None
+    ) -> tuple[Attrs, int]:
+        """File record in a random shard, then the Name entry; undo the record on failure."""
+        validate_name(name)
+        dir_ec, chunk_size = await self._policy(dir_id)
+        policy = ECPolicy.parse(ec or dir_ec).name
+        shard = self._rng.randrange(self.config.shards)
+        r = await self._shard(
+            shard, "file.create", kind=kind, mode=mode, uid=uid, gid=gid, ec=policy,
+            chunk_size=chunk_size, parent=dir_id, name=name,
+        )
+        attrs = Attrs.from_wire(r["attrs"])
+        try:
+            await self._shard(
+                self._of(dir_id), "name.insert", dir=dir_id, name=name, id=attrs.id, kind=kind
+            )
+        except TectonicError:
+            try:
+                await self._shard(shard, "file.drop", id=attrs.id)
+            except TectonicError as e:
+                log.info("record %d left for orphan GC: %s", attrs.id, e)
+            raise
+        return attrs, r["token"]
 
     async def mkdir(
         self, dir_id: int, name: str, *, mode: int = 0o755, uid: int = 0, gid: int = 0
     ) -> Attrs:
         """New directory; inherits the parent's EC policy. FileExists if the name is taken."""
-        raise NotImplementedError
+        attrs, _ = await self._new_record(dir_id, name, KIND_DIR, mode, uid, gid, None)
+        await self._shard(self._of(attrs.id), "file.link", id=attrs.id, parent=dir_id, name=name)
+        return attrs
 
     async def create(
         self,
@@ -67,24 +275,122 @@ class MetadataClient:
         The EC policy is ``ec`` or the directory's. With ``exclusive=False`` an existing file
         of that name is opened for writing and truncated to zero (O_CREAT|O_TRUNC) instead.
         """
-        raise NotImplementedError
+        for _ in range(3):
+            if not exclusive:
+                try:
+                    existing = await self.lookup(dir_id, name)
+                except FileNotFound:
+                    pass
+                else:
+                    if existing.is_dir:
+                        raise IsADirectory(f"{name!r} is a directory")
+                    token = await self.open_for_write(existing.id, truncate=True)
+                    return await self.getattr(existing.id), token
+            try:
+                return await self._new_record(dir_id, name, KIND_FILE, mode, uid, gid, ec)
+            except FileExists:
+                if exclusive:
+                    raise
+        raise FileExists(f"{name!r} keeps appearing and disappearing; giving up")
 
     async def readdir(
         self, dir_id: int, after: str = "", limit: int = 1000
     ) -> tuple[list[DirEntry], str | None]:
         """One page of entries sorted by name, strictly after ``after``; next cursor or None."""
-        raise NotImplementedError
+        r = await self._shard(self._of(dir_id), "name.list", dir=dir_id, after=after, limit=limit)
+        entries = [DirEntry(name=n, id=i, kind=k) for n, i, k in r["entries"]]
+        return entries, r["next"]
 
     async def unlink(self, dir_id: int, name: str) -> int:
         """Remove a file's name; its blocks are queued for GC. Returns the file's id."""
-        raise NotImplementedError
+        validate_name(name)
+        r = await self._shard(self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_FILE)
+        file_id: int = r["id"]
+        await self._release(file_id, KIND_FILE)
+        return file_id
+
+    async def _release(self, file_id: int, kind: str) -> None:
+        """The last name of a record is gone: unlink the file or drop the dead directory. If
+        its shard cannot be reached the record is left for the GC, never surfaced as an error:
+        the name is already gone and that is what the caller asked for."""
+        try:
+            if kind == KIND_DIR:
+                await self._shard(self._of(file_id), "file.drop", id=file_id)
+            else:
+                await self._shard(self._of(file_id), "file.unlink", id=file_id)
+        except TectonicError as e:
+            log.warning("record %d left for GC after its name was removed: %s", file_id, e)
 
     async def rmdir(self, dir_id: int, name: str) -> None:
-        raise NotImplementedError
+        validate_name(name)
+        r = await self._shard(self._of(dir_id), "name.lookup", dir=dir_id, name=name)
+        child, kind = r["id"], r["kind"]
+        if kind != KIND_DIR:
+            raise NotADirectory(f"{name!r} is not a directory")
+        try:
+            await self._shard(self._of(child), "file.kill_dir", id=child)
+        except FileNotFound:
+            pass  # killed by an rmdir that did not finish: complete it
+        await self._shard(
+            self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_DIR, expect_id=child
+        )
+        self._dir_policy.pop(child, None)
+        await self._release(child, KIND_DIR)
 
     async def rename(self, src_dir: int, src_name: str, dst_dir: int, dst_name: str) -> None:
         """Atomic within one directory, also over an existing file; crash-safe across."""
-        raise NotImplementedError
+        validate_name(src_name)
+        validate_name(dst_name)
+        replace_dir = 0
+        for _ in range(3):
+            try:
+                result = await self._rename_once(src_dir, src_name, dst_dir, dst_name, replace_dir)
+                break
+            except DirectoryNotEmpty:
+                if replace_dir:
+                    raise
+                victim = await self.lookup(dst_dir, dst_name)
+                entries, _ = await self.readdir(victim.id, limit=1)
+                if entries:
+                    raise DirectoryNotEmpty(f"{dst_name!r} is not empty") from None
+                replace_dir = victim.id
+        else:
+            raise DirectoryNotEmpty(f"{dst_name!r} changed during rename")
+        if result["victim_id"]:
+            await self._release(result["victim_id"], result["victim_kind"])
+        child = result["id"]
+        try:
+            await self._shard(self._of(child), "file.link", id=child, parent=dst_dir, name=dst_name)
+        except TectonicError as e:
+            log.info("rename: could not refresh the name hint of %d: %s", child, e)
+
+    async def _rename_once(
+        self, src_dir: int, src_name: str, dst_dir: int, dst_name: str, replace_dir: int
+    ) -> dict[str, Any]:
+        src_shard, dst_shard = self._of(src_dir), self._of(dst_dir)
+        if src_shard == dst_shard:
+            return await self._shard(
+                src_shard, "name.rename", src_dir=src_dir, src_name=src_name, dst_dir=dst_dir,
+                dst_name=dst_name, replace_dir=replace_dir,
+            )
+        deadline = time.time_ns() + int(RENAME_DEADLINE_S * 1e9)
+        prep = await self._shard(
+            src_shard, "name.rename_prepare", src_dir=src_dir, src_name=src_name,
+            dst_dir=dst_dir, dst_name=dst_name, dst_address=self._shard_addr[dst_shard],
+            deadline_ns=deadline,
+        )
+        try:
+            applied = await self._shard(
+                dst_shard, "name.rename_apply", dst_dir=dst_dir, dst_name=dst_name, id=prep["id"],
+                kind=prep["kind"], deadline_ns=deadline, replace_dir=replace_dir,
+            )
+        except ShardUnavailable:
+            raise  # the intent stays; the recovery pass settles it after the deadline
+        except TectonicError:
+            await self._shard(src_shard, "name.rename_finish", intent=prep["intent"], applied=False)
+            raise
+        await self._shard(src_shard, "name.rename_finish", intent=prep["intent"], applied=True)
+        return {"id": prep["id"], "kind": prep["kind"], **applied}
 
     async def setattr(
         self,
@@ -98,38 +404,68 @@ class MetadataClient:
         ec: str | None = None,
     ) -> Attrs:
         """Change attributes; ``ec`` on a directory sets the policy new files inherit."""
-        raise NotImplementedError
+        changes = {"mode": mode, "uid": uid, "gid": gid, "atime_ns": atime_ns,
+                   "mtime_ns": mtime_ns, "ec": ec}
+        r = await self._shard(
+            self._of(file_id), "file.setattr", id=file_id,
+            **{k: v for k, v in changes.items() if v is not None},
+        )
+        self._dir_policy.pop(file_id, None)
+        return Attrs.from_wire(r["attrs"])
 
     async def getxattr(self, file_id: int, name: str) -> bytes:
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.getxattr", id=file_id, name=name)
+        return bytes(r["value"])
 
     async def setxattr(self, file_id: int, name: str, value: bytes) -> None:
-        raise NotImplementedError
+        await self._shard(self._of(file_id), "file.setxattr", id=file_id, name=name, value=bytes(value))
 
     async def listxattr(self, file_id: int) -> list[str]:
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.listxattr", id=file_id)
+        return list(r["names"])
 
     async def removexattr(self, file_id: int, name: str) -> None:
-        raise NotImplementedError
+        await self._shard(self._of(file_id), "file.removexattr", id=file_id, name=name)
 
     # --- File layer: the write path -------------------------------------------------------
 
     async def open_for_write(self, file_id: int, *, truncate: bool = False) -> int:
         """Take (steal) the writer token; unseals the file. Returns the new token."""
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.open", id=file_id, truncate=truncate)
+        return int(r["token"])
 
     async def renew_lease(self, file_id: int, token: int) -> None:
-        raise NotImplementedError
+        await self._shard(self._of(file_id), "file.renew", id=file_id, token=token)
 
     async def allocate_block(self, file_id: int, token: int, ec: str, hedge: int = 2) -> BlockGrant:
-        """A new block id plus k+m+hedge placed nodes and a capability token."""
-        raise NotImplementedError
+        """A new block id plus k+m+hedge placed nodes and a capability token.
+
+        The writer token is checked when the block is committed, not here: a fenced writer
+        can only waste an allocation, which the GC reclaims."""
+        policy = ECPolicy.parse(ec)
+        r = await self._registry("node.place", count=policy.n + max(hedge, 0), minimum=policy.n)
+        nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
+        for n in nodes:
+            self._node_cache[n.node_id] = n
+        shard = self._rng.randrange(self.config.shards)
+        a = await self._shard(
+            shard, "block.allocate", file_id=file_id, ec=policy.name,
+            nodes=[n.node_id for n in nodes],
+        )
+        return BlockGrant(block_id=a["block_id"], nodes=nodes, capability=a["capability"])
 
     async def more_nodes(
         self, block_id: int, exclude: Sequence[str], count: int
     ) -> BlockGrant:
         """Replacement nodes for a block whose chunk writes failed (same block id)."""
-        raise NotImplementedError
+        r = await self._registry("node.place", count=count, minimum=count, exclude=list(exclude))
+        nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
+        for n in nodes:
+            self._node_cache[n.node_id] = n
+        g = await self._shard(
+            self._of(block_id), "block.grant", block_id=block_id, nodes=[n.node_id for n in nodes]
+        )
+        return BlockGrant(block_id=block_id, nodes=nodes, capability=g["capability"])
 
     async def commit_blocks(self, file_id: int, token: int, blocks: Sequence[BlockInfo]) -> None:
         """Commit blocks (Block layer) and put them at their ``file_index`` in the file.
@@ -137,45 +473,160 @@ class MetadataClient:
         A block at an index that already has one replaces it (the old block is queued for
         GC). StaleWriterToken if another writer took the file since ``token`` was issued.
         """
-        raise NotImplementedError
+        if not blocks:
+            return
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for b in blocks:
+            by_shard.setdefault(self._of(b.block_id), []).append(b.to_wire())
+
+        def job(shard: int, items: list[dict[str, Any]]) -> Callable[[], Awaitable[Any]]:
+            return lambda: self._shard(shard, "block.commit", file_id=file_id, blocks=items)
+
+        await self._gather([job(s, items) for s, items in by_shard.items()])
+        await self._shard(
+            self._of(file_id), "file.commit", id=file_id, token=token,
+            entries=[[b.file_index, b.block_id] for b in blocks],
+        )
 
     async def seal(self, file_id: int, token: int, size: int) -> Attrs:
         """Set the final size, release the writer token and seal the file."""
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.seal", id=file_id, token=token, size=size)
+        return Attrs.from_wire(r["attrs"])
 
     async def set_size(self, file_id: int, token: int, size: int) -> Attrs:
         """Change the size of a file being written (truncate or grow sparse); blocks wholly
         past the new size are dropped and queued for GC."""
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.set_size", id=file_id, token=token, size=size)
+        return Attrs.from_wire(r["attrs"])
 
     # --- Read path -----------------------------------------------------------------------------
 
     async def block_list(self, file_id: int) -> list[BlockInfo]:
         """Every committed block of the file, sorted by file_index, with chunk placements
         (addresses filled in from the registry)."""
-        raise NotImplementedError
+        r = await self._shard(self._of(file_id), "file.blocks", id=file_id)
+        pairs = [(int(i), int(b)) for i, b in r["blocks"]]
+        infos = await self.locate_blocks([b for _, b in pairs])
+        for (index, _), info in zip(pairs, infos):
+            info.file_index = index
+        return sorted(infos, key=lambda i: i.file_index)
 
     async def locate_blocks(self, block_ids: Sequence[int]) -> list[BlockInfo]:
         """Block layer records of the given blocks (grouped per shard), addresses filled in."""
-        raise NotImplementedError
+        ids = list(block_ids)
+        if not ids:
+            return []
+        by_shard: dict[int, list[int]] = {}
+        for b in ids:
+            by_shard.setdefault(self._of(b), []).append(b)
+
+        def job(shard: int, group: list[int]) -> Callable[[], Awaitable[Any]]:
+            return lambda: self._shard(shard, "block.locate", ids=group)
+
+        shards = list(by_shard.items())
+        replies = await self._gather([job(s, g) for s, g in shards])
+        found: dict[int, BlockInfo] = {}
+        for reply in replies:
+            for data in reply["blocks"]:
+                info = BlockInfo.from_wire(data)
+                found[info.block_id] = info
+        await self._fill_addresses(found.values())
+        return [found[b] for b in ids]
+
+    async def _fill_addresses(self, infos: Any) -> None:
+        infos = list(infos)
+        if any(c.node_id not in self._node_cache for i in infos for c in i.chunks):
+            await self.nodes()
+        for info in infos:
+            for c in info.chunks:
+                node = self._node_cache.get(c.node_id)
+                c.address = node.address if node is not None else ""
 
     async def blocks_on_node(self, node_id: str) -> list[tuple[int, int]]:
         """(block_id, chunk_index) of every committed chunk on a node: the reverse index,
         gathered from every block shard (repair and ``tectonic status`` use it)."""
-        raise NotImplementedError
+
+        def job(shard: int) -> Callable[[], Awaitable[list[tuple[int, int]]]]:
+            async def run() -> list[tuple[int, int]]:
+                out: list[tuple[int, int]] = []
+                after = 0
+                for _ in range(1_000_000):
+                    r = await self._shard(
+                        shard, "block.by_node", node_id=node_id, after=after, limit=10_000
+                    )
+                    chunks = [(int(b), int(i)) for b, i in r["chunks"]]
+                    out.extend(chunks)
+                    if len(chunks) < 10_000:
+                        break
+                    # A page may end inside one block's chunks: refetch from that block.
+                    last = chunks[-1][0]
+                    out = [c for c in out if c[0] != last]
+                    after = last - 1
+                return out
+
+            return run
+
+        results = await self._gather([job(s) for s in range(self.config.shards)])
+        merged = sorted({c for part in results for c in part})
+        return merged
 
     async def replace_chunk(
         self, block_id: int, index: int, old_node: str, new_node: str, checksum: int
     ) -> None:
         """Point one chunk of a committed block at a new node (repair, rebalance), keeping
         the reverse index in step; refused if the chunk is no longer on ``old_node``."""
-        raise NotImplementedError
+        await self._shard(
+            self._of(block_id), "block.replace_chunk", block_id=block_id, index=index,
+            old_node=old_node, new_node=new_node, checksum=checksum,
+        )
 
     # --- Node registry ----------------------------------------------------------------------
 
     async def nodes(self) -> list[NodeInfo]:
-        raise NotImplementedError
+        r = await self._registry("node.list")
+        nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
+        self._node_cache = {n.node_id: n for n in nodes}
+        return nodes
 
     async def statfs(self) -> dict[str, Any]:
         """Cluster capacity: {"capacity", "free", "files"...} from the registry."""
-        raise NotImplementedError
+        nodes = await self.nodes()
+        up = [n for n in nodes if n.state == "up"]
+        stats = await self._gather(
+            [
+                (lambda a=s.address: self._call(a, "server.stats", {}))
+                for s in self.config.metadata_servers
+            ]
+        )
+        return {
+            "capacity": sum(n.capacity for n in up),
+            "free": sum(n.free for n in up),
+            "nodes": len(nodes),
+            "nodes_up": len(up),
+            "files": sum(int(s["files"]) for s in stats),
+        }
+
+    # --- Garbage collection support (for the GC service) -----------------------------------
+
+    async def collect_orphans(self, grace_s: float, *, limit: int = 1000) -> int:
+        """Delete File records that no Name entry reaches, created over ``grace_s`` ago
+        (creates interrupted between the File record and the Name entry). A record whose
+        intended name does point at it is marked named instead. Returns how many went."""
+        cutoff = time.time_ns() - int(grace_s * 1e9)
+        collected = 0
+        for shard in range(self.config.shards):
+            r = await self._shard(shard, "file.orphans", older_than_ns=cutoff, limit=limit)
+            for o in r["orphans"]:
+                try:
+                    found = await self._shard(
+                        self._of(o["parent"]), "name.lookup", dir=o["parent"], name=o["name"]
+                    )
+                    named = found["id"] == o["id"]
+                except (FileNotFound, NotADirectory):
+                    named = False
+                if named:
+                    await self._shard(shard, "file.link", id=o["id"], parent=o["parent"], name=o["name"])
+                else:
+                    d = await self._shard(shard, "file.collect_orphan", id=o["id"])
+                    collected += bool(d["deleted"])
+        return collected

@@ -1,0 +1,212 @@
+"""Block layer: ``block_id -> (ec, chunk_len, data_len, [(index, node_id, checksum)])`` and the
+reverse index ``(node_id, block_id) -> index``, sharded by block_id.
+
+Pure functions over a shard's ``sqlite3.Connection``.
+
+Lifecycle: ``allocate`` records a block as ``allocated`` (its file, the granted nodes and the
+time), so the GC service can find chunks of writes that were aborted before commit;
+``commit`` turns it ``committed`` with its chunk placements and reverse-index rows in the
+same transaction. A committed block is immutable except for ``replace_chunk`` (repair and
+rebalance move one chunk to another node), which keeps the reverse index in step.
+
+commit_blocks ordering (client side): Block layer first, File layer append second. A crash
+between the two leaves a committed block no file references: garbage the GC finds by
+checking ``file_id``/``file_index`` against the File layer after a grace period; never a file
+pointing at a block that is not committed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import msgpack
+
+from metadata.model import BlockInfo, ChunkPlacement
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import FileNotFound, InvalidArgument, TectonicError
+from tectonic_py.ids import MAX_CHUNK_INDEX, NODE_ID_RE, new_id, shard_of
+
+MAX_CHUNK_LEN = 256 * 1024 * 1024
+
+
+def draw_block_id(conn: sqlite3.Connection, shard: int, total_shards: int) -> int:
+    for _ in range(200 * total_shards + 1000):
+        candidate = new_id()
+        if shard_of(candidate, total_shards) != shard:
+            continue
+        if conn.execute("SELECT 1 FROM blocks WHERE block_id = ?", (candidate,)).fetchone() is None:
+            return candidate
+    raise TectonicError(f"could not draw a free block id in shard {shard}")
+
+
+def allocate(
+    conn: sqlite3.Connection,
+    shard: int,
+    total_shards: int,
+    file_id: int,
+    ec: str,
+    nodes: list[str],
+    now_ns: int,
+) -> int:
+    policy = ECPolicy.parse(ec)
+    block_id = draw_block_id(conn, shard, total_shards)
+    conn.execute(
+        "INSERT INTO blocks (block_id, state, ec, chunk_len, data_len, file_id, file_index, nodes,"
+        " allocated_ns) VALUES (?, 'allocated', ?, 0, 0, ?, -1, ?, ?)",
+        (block_id, policy.name, file_id, msgpack.packb(nodes), now_ns),
+    )
+    return block_id
+
+
+def grant_more(conn: sqlite3.Connection, block_id: int, nodes: list[str]) -> list[str]:
+    """Add nodes to an allocated block's grant; returns the whole grant (for the capability)."""
+    row = conn.execute("SELECT state, nodes FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+    if row is None:
+        raise FileNotFound(f"no block {block_id:016x}")
+    if row[0] != "allocated":
+        raise InvalidArgument(f"block {block_id:016x} is already committed")
+    granted = list(msgpack.unpackb(row[1]))
+    granted += [n for n in nodes if n not in granted]
+    conn.execute("UPDATE blocks SET nodes = ? WHERE block_id = ?", (msgpack.packb(granted), block_id))
+    return granted
+
+
+def validate_info(info: BlockInfo) -> None:
+    policy = ECPolicy.parse(info.ec)
+    if not 0 <= info.chunk_len <= MAX_CHUNK_LEN:
+        raise InvalidArgument(f"chunk_len {info.chunk_len} out of range")
+    if not 0 <= info.data_len <= policy.k * info.chunk_len:
+        raise InvalidArgument(f"data_len {info.data_len} exceeds k*chunk_len")
+    if info.file_index < 0:
+        raise InvalidArgument("file_index must be >= 0")
+    seen = set()
+    for c in info.chunks:
+        if not 0 <= c.index < min(policy.n, MAX_CHUNK_INDEX + 1) or c.index in seen:
+            raise InvalidArgument(f"chunk index {c.index} invalid or repeated for {info.ec}")
+        if not isinstance(c.node_id, str) or not NODE_ID_RE.match(c.node_id):
+            raise InvalidArgument(f"invalid node id {c.node_id!r}")
+        if not isinstance(c.checksum, int) or not 0 <= c.checksum < 2**32:
+            raise InvalidArgument("chunk checksum must be a 32-bit unsigned integer")
+        seen.add(c.index)
+    if len(seen) < policy.k:
+        raise InvalidArgument(f"a block needs at least k={policy.k} chunks, got {len(seen)}")
+
+
+def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
+    """Commit one block. Idempotent for a retry with the same placement."""
+    validate_info(info)
+    row = conn.execute(
+        "SELECT state, file_id FROM blocks WHERE block_id = ?", (info.block_id,)
+    ).fetchone()
+    if row is None:
+        raise FileNotFound(f"block {info.block_id:016x} was never allocated")
+    if row[1] != file_id:
+        raise InvalidArgument(f"block {info.block_id:016x} belongs to another file")
+    if row[0] == "committed":
+        existing = locate(conn, [info.block_id])[0]
+        same = sorted((c.index, c.node_id, c.checksum) for c in existing.chunks) == sorted(
+            (c.index, c.node_id, c.checksum) for c in info.chunks
+        )
+        if same and existing.data_len == info.data_len:
+            return
+        raise InvalidArgument(f"block {info.block_id:016x} is committed with other contents")
+    conn.execute(
+        "UPDATE blocks SET state = 'committed', ec = ?, chunk_len = ?, data_len = ?, file_index = ?"
+        " WHERE block_id = ?",
+        (ECPolicy.parse(info.ec).name, info.chunk_len, info.data_len, info.file_index, info.block_id),
+    )
+    conn.executemany(
+        "INSERT INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
+        [(info.block_id, c.index, c.node_id, c.checksum) for c in info.chunks],
+    )
+    conn.executemany(
+        "INSERT INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
+        [(c.node_id, info.block_id, c.index) for c in info.chunks],
+    )
+
+
+def locate(conn: sqlite3.Connection, block_ids: list[int]) -> list[BlockInfo]:
+    out = []
+    for bid in block_ids:
+        row = conn.execute(
+            "SELECT ec, chunk_len, data_len, file_index FROM blocks"
+            " WHERE block_id = ? AND state = 'committed'",
+            (bid,),
+        ).fetchone()
+        if row is None:
+            raise FileNotFound(f"no committed block {bid:016x}")
+        chunks = [
+            ChunkPlacement(index=r[0], node_id=r[1], checksum=r[2])
+            for r in conn.execute(
+                "SELECT idx, node_id, checksum FROM block_chunks WHERE block_id = ? ORDER BY idx",
+                (bid,),
+            )
+        ]
+        out.append(
+            BlockInfo(
+                block_id=bid, ec=row[0], chunk_len=row[1], data_len=row[2], chunks=chunks,
+                file_index=row[3],
+            )
+        )
+    return out
+
+
+def by_node(
+    conn: sqlite3.Connection, node_id: str, after: int, limit: int
+) -> list[tuple[int, int]]:
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            "SELECT block_id, idx FROM node_blocks WHERE node_id = ? AND block_id > ?"
+            " ORDER BY block_id, idx LIMIT ?",
+            (node_id, after, limit),
+        )
+    ]
+
+
+def replace_chunk(
+    conn: sqlite3.Connection, block_id: int, index: int, old_node: str, new_node: str, checksum: int
+) -> None:
+    if not NODE_ID_RE.match(new_node):
+        raise InvalidArgument(f"invalid node id {new_node!r}")
+    row = conn.execute(
+        "SELECT node_id FROM block_chunks WHERE block_id = ? AND idx = ?", (block_id, index)
+    ).fetchone()
+    if row is None:
+        raise FileNotFound(f"block {block_id:016x} has no committed chunk {index}")
+    if row[0] != old_node:
+        raise InvalidArgument(
+            f"chunk {index} of block {block_id:016x} is on {row[0]!r}, not {old_node!r}"
+        )
+    conn.execute(
+        "UPDATE block_chunks SET node_id = ?, checksum = ? WHERE block_id = ? AND idx = ?",
+        (new_node, checksum, block_id, index),
+    )
+    conn.execute(
+        "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
+        (old_node, block_id, index),
+    )
+    conn.execute(
+        "INSERT OR REPLACE INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
+        (new_node, block_id, index),
+    )
+
+
+def info_from_wire(data: Any) -> BlockInfo:
+    if not isinstance(data, dict):
+        raise InvalidArgument("a block must be a map")
+    try:
+        info = BlockInfo.from_wire(data)
+        for name in ("block_id", "chunk_len", "data_len", "file_index"):
+            value = getattr(info, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+                raise InvalidArgument(f"block field {name!r} invalid")
+        if not isinstance(info.ec, str):
+            raise InvalidArgument("block field 'ec' invalid")
+        for c in info.chunks:
+            if not isinstance(c.index, int) or isinstance(c.index, bool):
+                raise InvalidArgument("chunk index must be an integer")
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
+        raise InvalidArgument(f"malformed block record: {e}") from None
+    return info

@@ -1,0 +1,380 @@
+"""File layer: ``file_id -> attrs`` and ``(file_id, index) -> block_id``, sharded by file_id.
+
+Pure functions over a shard's ``sqlite3.Connection``. Directories are File-layer records too
+(kind ``dir``: their attrs, the EC policy new files inherit), always in ``shard_of(id)``.
+
+Ids: a new record's id is drawn here, by the shard that will own it, at random among the ids
+that hash to this shard, and checked unused in the same transaction. The client picks the
+shard (at random, to spread a burst of creates over all servers) and never draws ids itself.
+
+Writer tokens: ``open_for_write`` (and create) issues a fresh random token with a lease
+(``lease_ns``); a second writer steals the file by taking a new token, and every later commit,
+seal, set_size or renew carrying the old token is refused with ``StaleWriterToken``: the first
+writer is fenced. A writer's lease lets the GC service recover a file whose writer died.
+
+Orphans: a create writes this record first (``named = 0``, with the intended parent and name
+as a hint) and the Name entry second, in another shard. A crash between the two leaves a
+record nobody can reach; ``orphans()`` lists unnamed records older than a grace period so the
+GC can check the hint against the Name layer and ``collect_orphan`` what is not named. Seal
+and rename mark a record named, so a file that was fully written is never collected.
+
+Unlinked files: ``unlink`` sets ``nlink = 0``. Without a live writer the record goes at once
+and its blocks are queued in ``gc_blocks``; with one (POSIX: an open file stays usable), the
+record stays until the writer seals, and is collected then.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from metadata.model import KIND_DIR, KIND_FILE, Attrs
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import (
+    FileNotFound,
+    FileSealed,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+    StaleWriterToken,
+    TectonicError,
+    XattrNotFound,
+)
+from tectonic_py.ids import new_id, shard_of
+
+MAX_XATTR_NAME = 255
+MAX_XATTR_VALUE = 64 * 1024
+MAX_XATTRS = 128
+
+
+_COLS = (
+    "id, kind, size, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, sealed, ec, chunk_size,"
+    " nlink, writer_token, lease_ns"
+)
+
+
+def _row_to_attrs(row: tuple[Any, ...], now_ns: int) -> Attrs:
+    (fid, kind, size, mode, uid, gid, at, mt, ct, sealed, ec, cs, nlink, token, lease) = row
+    return Attrs(
+        id=fid, kind=kind, size=size, mode=mode, uid=uid, gid=gid, atime_ns=at, mtime_ns=mt,
+        ctime_ns=ct, sealed=bool(sealed), ec=ec, chunk_size=cs, nlink=nlink,
+        writer=bool(token) and lease > now_ns,
+    )
+
+
+def _row(conn: sqlite3.Connection, file_id: int) -> tuple[Any, ...]:
+    row = conn.execute(f"SELECT {_COLS} FROM files WHERE id = ?", (file_id,)).fetchone()
+    if row is None or (row[1] == KIND_DIR and row[12] == 0):
+        raise FileNotFound(f"no file or directory {file_id}")
+    return row
+
+
+def get(conn: sqlite3.Connection, file_id: int, now_ns: int) -> Attrs:
+    return _row_to_attrs(_row(conn, file_id), now_ns)
+
+
+def draw_id(conn: sqlite3.Connection, shard: int, total_shards: int) -> int:
+    """A fresh id that hashes to ``shard`` and is unused here (bounded: ~S tries expected)."""
+    for _ in range(200 * total_shards + 1000):
+        candidate = new_id()
+        if shard_of(candidate, total_shards) != shard:
+            continue
+        if conn.execute("SELECT 1 FROM files WHERE id = ?", (candidate,)).fetchone() is None:
+            return candidate
+    raise TectonicError(f"could not draw a free id in shard {shard}")
+
+
+def create(
+    conn: sqlite3.Connection,
+    shard: int,
+    total_shards: int,
+    spec: dict[str, Any],
+    now_ns: int,
+    lease_ns: int,
+    file_id: int = 0,
+) -> tuple[Attrs, int]:
+    """A new, not yet named record; a file also gets its writer token. ``file_id`` is given
+    only for the root directory (fixed id)."""
+    kind = spec["kind"]
+    if kind not in (KIND_FILE, KIND_DIR):
+        raise InvalidArgument(f"unknown kind {kind!r}")
+    ECPolicy.parse(spec["ec"])
+    fid = file_id or draw_id(conn, shard, total_shards)
+    token = new_id() if kind == KIND_FILE else 0
+    conn.execute(
+        "INSERT INTO files (id, kind, size, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, sealed,"
+        " ec, chunk_size, nlink, writer_token, lease_ns, named, parent_id, name, created_ns)"
+        " VALUES (?, ?, 0, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            fid, kind, spec["mode"], spec["uid"], spec["gid"], now_ns, now_ns, now_ns,
+            spec["ec"], spec["chunk_size"], 2 if kind == KIND_DIR else 1, token,
+            now_ns + lease_ns if token else 0, 1 if file_id else 0, spec.get("parent", 0),
+            spec.get("name", ""), now_ns,
+        ),
+    )
+    return get(conn, fid, now_ns), token
+
+
+def _writable(conn: sqlite3.Connection, file_id: int, token: int) -> tuple[Any, ...]:
+    row = _row(conn, file_id)
+    if row[1] == KIND_DIR:
+        raise IsADirectory(f"{file_id} is a directory")
+    if token == 0 or row[13] != token:
+        if row[9] and row[13] == 0:
+            raise FileSealed(f"file {file_id} is sealed")
+        raise StaleWriterToken(f"file {file_id} was opened for writing by another writer")
+    return row
+
+
+def _queue_gc(conn: sqlite3.Connection, block_ids: list[int], now_ns: int) -> None:
+    conn.executemany(
+        "INSERT OR IGNORE INTO gc_blocks (block_id, queued_ns) VALUES (?, ?)",
+        [(b, now_ns) for b in block_ids],
+    )
+
+
+def _drop_blocks_from(conn: sqlite3.Connection, file_id: int, first_index: int, now_ns: int) -> None:
+    ids = [
+        r[0]
+        for r in conn.execute(
+            "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx >= ?", (file_id, first_index)
+        )
+    ]
+    _queue_gc(conn, ids, now_ns)
+    conn.execute("DELETE FROM file_blocks WHERE file_id = ? AND idx >= ?", (file_id, first_index))
+
+
+def _delete_record(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
+    _drop_blocks_from(conn, file_id, 0, now_ns)
+    conn.execute("DELETE FROM xattrs WHERE file_id = ?", (file_id,))
+    conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+
+
+def open_for_write(
+    conn: sqlite3.Connection, file_id: int, truncate: bool, now_ns: int, lease_ns: int
+) -> int:
+    """Steal the writer token (fencing any earlier writer) and unseal."""
+    row = _row(conn, file_id)
+    if row[1] == KIND_DIR:
+        raise IsADirectory(f"{file_id} is a directory")
+    token = new_id()
+    if truncate:
+        _drop_blocks_from(conn, file_id, 0, now_ns)
+    conn.execute(
+        "UPDATE files SET writer_token = ?, lease_ns = ?, sealed = 0,"
+        " size = CASE WHEN ? THEN 0 ELSE size END,"
+        " mtime_ns = CASE WHEN ? THEN ? ELSE mtime_ns END, ctime_ns = ? WHERE id = ?",
+        (token, now_ns + lease_ns, truncate, truncate, now_ns, now_ns, file_id),
+    )
+    return token
+
+
+def renew_lease(
+    conn: sqlite3.Connection, file_id: int, token: int, now_ns: int, lease_ns: int
+) -> None:
+    _writable(conn, file_id, token)
+    conn.execute("UPDATE files SET lease_ns = ? WHERE id = ?", (now_ns + lease_ns, file_id))
+
+
+def commit_blocks(
+    conn: sqlite3.Connection,
+    file_id: int,
+    token: int,
+    entries: list[tuple[int, int]],
+    now_ns: int,
+) -> None:
+    """Put blocks at their indexes; a replaced block is queued for GC."""
+    _writable(conn, file_id, token)
+    for index, block_id in entries:
+        old = conn.execute(
+            "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
+        ).fetchone()
+        if old is not None and old[0] != block_id:
+            _queue_gc(conn, [old[0]], now_ns)
+        conn.execute(
+            "INSERT OR REPLACE INTO file_blocks (file_id, idx, block_id) VALUES (?, ?, ?)",
+            (file_id, index, block_id),
+        )
+    conn.execute("UPDATE files SET mtime_ns = ? WHERE id = ?", (now_ns, file_id))
+
+
+def _bytes_per_block(row: tuple[Any, ...]) -> int:
+    return ECPolicy.parse(row[10]).k * row[11]
+
+
+def set_size(
+    conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int
+) -> Attrs:
+    row = _writable(conn, file_id, token)
+    per_block = _bytes_per_block(row)
+    first_gone = -(-size // per_block)  # blocks starting at or past the new size
+    _drop_blocks_from(conn, file_id, first_gone, now_ns)
+    conn.execute(
+        "UPDATE files SET size = ?, mtime_ns = ?, ctime_ns = ? WHERE id = ?",
+        (size, now_ns, now_ns, file_id),
+    )
+    return get(conn, file_id, now_ns)
+
+
+def seal(
+    conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int
+) -> Attrs:
+    """Final size, writer token released, sealed, and marked named (the create completed).
+    A file unlinked while it was being written is collected here."""
+    row = _writable(conn, file_id, token)
+    per_block = _bytes_per_block(row)
+    _drop_blocks_from(conn, file_id, -(-size // per_block), now_ns)
+    conn.execute(
+        "UPDATE files SET size = ?, sealed = 1, writer_token = 0, lease_ns = 0, named = 1,"
+        " mtime_ns = ?, ctime_ns = ? WHERE id = ?",
+        (size, now_ns, now_ns, file_id),
+    )
+    attrs = get(conn, file_id, now_ns)
+    if row[12] == 0:
+        _delete_record(conn, file_id, now_ns)
+    return attrs
+
+
+def setattr_(conn: sqlite3.Connection, file_id: int, changes: dict[str, Any], now_ns: int) -> Attrs:
+    _row(conn, file_id)
+    allowed = ("mode", "uid", "gid", "atime_ns", "mtime_ns", "ec")
+    sets = {k: v for k, v in changes.items() if k in allowed and v is not None}
+    if "ec" in sets:
+        sets["ec"] = ECPolicy.parse(sets["ec"]).name
+    if sets:
+        assigns = ", ".join(f"{k} = ?" for k in sets)
+        conn.execute(
+            f"UPDATE files SET {assigns}, ctime_ns = ? WHERE id = ?",
+            (*sets.values(), now_ns, file_id),
+        )
+    return get(conn, file_id, now_ns)
+
+
+def link(conn: sqlite3.Connection, file_id: int, parent: int, name: str) -> None:
+    """The record is reachable by (parent, name): not an orphan; keep the hint current."""
+    conn.execute(
+        "UPDATE files SET named = 1, parent_id = ?, name = ? WHERE id = ?", (parent, name, file_id)
+    )
+
+
+def unlink(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
+    """The file lost its name: collect it now, or when its live writer seals."""
+    row = conn.execute(
+        "SELECT kind, writer_token, lease_ns FROM files WHERE id = ?", (file_id,)
+    ).fetchone()
+    if row is None:
+        return
+    if row[0] == KIND_DIR:
+        raise IsADirectory(f"{file_id} is a directory")
+    if row[1] and row[2] > now_ns:
+        conn.execute("UPDATE files SET nlink = 0, named = 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id))
+        return
+    _delete_record(conn, file_id, now_ns)
+
+
+def kill_dir(conn: sqlite3.Connection, dir_id: int, expect_empty: bool = True) -> None:
+    """rmdir step 1, in the directory's own shard: refuse if it has entries, else mark it
+    dead (nlink 0) so no create can enter it; the record is dropped by ``drop``."""
+    from metadata.name_layer import has_entries
+
+    row = _row(conn, dir_id)
+    if row[1] != KIND_DIR:
+        raise NotADirectory(f"{dir_id} is not a directory")
+    if expect_empty and has_entries(conn, dir_id):
+        from tectonic_py.errors import DirectoryNotEmpty
+
+        raise DirectoryNotEmpty(f"directory {dir_id} is not empty")
+    conn.execute("UPDATE files SET nlink = 0 WHERE id = ?", (dir_id,))
+
+
+def drop(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
+    """Delete a record whatever its state (rmdir's last step, a dead directory's remains)."""
+    _delete_record(conn, file_id, now_ns)
+
+
+def blocks(conn: sqlite3.Connection, file_id: int) -> list[tuple[int, int]]:
+    _row(conn, file_id)
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            "SELECT idx, block_id FROM file_blocks WHERE file_id = ? ORDER BY idx", (file_id,)
+        )
+    ]
+
+
+# --- xattrs (small: a handful per file, values up to 64 KiB) -----------------------------------
+
+
+def _check_xattr_name(name: str) -> None:
+    if not name or len(name.encode()) > MAX_XATTR_NAME or "\x00" in name:
+        raise InvalidArgument(f"invalid xattr name {name!r}")
+
+
+def getxattr(conn: sqlite3.Connection, file_id: int, name: str) -> bytes:
+    _row(conn, file_id)
+    row = conn.execute(
+        "SELECT value FROM xattrs WHERE file_id = ? AND name = ?", (file_id, name)
+    ).fetchone()
+    if row is None:
+        raise XattrNotFound(f"no xattr {name!r} on {file_id}")
+    return bytes(row[0])
+
+
+def setxattr(conn: sqlite3.Connection, file_id: int, name: str, value: bytes) -> None:
+    _row(conn, file_id)
+    _check_xattr_name(name)
+    if len(value) > MAX_XATTR_VALUE:
+        raise InvalidArgument(f"xattr value over {MAX_XATTR_VALUE} bytes")
+    count = conn.execute("SELECT count(*) FROM xattrs WHERE file_id = ?", (file_id,)).fetchone()[0]
+    exists = conn.execute(
+        "SELECT 1 FROM xattrs WHERE file_id = ? AND name = ?", (file_id, name)
+    ).fetchone()
+    if not exists and count >= MAX_XATTRS:
+        raise InvalidArgument(f"file {file_id} has {MAX_XATTRS} xattrs already")
+    conn.execute(
+        "INSERT OR REPLACE INTO xattrs (file_id, name, value) VALUES (?, ?, ?)",
+        (file_id, name, value),
+    )
+
+
+def listxattr(conn: sqlite3.Connection, file_id: int) -> list[str]:
+    _row(conn, file_id)
+    return [r[0] for r in conn.execute("SELECT name FROM xattrs WHERE file_id = ? ORDER BY name", (file_id,))]
+
+
+def removexattr(conn: sqlite3.Connection, file_id: int, name: str) -> None:
+    _row(conn, file_id)
+    cur = conn.execute("DELETE FROM xattrs WHERE file_id = ? AND name = ?", (file_id, name))
+    if cur.rowcount == 0:
+        raise XattrNotFound(f"no xattr {name!r} on {file_id}")
+
+
+# --- garbage collection support ----------------------------------------------------------------
+
+
+def orphans(conn: sqlite3.Connection, older_than_ns: int, limit: int) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT id, kind, parent_id, name, created_ns FROM files WHERE named = 0 AND created_ns < ?"
+        " ORDER BY created_ns LIMIT ?",
+        (older_than_ns, limit),
+    ).fetchall()
+    return [dict(zip(("id", "kind", "parent", "name", "created_ns"), r)) for r in rows]
+
+
+def collect_orphan(conn: sqlite3.Connection, file_id: int, now_ns: int) -> bool:
+    """Delete a record that is still unnamed and has no live writer; True if deleted."""
+    row = conn.execute(
+        "SELECT named, writer_token, lease_ns FROM files WHERE id = ?", (file_id,)
+    ).fetchone()
+    if row is None or row[0] or (row[1] and row[2] > now_ns):
+        return False
+    _delete_record(conn, file_id, now_ns)
+    return True
+
+
+def gc_blocks(conn: sqlite3.Connection, limit: int) -> list[int]:
+    return [r[0] for r in conn.execute("SELECT block_id FROM gc_blocks ORDER BY queued_ns LIMIT ?", (limit,))]
+
+
+def count_files(conn: sqlite3.Connection) -> int:
+    return conn.execute("SELECT count(*) FROM files").fetchone()[0]

@@ -1,0 +1,39 @@
+"""``tectonic metadata``: run one metadata server process (a set of logical shards)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import trio
+
+from metadata.server import MetadataServer, parse_shard_list
+from tectonic_py.wire import load_secret, parse_address
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("metadata", help="run a metadata server (Name/File/Block shards)")
+    p.add_argument("--data-dir", required=True, help="directory of the shards' SQLite files")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
+    p.add_argument("--shards", required=True, help="logical shards hosted here, e.g. 0-31 or 0,2")
+    p.add_argument("--total-shards", type=int, required=True, help="S, fixed at cluster creation")
+    p.add_argument("--secret-file", required=True)
+    p.add_argument("--ready-file", help="write {address, pid} as JSON here once serving")
+    p.add_argument("--node-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat before a chunk store is down")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    host, port = parse_address(args.listen)
+    server = MetadataServer(
+        args.data_dir,
+        parse_shard_list(args.shards),
+        args.total_shards,
+        load_secret(args.secret_file),
+        node_timeout=args.node_timeout,
+    )
+    trio.run(lambda: server.serve(host, port, ready_file=args.ready_file))
+    return 0

@@ -1,0 +1,93 @@
+"""Node registry (disk inventory): which chunk stores exist, where, and whether they are live.
+
+Served by the metadata server hosting the registry shard (``REGISTRY_SHARD``, 0). A chunk
+store's first heartbeat registers it; registrations (node id, address, failure domain,
+capacity) are persisted in the registry shard's SQLite file through its group commit, but
+only when they change: a heartbeat every second from every node must not cost an fsync each.
+Liveness is in memory: ``last_seen`` of the latest heartbeat; a node silent for longer than
+``node_timeout`` is ``down`` and is never placed on. After a restart every persisted node
+starts with a fresh ``last_seen`` (a grace period of one timeout) so placement works at once;
+a node that is really gone drops out when the grace period ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sqlite3
+import time
+from dataclasses import replace
+from typing import Any
+
+from metadata.model import NodeInfo
+from metadata.shard import ShardStore, now_ns
+from tectonic_py import placement
+from tectonic_py.errors import InvalidArgument
+from tectonic_py.ids import NODE_ID_RE
+from tectonic_py.wire import parse_address
+
+log = logging.getLogger(__name__)
+
+
+def _persist(conn: sqlite3.Connection, node: dict[str, Any], when_ns: int) -> None:
+    conn.execute(
+        "INSERT OR REPLACE INTO nodes (node_id, address, failure_domain, capacity, free,"
+        " registered_ns) VALUES (?, ?, ?, ?, ?, ?)",
+        (node["node_id"], node["address"], node["failure_domain"], node["capacity"],
+         node["free"], when_ns),
+    )
+
+
+class Registry:
+    def __init__(self, store: ShardStore, node_timeout: float) -> None:
+        self.store = store
+        self.node_timeout = node_timeout
+        self._nodes: dict[str, NodeInfo] = {}
+        self._rng = random.Random()
+        start = time.time()
+        for node_id, address, domain, capacity, free, _ in store.reader.execute(
+            "SELECT node_id, address, failure_domain, capacity, free, registered_ns FROM nodes"
+        ):
+            self._nodes[node_id] = NodeInfo(
+                node_id=node_id, address=address, failure_domain=domain, capacity=capacity,
+                free=free, last_seen=start,
+            )
+
+    async def heartbeat(self, fields: dict[str, Any]) -> None:
+        node_id = fields["node_id"]
+        if not NODE_ID_RE.match(node_id):
+            raise InvalidArgument(f"invalid node id {node_id!r}")
+        parse_address(fields["address"])
+        if not fields["failure_domain"] or len(fields["failure_domain"]) > 128:
+            raise InvalidArgument("failure_domain must be 1..128 characters")
+        old = self._nodes.get(node_id)
+        changed = old is None or (old.address, old.failure_domain, old.capacity) != (
+            fields["address"], fields["failure_domain"], fields["capacity"]
+        )
+        if changed:
+            await self.store.write(_persist, fields, now_ns())
+            if old is None:
+                log.info("registered node %s at %s (%s)", node_id, fields["address"],
+                         fields["failure_domain"])
+        self._nodes[node_id] = NodeInfo(
+            node_id=node_id,
+            address=fields["address"],
+            failure_domain=fields["failure_domain"],
+            capacity=fields["capacity"],
+            free=fields["free"],
+            chunk_count=fields["chunk_count"],
+            queue_depth=fields["queue_depth"],
+            last_seen=time.time(),
+        )
+
+    def nodes(self) -> list[NodeInfo]:
+        now = time.time()
+        return [
+            replace(n, state="up" if now - n.last_seen <= self.node_timeout else "down")
+            for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
+        ]
+
+    def place(self, count: int, minimum: int, exclude: list[str]) -> list[NodeInfo]:
+        return placement.place(
+            self.nodes(), count, minimum=minimum, exclude=exclude, rng=self._rng
+        )

@@ -1,0 +1,234 @@
+"""A logical metadata shard: one SQLite file, and group commit of its mutations.
+
+Storage: ``shard-NNNNN.db`` in the server's data directory, WAL mode with
+``synchronous=FULL``, so a committed transaction is on disk (the WAL is fsynced at commit)
+before any reply leaves the server. Every shard holds the tables of all three layers (the
+Name, File and Block layer rows whose keys hash to this shard); the layer modules are pure
+functions over a ``sqlite3.Connection`` and own their tables' meaning.
+
+Group commit: one writer per shard. A mutation is queued with ``await store.write(fn, *args)``;
+the shard's committer task takes *every* queued mutation, applies them in ONE transaction in
+a worker thread (``trio.to_thread.run_sync``: SQLite and fsync never block the event loop),
+commits once (one fsync), and only then wakes each waiter with its own result or its own
+error. Each mutation runs inside its own SAVEPOINT, so one failing operation (a name that
+exists, a stale writer token) is rolled back alone and never fails the rest of the batch.
+A thousand ranks creating files in one directory thus share a handful of fsyncs instead of
+queueing for a thousand.
+
+Reads use a second connection on the event loop's thread: WAL readers never wait for the
+writer, each statement sees the last committed state, and a reply is only sent after its
+write committed, so a client always reads its own writes.
+
+Resource handling: ``ShardStore.run`` is the committer task; it lives in the server's
+nursery. ``close()`` closes both connections after the nursery ended.
+
+Error handling: a failed COMMIT (disk full, I/O error) fails every mutation of the batch
+with ``ShardUnavailable``; nothing of the batch is acknowledged, and SQLite's rollback keeps
+the file consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tectonic_py.errors import ShardUnavailable, TectonicError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MAX_BATCH = 4096
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+
+-- Name layer: (dir_id, name) -> (child_id, kind). Sharded by dir_id.
+CREATE TABLE IF NOT EXISTS names (
+    dir_id INTEGER NOT NULL, name TEXT NOT NULL, child_id INTEGER NOT NULL, kind TEXT NOT NULL,
+    PRIMARY KEY (dir_id, name)) WITHOUT ROWID;
+-- Cross-shard rename intents, kept in the source directory's shard.
+CREATE TABLE IF NOT EXISTS rename_intents (
+    intent_id INTEGER PRIMARY KEY, src_dir INTEGER NOT NULL, src_name TEXT NOT NULL,
+    dst_dir INTEGER NOT NULL, dst_name TEXT NOT NULL, child_id INTEGER NOT NULL,
+    kind TEXT NOT NULL, dst_address TEXT NOT NULL, deadline_ns INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS rename_intents_src ON rename_intents (src_dir, src_name);
+
+-- File layer: file_id -> attrs; (file_id, index) -> block_id. Sharded by file_id.
+CREATE TABLE IF NOT EXISTS files (
+    id INTEGER PRIMARY KEY, kind TEXT NOT NULL, size INTEGER NOT NULL, mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL, gid INTEGER NOT NULL, atime_ns INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, sealed INTEGER NOT NULL,
+    ec TEXT NOT NULL, chunk_size INTEGER NOT NULL, nlink INTEGER NOT NULL,
+    writer_token INTEGER NOT NULL, lease_ns INTEGER NOT NULL,
+    named INTEGER NOT NULL, parent_id INTEGER NOT NULL, name TEXT NOT NULL,
+    created_ns INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS files_unnamed ON files (named, created_ns);
+CREATE TABLE IF NOT EXISTS file_blocks (
+    file_id INTEGER NOT NULL, idx INTEGER NOT NULL, block_id INTEGER NOT NULL,
+    PRIMARY KEY (file_id, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS xattrs (
+    file_id INTEGER NOT NULL, name TEXT NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (file_id, name)) WITHOUT ROWID;
+-- Blocks of deleted/overwritten files, waiting for the GC service.
+CREATE TABLE IF NOT EXISTS gc_blocks (block_id INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL);
+
+-- Block layer: block_id -> scheme, lengths, chunks; reverse index by node. Sharded by block_id.
+CREATE TABLE IF NOT EXISTS blocks (
+    block_id INTEGER PRIMARY KEY, state TEXT NOT NULL, ec TEXT NOT NULL,
+    chunk_len INTEGER NOT NULL, data_len INTEGER NOT NULL, file_id INTEGER NOT NULL,
+    file_index INTEGER NOT NULL, nodes BLOB NOT NULL, allocated_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS block_chunks (
+    block_id INTEGER NOT NULL, idx INTEGER NOT NULL, node_id TEXT NOT NULL,
+    checksum INTEGER NOT NULL, PRIMARY KEY (block_id, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS node_blocks (
+    node_id TEXT NOT NULL, block_id INTEGER NOT NULL, idx INTEGER NOT NULL,
+    PRIMARY KEY (node_id, block_id, idx)) WITHOUT ROWID;
+
+-- Node registry (only used in the registry shard).
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY, address TEXT NOT NULL, failure_domain TEXT NOT NULL,
+    capacity INTEGER NOT NULL, free INTEGER NOT NULL, registered_ns INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=OFF")
+    return conn
+
+
+@dataclass
+class _Mutation:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class ShardStats:
+    batches: int = 0
+    mutations: int = 0
+    largest_batch: int = 0
+
+
+class ShardStore:
+    """One logical shard's durable store with a group-committing writer."""
+
+    def __init__(self, data_dir: Path, shard: int, total_shards: int) -> None:
+        self.shard = shard
+        self.total_shards = total_shards
+        self.path = Path(data_dir) / f"shard-{shard:05d}.db"
+        fresh = not self.path.exists()
+        self._writer = _connect(self.path)
+        self._writer.executescript(SCHEMA)
+        self._check_identity(fresh)
+        self.reader = _connect(self.path)
+        self._queue: list[_Mutation] = []
+        self._has_work = trio.Event()
+        self.stats = ShardStats()
+
+    def _check_identity(self, fresh: bool) -> None:
+        """A shard file records which shard of how many it is: a moved or mislabelled file is
+        refused instead of silently serving the wrong keys."""
+        rows = dict(self._writer.execute("SELECT key, value FROM meta").fetchall())
+        want = {"schema": SCHEMA_VERSION, "shard": self.shard, "total_shards": self.total_shards}
+        if not rows:
+            self._writer.execute("BEGIN IMMEDIATE")
+            self._writer.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)", list(want.items())
+            )
+            self._writer.execute("COMMIT")
+            if fresh:
+                _fsync_dir(self.path.parent)
+            return
+        for key, value in want.items():
+            if rows.get(key) != value:
+                raise ShardUnavailable(
+                    f"{self.path}: {key} is {rows.get(key)!r}, this server expects {value!r}"
+                )
+
+    def read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a read-only layer function on the reader connection (event loop thread)."""
+        return fn(self.reader, *args)
+
+    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Queue one mutation; return its result once the batch holding it is durable."""
+        m = _Mutation(fn, args)
+        self._queue.append(m)
+        self._has_work.set()
+        await m.done.wait()
+        if m.error is not None:
+            raise m.error
+        return m.result
+
+    async def run(self) -> None:
+        """The committer task: forever take all queued mutations and commit them at once."""
+        while True:
+            await self._has_work.wait()
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            if not self._queue:
+                self._has_work = trio.Event()
+            try:
+                await trio.to_thread.run_sync(self._apply, batch)
+            finally:
+                for m in batch:
+                    m.done.set()
+
+    def _apply(self, batch: list[_Mutation]) -> None:
+        conn = self._writer
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for m in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    m.result = m.fn(conn, *m.args)
+                except Exception as e:
+                    if not isinstance(e, TectonicError):
+                        log.exception("shard %d: mutation %s failed", self.shard, m.fn.__name__)
+                    m.error = e
+                    conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            log.error("shard %d: commit of %d mutations failed: %s", self.shard, len(batch), e)
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            err = ShardUnavailable(f"shard {self.shard}: commit failed: {e}")
+            for m in batch:
+                m.result, m.error = None, err
+            return
+        self.stats.batches += 1
+        self.stats.mutations += len(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def now_ns() -> int:
+    return time.time_ns()
