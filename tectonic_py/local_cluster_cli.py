@@ -72,7 +72,7 @@ def _ours(pid: int, root: Path) -> psutil.Process | None:
     """The live process ``pid`` if its command line names ``root``, else None."""
     try:
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
+        if not _alive(proc):
             return None
         cmdline = proc.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -177,7 +177,7 @@ def _watch(pids: list[int]) -> None:
             if pid in reported:
                 continue
             try:
-                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                alive = _alive(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 alive = False
             if not alive:
@@ -245,13 +245,27 @@ def cmd_up(args: argparse.Namespace) -> int:
     return _run_foreground(args, root, detached=args.supervisor)
 
 
+def _alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie: an exited process whose parent has not reaped it yet has
+    stopped as far as we are concerned (psutil.wait_procs would wait on it for nothing)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _terminate(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """SIGTERM each, wait (bounded) for all to exit; the ones still running."""
     for p in procs:
         try:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _alive(p)]
     return alive
 
 

@@ -1,0 +1,169 @@
+"""The ``tectonic`` CLI's promise for user mistakes: one clear line on stderr, a non-zero exit,
+no traceback, and nothing stopped or changed that the user did not ask for.
+
+These run the real entry point (``python -m tectonic_py.cli``) in a subprocess, as a user
+would, without a cluster; tests/test_cli_cluster.py covers the commands against one.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tectonic_py.cluster_file import ClusterConfig, MetadataServer
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tectonic_py.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_cluster_file(tmp_path: Path, secret_file: Path, address: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    ClusterConfig(
+        name="t", secret_file=secret_file, shards=4,
+        metadata_servers=[MetadataServer(address, [0, 1, 2, 3])],
+    ).write(path)  # fmt: skip
+    return path
+
+
+def test_status_missing_cluster_file(tmp_path: Path) -> None:
+    proc = run_cli("status", str(tmp_path / "nope.toml"))
+    assert_one_line_error(proc, "nope.toml", "not found")
+
+
+def test_status_cluster_file_not_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "cluster.toml"
+    bad.write_text("this is [not toml\n")
+    assert_one_line_error(run_cli("status", str(bad)), "not valid TOML")
+
+
+def test_status_cluster_file_missing_field(tmp_path: Path) -> None:
+    bad = tmp_path / "cluster.toml"
+    bad.write_text('name = "x"\n')
+    assert_one_line_error(run_cli("status", str(bad)), "missing or has a bad field")
+
+
+def test_status_unreadable_secret(tmp_path: Path) -> None:
+    path = write_cluster_file(tmp_path, tmp_path / "no-secret", f"127.0.0.1:{closed_port()}")
+    assert_one_line_error(run_cli("status", str(path)), "secret")
+
+
+def test_status_unreachable_servers(tmp_path: Path, secret_file: Path) -> None:
+    path = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    line = assert_one_line_error(run_cli("status", str(path)), "cannot reach")
+    assert "registry" in line
+
+
+def test_status_json_unreachable_is_still_an_error(tmp_path: Path, secret_file: Path) -> None:
+    """--json must not print a half-empty object that a script would take as healthy."""
+    path = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    proc = run_cli("status", "--json", str(path))
+    assert_one_line_error(proc, "cannot reach")
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--ec", "rs-6"], "unknown EC policy"),
+        (["--ec", "rs-40-3"], "1<=k<=32"),
+        (["--ec", "rs-6-3", "--chunkstores", "8"], "--chunkstores >= 9"),
+        (["--chunkstores", "0"], "at least 1"),
+        (["--metadata-servers", "0"], "at least 1"),
+        (["--shards", "0"], "--shards"),
+        (["--shards", "2", "--metadata-servers", "3"], "cannot exceed"),
+        (["--failure-domains", "10"], "--failure-domains"),
+    ],
+)
+def test_cluster_up_bad_layout(tmp_path: Path, args: list[str], needle: str) -> None:
+    root = tmp_path / "c"
+    assert_one_line_error(run_cli("cluster", "up", "--dir", str(root), *args), needle)
+    assert not root.exists(), "a refused layout must not create anything"
+
+
+def test_cluster_up_dir_not_creatable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run_cli("cluster", "up", "--dir", str(blocker / "sub"))
+    assert_one_line_error(proc, "cannot create")
+
+
+def test_cluster_down_nothing_running(tmp_path: Path) -> None:
+    proc = run_cli("cluster", "down", "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "no cluster is running" in proc.stdout
+
+
+def test_cluster_down_malformed_pid_file(tmp_path: Path) -> None:
+    (tmp_path / "cluster.pid").write_text("{not json")
+    assert_one_line_error(run_cli("cluster", "down", "--dir", str(tmp_path)), "unreadable")
+
+
+def _sleeper(*argv: str) -> subprocess.Popen[bytes]:
+    """A stand-in supervisor: a process whose command line may name a cluster directory."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *argv])
+
+
+def test_cluster_up_refuses_a_running_cluster_and_down_stops_it(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    supervisor = _sleeper("--dir", str(root))
+    try:
+        (root / "cluster.pid").write_text(json.dumps({"pid": supervisor.pid, "daemons": []}))
+        line = assert_one_line_error(run_cli("cluster", "up", "--dir", str(root)), "already")
+        assert str(supervisor.pid) in line and "cluster down" in line
+        assert supervisor.poll() is None, "a refused `up` must not touch the running cluster"
+
+        proc = run_cli("cluster", "down", "--dir", str(root))
+        assert proc.returncode == 0, proc.stderr
+        assert supervisor.wait(timeout=30) is not None
+        assert not (root / "cluster.pid").exists()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+
+
+def test_cluster_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
+    """After a crash the pid file may name a PID that now belongs to someone else."""
+    stranger = _sleeper()  # its command line does not name the cluster directory
+    daemon = _sleeper("--data-dir", str(tmp_path / "cs0"))  # a leftover daemon: ours
+    try:
+        (tmp_path / "cluster.pid").write_text(
+            json.dumps({"pid": stranger.pid, "daemons": [stranger.pid, daemon.pid]})
+        )
+        proc = run_cli("cluster", "down", "--dir", str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        assert daemon.wait(timeout=30) is not None, "a leftover daemon must be stopped"
+        assert stranger.poll() is None, "a process that is not ours must never be signalled"
+        assert not (tmp_path / "cluster.pid").exists()
+    finally:
+        for p in (stranger, daemon):
+            p.kill()
+            p.wait()
