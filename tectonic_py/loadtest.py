@@ -259,10 +259,9 @@ class ClientBackend:
             if getattr(e, "code", "") == "enoent":
                 return
             raise
-        for name in entries:
-            name = getattr(name, "name", name)
-            child = f"{path}/{name}"
-            st = await self.client.stat(child)
+        for entry in entries:
+            child = f"{path}/{getattr(entry, 'name', entry)}"
+            st = entry if hasattr(entry, "kind") else await self.client.stat(child)
             if _is_dir(st):
                 await self.remove_tree(child)
             else:
