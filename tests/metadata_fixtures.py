@@ -1,0 +1,54 @@
+"""Helpers for metadata tests: an in-process metadata cluster on 127.0.0.1, port 0."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import trio
+
+from metadata.client import MetadataClient
+from metadata.server import MetadataServer
+from tectonic_py.cluster_file import ClusterConfig
+from tectonic_py.cluster_file import MetadataServer as ServerEntry
+
+
+@dataclass
+class MetaCluster:
+    client: MetadataClient
+    servers: list[MetadataServer]
+    config: ClusterConfig
+
+
+@asynccontextmanager
+async def open_meta_cluster(
+    root: Path, secret_file: Path, *, servers: int = 2, shards: int = 8, node_timeout: float = 10.0
+) -> AsyncIterator[MetaCluster]:
+    secret = secret_file.read_bytes().strip()
+    async with trio.open_nursery() as nursery:
+        entries = []
+        objs = []
+        for i in range(servers):
+            hosted = list(range(i * shards // servers, (i + 1) * shards // servers))
+            server = MetadataServer(root / f"meta{i}", hosted, shards, secret, node_timeout=node_timeout)
+            host, port = await nursery.start(server.serve, "127.0.0.1", 0)
+            entries.append(ServerEntry(f"{host}:{port}", hosted))
+            objs.append(server)
+        config = ClusterConfig("test", secret_file, shards, entries)
+        client = MetadataClient(config, nursery=nursery)
+        try:
+            yield MetaCluster(client, objs, config)
+        finally:
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def register_nodes(client: MetadataClient, count: int, domains: int | None = None) -> None:
+    for i in range(count):
+        await client._registry(
+            "node.heartbeat", node_id=f"node{i}", address=f"127.0.0.1:{20000 + i}",
+            failure_domain=f"rack{i % (domains or count)}", capacity=10**12, free=10**12 - i,
+            chunk_count=0, queue_depth=0,
+        )
