@@ -1,4 +1,4 @@
-"""Chunk store put/get throughput over loopback, as a ratio to the raw disk measured in the same run.
+"""Chunk store put/get throughput over loopback, as a ratio to the same disk measured in the run.
 
 Run: ``.venv/bin/python bench/bench_chunkstore.py [--smoke] [--dir DIR] [--total-mib N]``.
 
@@ -54,9 +54,24 @@ NODE = "bench-node"
 def start_daemon(data_dir: Path, secret_file: Path) -> tuple[subprocess.Popen[bytes], int]:
     ready = data_dir.parent / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tectonic_py.cli", "chunkstore", "--data-dir", str(data_dir),
-         "--listen", "127.0.0.1:0", "--node-id", NODE, "--failure-domain", "bench",
-         "--secret-file", str(secret_file), "--ready-file", str(ready)],
+        [
+            sys.executable,
+            "-m",
+            "tectonic_py.cli",
+            "chunkstore",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--node-id",
+            NODE,
+            "--failure-domain",
+            "bench",
+            "--secret-file",
+            str(secret_file),
+            "--ready-file",
+            str(ready),
+        ],
         cwd=REPO,
     )
     for _ in range(600):
@@ -75,7 +90,12 @@ def _cpu(pid: int) -> float:
 
 
 async def run_case(
-    port: int, secret: bytes, daemon_pid: int, data_dir: Path, chunk: int, total: int,
+    port: int,
+    secret: bytes,
+    daemon_pid: int,
+    data_dir: Path,
+    chunk: int,
+    total: int,
     inflight: int,
 ) -> list[dict[str, Any]]:
     count = max(total // chunk, 1)
@@ -118,8 +138,12 @@ async def run_case(
             client_cpu, daemon_cpu = time.process_time() - c0, _cpu(daemon_pid) - d0
             nbytes = chunk * count
             return {
-                "op": op, "chunk_mib": chunk / MiB, "chunks": count, "bytes": nbytes,
-                "seconds": seconds, "mbps": nbytes / seconds / 1e6,
+                "op": op,
+                "chunk_mib": chunk / MiB,
+                "chunks": count,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "mbps": nbytes / seconds / 1e6,
                 "client_cpu_s_per_gib": client_cpu / (nbytes / GiB),
                 "daemon_cpu_s_per_gib": daemon_cpu / (nbytes / GiB),
             }
@@ -164,8 +188,16 @@ def main() -> int:
                 raw_w = disk_write(raw_dir, total)
                 raw_r = disk_read(raw_dir, total)
                 os.unlink(raw_w["path"])
-                case = trio.run(run_case, port, secret, proc.pid, data_dir, size,
-                                max(total, size), args.inflight)
+                case = trio.run(
+                    run_case,
+                    port,
+                    secret,
+                    proc.pid,
+                    data_dir,
+                    size,
+                    max(total, size),
+                    args.inflight,
+                )
                 for r in case:
                     r["round"] = rnd
                     r["ceiling_mbps"] = raw_w["mbps"] if r["op"] == "put" else raw_r["mbps"]
@@ -176,15 +208,21 @@ def main() -> int:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"chunk store over loopback, {args.inflight} requests in flight,"
-          f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
-          f" ceiling = raw disk write+fsync (put) or cold read (get), measured before each case")
-    print(f"{'rnd':>3} {'op':<4} {'chunk':>6} {'MB/s':>8} {'ceiling':>8} {'ratio':>6}"
-          f" {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}")
+    print(
+        f"chunk store over loopback, {args.inflight} requests in flight,"
+        f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
+        f" ceiling = raw disk write+fsync (put) or cold read (get), measured before each case"
+    )
+    print(
+        f"{'rnd':>3} {'op':<4} {'chunk':>6} {'MB/s':>8} {'ceiling':>8} {'ratio':>6}"
+        f" {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}"
+    )
     for r in rows:
-        print(f"{r['round']:>3} {r['op']:<4} {r['chunk_mib']:>4.0f}Mi {r['mbps']:>8.0f}"
-              f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {r['client_cpu_s_per_gib']:>17.2f}"
-              f" {r['daemon_cpu_s_per_gib']:>17.2f}")
+        print(
+            f"{r['round']:>3} {r['op']:<4} {r['chunk_mib']:>4.0f}Mi {r['mbps']:>8.0f}"
+            f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {r['client_cpu_s_per_gib']:>17.2f}"
+            f" {r['daemon_cpu_s_per_gib']:>17.2f}"
+        )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:

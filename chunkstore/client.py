@@ -9,6 +9,7 @@ the bytes were damaged on the way).
 
 from __future__ import annotations
 
+import builtins
 import logging
 from dataclasses import dataclass
 
@@ -102,14 +103,16 @@ class ChunkClient:
         f = (await self.conn.call("stat", {"chunk_id": chunk_id})).fields
         return ChunkStat(int(f["size"]), int(f["checksum"]), float(f["mtime"]))
 
-    async def list(self, after: str = "", limit: int = 1000) -> tuple[list[tuple[str, int]], str | None]:
+    async def list(
+        self, after: str = "", limit: int = 1000
+    ) -> tuple[builtins.list[tuple[str, int]], str | None]:
         """One page of (chunk_id, size) in id order and the ``after`` of the next page."""
         f = (await self.conn.call("list", {"after": after, "limit": limit})).fields
         return [(str(c), int(n)) for c, n in f["chunks"]], f["next"]
 
-    async def list_all(self, page: int = 1000) -> list[tuple[str, int]]:
+    async def list_all(self, page: int = 1000) -> builtins.list[tuple[str, int]]:
         """Every chunk on the store, page by page."""
-        out: list[tuple[str, int]] = []
+        out: builtins.list[tuple[str, int]] = []
         after: str | None = ""
         while after is not None:
             chunks, after = await self.list(after, page)

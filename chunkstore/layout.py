@@ -215,11 +215,14 @@ def write_chunk(
         except ChunkNotFound:
             old_size = None
         except ChunkCorrupt as e:
-            log.warning("chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e)
+            log.warning(
+                "chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e
+            )
     if existing is not None:
         if existing.length != len(view) or existing.checksum != whole:
             raise ChunkConflict(
-                f"chunk {chunk_id} exists with length {existing.length} crc {existing.checksum:08x},"
+                f"chunk {chunk_id} exists with length {existing.length}"
+                f" crc {existing.checksum:08x},"
                 f" put has length {len(view)} crc {whole:08x}"
             )
         if verify_chunk(path):
@@ -333,7 +336,9 @@ def read_chunk(
     try:
         header = _read_header_fd(fd, chunk_id)
         if offset > header.length:
-            raise InvalidArgument(f"offset {offset} past the end of chunk {chunk_id} ({header.length})")
+            raise InvalidArgument(
+                f"offset {offset} past the end of chunk {chunk_id} ({header.length})"
+            )
         if length is None:
             length = header.length - offset
         if offset + length > header.length:
@@ -413,7 +418,9 @@ def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str,
     for shard in shards:
         try:
             entries = sorted(
-                (e.name, e) for e in os.scandir(root / shard) if e.name > after and _is_chunk(e.name)
+                (e.name, e)
+                for e in os.scandir(root / shard)
+                if e.name > after and _is_chunk(e.name)
             )
         except FileNotFoundError:
             continue

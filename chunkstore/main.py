@@ -30,10 +30,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ready-file", type=Path, help="written (JSON address, pid) once serving")
     p.add_argument("--max-concurrent-writes", type=int, default=8, help="puts on disk at once")
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
-    p.add_argument("--payload-budget", type=int, default=256 * 1024 * 1024,
-                   help="bytes of put payloads held in memory at once")
-    p.add_argument("--max-queued", type=int, default=1024,
-                   help="puts waiting for payload memory before new ones get 'busy'")
+    p.add_argument(
+        "--payload-budget",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="bytes of put payloads held in memory at once",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="puts waiting for payload memory before new ones get 'busy'",
+    )
     p.set_defaults(func=run)
 
 

@@ -41,7 +41,7 @@ import trio
 
 from chunkstore import layout
 from tectonic_py import capability, wire
-from tectonic_py.errors import ConfigError, DiskFull, InvalidArgument, TectonicError
+from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,12 @@ class ChunkStoreServer:
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
                 self.address = f"{host}:{port}"
-                log.info("chunk store %s serving %s on %s", self.config.node_id,
-                         self.data_dir, self.address)
+                log.info(
+                    "chunk store %s serving %s on %s",
+                    self.config.node_id,
+                    self.data_dir,
+                    self.address,
+                )
                 if self.config.registry is not None:
                     nursery.start_soon(self._heartbeat_loop)
                 elif self.config.ready_file is not None:
@@ -186,8 +190,13 @@ class ChunkStoreServer:
         self._lock_fd = fd
         scan = layout.recover(self.data_dir)
         self.chunk_count, self.used = scan.chunk_count, scan.used_bytes
-        log.info("%s: %d chunks, %d bytes; %d partial files removed", self.data_dir,
-                 scan.chunk_count, scan.used_bytes, scan.temp_files_removed)
+        log.info(
+            "%s: %d chunks, %d bytes; %d partial files removed",
+            self.data_dir,
+            scan.chunk_count,
+            scan.used_bytes,
+            scan.temp_files_removed,
+        )
 
     def _write_ready_file(self) -> None:
         path = self.config.ready_file
@@ -287,8 +296,11 @@ class ChunkStoreServer:
         def stat() -> dict[str, Any]:
             path = layout.chunk_path(self.data_dir, chunk_id)
             header = layout.read_header(path)
-            return {"size": header.length, "checksum": header.checksum,
-                    "mtime": path.stat().st_mtime}
+            return {
+                "size": header.length,
+                "checksum": header.checksum,
+                "mtime": path.stat().st_mtime,
+            }
 
         async with self._reads:
             return await trio.to_thread.run_sync(stat)
@@ -335,33 +347,46 @@ class ChunkStoreServer:
                             await conn.aclose()
                         conn = None
                         conn = await wire.Connection.connect(
-                            host, port, self.config.secret, nursery=nursery,
+                            host,
+                            port,
+                            self.config.secret,
+                            nursery=nursery,
                             limits=self.config.limits,
                         )
                     stats = await self.node_stats()
                     with trio.fail_after(max(self.config.heartbeat_interval * 5, 5.0)):
-                        await conn.call("node.heartbeat", {
-                            "node_id": self.config.node_id,
-                            "address": self.address,
-                            "failure_domain": self.config.failure_domain,
-                            "capacity": stats["capacity"],
-                            "free": stats["free"],
-                            "chunk_count": stats["chunk_count"],
-                            "queue_depth": stats["queue_depth"],
-                        })
+                        await conn.call(
+                            "node.heartbeat",
+                            {
+                                "node_id": self.config.node_id,
+                                "address": self.address,
+                                "failure_domain": self.config.failure_domain,
+                                "capacity": stats["capacity"],
+                                "free": stats["free"],
+                                "chunk_count": stats["chunk_count"],
+                                "queue_depth": stats["queue_depth"],
+                            },
+                        )
                 except (TectonicError, trio.TooSlowError) as e:
                     if not down_logged:
-                        log.warning("%s: heartbeat to registry %s failed (%s); retrying every %ss",
-                                    self.config.node_id, self.config.registry, e,
-                                    self.config.heartbeat_interval)
+                        log.warning(
+                            "%s: heartbeat to registry %s failed (%s); retrying every %ss",
+                            self.config.node_id,
+                            self.config.registry,
+                            e,
+                            self.config.heartbeat_interval,
+                        )
                         down_logged = True
                     if isinstance(e, trio.TooSlowError) and conn is not None:
                         await conn.aclose()
                         conn = None
                 else:
                     if down_logged:
-                        log.info("%s: registry %s reachable again", self.config.node_id,
-                                    self.config.registry)
+                        log.info(
+                            "%s: registry %s reachable again",
+                            self.config.node_id,
+                            self.config.registry,
+                        )
                         down_logged = False
                     self.heartbeats_accepted += 1
                     if self.heartbeats_accepted == 1 and self.config.ready_file is not None:

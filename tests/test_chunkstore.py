@@ -40,7 +40,9 @@ KiB, MiB = 1024, 1024 * 1024
 
 
 def make_config(data_dir: Path, secret: bytes, **kw) -> StoreConfig:
-    return StoreConfig(data_dir=data_dir, node_id=NODE, failure_domain="rack-1", secret=secret, **kw)
+    return StoreConfig(
+        data_dir=data_dir, node_id=NODE, failure_domain="rack-1", secret=secret, **kw
+    )
 
 
 async def start_store(nursery, data_dir: Path, secret: bytes, **kw) -> tuple[ChunkStoreServer, int]:
@@ -76,8 +78,9 @@ def chunk_file(server: ChunkStoreServer, chunk_id: str) -> Path:
 # --- round trips ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, layout.SEGMENT_SIZE - 1, layout.SEGMENT_SIZE,
-                                  layout.SEGMENT_SIZE + 1, 4 * MiB])
+@pytest.mark.parametrize(
+    "size", [0, 1, layout.SEGMENT_SIZE - 1, layout.SEGMENT_SIZE, layout.SEGMENT_SIZE + 1, 4 * MiB]
+)
 async def test_put_get_range_stat_delete(store, secret, size):
     server, port = store
     cid, cap = new_chunk(secret)
@@ -198,9 +201,10 @@ async def test_corrupt_data_is_detected_and_never_returned(store, secret):
             await c.get(cid, 2 * layout.SEGMENT_SIZE - 5, 10)
         # Ranges in intact segments are still served, verified.
         assert bytes(await c.get(cid, 10, 100)) == data[10:110]
-        assert bytes(await c.get(cid, 3 * layout.SEGMENT_SIZE, 4096)) == data[
-            3 * layout.SEGMENT_SIZE : 3 * layout.SEGMENT_SIZE + 4096
-        ]
+        assert (
+            bytes(await c.get(cid, 3 * layout.SEGMENT_SIZE, 4096))
+            == data[3 * layout.SEGMENT_SIZE : 3 * layout.SEGMENT_SIZE + 4096]
+        )
         # A retried put of the right bytes heals it.
         await c.put(cid, data, cap)
         assert layout.verify_chunk(path)
@@ -303,9 +307,7 @@ async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_p
         await c.put(cid, b"fine", good_cap)
         assert bytes(await c.get(cid)) == b"fine"
     after = sorted(p for p in tmp_path.rglob("*"))
-    assert set(after) - set(before) <= {
-        chunk_file(server, cid).parent, chunk_file(server, cid)
-    }
+    assert set(after) - set(before) <= {chunk_file(server, cid).parent, chunk_file(server, cid)}
 
 
 async def test_bad_ranges_are_refused(store, secret):
@@ -313,7 +315,16 @@ async def test_bad_ranges_are_refused(store, secret):
     cid, cap = new_chunk(secret)
     async with open_client(port, secret) as c:
         await c.put(cid, b"0123456789", cap)
-        for off, n in [(11, None), (11, 0), (5, 6), (0, 11), (-1, 2), (0, -1), (2**64 - 1, 1), (1, 2**63)]:
+        for off, n in [
+            (11, None),
+            (11, 0),
+            (5, 6),
+            (0, 11),
+            (-1, 2),
+            (0, -1),
+            (2**64 - 1, 1),
+            (1, 2**63),
+        ]:
             with pytest.raises(InvalidArgument):
                 await c.get(cid, off, n)
         assert bytes(await c.get(cid, 10)) == b""
@@ -393,8 +404,15 @@ async def _send_and_drain(sock: trio.socket.SocketType, data: bytes, half_close:
 def _put_frame(secret: bytes, plen_claimed: int, body: bytes) -> bytes:
     block = ids.new_id()
     header = msgpack.packb(
-        {"op": "put", "rid": 1, "f": {"chunk_id": ids.chunk_id(block, 0), "checksum": 0,
-                                      "cap": capability.issue(secret, block, [NODE])}},
+        {
+            "op": "put",
+            "rid": 1,
+            "f": {
+                "chunk_id": ids.chunk_id(block, 0),
+                "checksum": 0,
+                "cap": capability.issue(secret, block, [NODE]),
+            },
+        },
         use_bin_type=True,
     )
     return wire.PREFIX.pack(1, 0, 0, len(header), plen_claimed) + header + body
@@ -417,17 +435,32 @@ async def test_truncated_and_oversized_frames(store, secret):
     assert not list(server.data_dir.rglob(".tmp-*"))
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(garbage=st.one_of(
-    st.binary(min_size=1, max_size=400),
-    st.builds(lambda h, p: wire.PREFIX.pack(1, 0, 0, len(h), p) + h,
-              st.binary(min_size=1, max_size=200), st.integers(0, 2**32 - 1)),
-    st.builds(lambda f: wire._pack_frame({"op": "put", "rid": 7, "f": f}, 0),
-              st.dictionaries(st.sampled_from(["chunk_id", "checksum", "cap", "x"]),
-                              st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=40),
-                                        st.binary(max_size=40), st.none()))),
-), authenticate=st.booleans())
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    garbage=st.one_of(
+        st.binary(min_size=1, max_size=400),
+        st.builds(
+            lambda h, p: wire.PREFIX.pack(1, 0, 0, len(h), p) + h,
+            st.binary(min_size=1, max_size=200),
+            st.integers(0, 2**32 - 1),
+        ),
+        st.builds(
+            lambda f: wire._pack_frame({"op": "put", "rid": 7, "f": f}, 0),
+            st.dictionaries(
+                st.sampled_from(["chunk_id", "checksum", "cap", "x"]),
+                st.one_of(
+                    st.integers(-(2**63), 2**64 - 1),
+                    st.text(max_size=40),
+                    st.binary(max_size=40),
+                    st.none(),
+                ),
+            ),
+        ),
+    ),
+    authenticate=st.booleans(),
+)
 def test_garbage_never_hurts_the_store(tmp_path_factory, secret, garbage, authenticate):
     data_dir = tmp_path_factory.mktemp("garbage")
 
@@ -475,8 +508,11 @@ def small_fs(tmp_path):
     """A real 3 MiB filesystem (tmpfs) so ENOSPC comes from the kernel."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
@@ -509,7 +545,11 @@ async def test_real_disk_full_is_a_clear_error_and_the_store_stays_up(small_fs, 
 
 async def test_put_queue_full_gives_busy_and_loses_nothing(nursery, tmp_path, secret):
     server, port = await start_store(
-        nursery, tmp_path / "d", secret, payload_budget=MiB, max_payload_waiters=2,
+        nursery,
+        tmp_path / "d",
+        secret,
+        payload_budget=MiB,
+        max_payload_waiters=2,
         max_concurrent_writes=1,
     )
     results: dict[str, object] = {}
@@ -576,8 +616,14 @@ async def test_second_store_on_the_same_directory_is_refused(store, secret):
 
 
 def test_config_is_validated(tmp_path, secret):
-    for kw in [dict(node_id="../x"), dict(failure_domain=""), dict(capacity=0),
-               dict(heartbeat_interval=0), dict(registry="nohost"), dict(payload_budget=10)]:
+    for kw in [
+        dict(node_id="../x"),
+        dict(failure_domain=""),
+        dict(capacity=0),
+        dict(heartbeat_interval=0),
+        dict(registry="nohost"),
+        dict(payload_budget=10),
+    ]:
         base = dict(data_dir=tmp_path, node_id=NODE, failure_domain="r", secret=secret)
         base.update(kw)
         with pytest.raises(ConfigError):
@@ -607,8 +653,13 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
     _, rport = await nursery.start(registry.serve, "127.0.0.1", 0)
     ready = tmp_path / "ready.json"
     server, port = await start_store(
-        nursery, tmp_path / "d", secret, registry=f"127.0.0.1:{rport}",
-        heartbeat_interval=0.02, ready_file=ready, capacity=10 * MiB,
+        nursery,
+        tmp_path / "d",
+        secret,
+        registry=f"127.0.0.1:{rport}",
+        heartbeat_interval=0.02,
+        ready_file=ready,
+        capacity=10 * MiB,
     )
     assert not ready.exists()
     while len(beats) < 2:
@@ -616,8 +667,13 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
         await trio.sleep(0.01)
     assert json.loads(ready.read_text())["address"] == f"127.0.0.1:{port}"
     assert beats[0] == {
-        "node_id": NODE, "address": f"127.0.0.1:{port}", "failure_domain": "rack-1",
-        "capacity": 10 * MiB, "free": 10 * MiB, "chunk_count": 0, "queue_depth": 0,
+        "node_id": NODE,
+        "address": f"127.0.0.1:{port}",
+        "failure_domain": "rack-1",
+        "capacity": 10 * MiB,
+        "free": 10 * MiB,
+        "chunk_count": 0,
+        "queue_depth": 0,
     }
     async with open_client(port, secret) as c:
         cid, cap = new_chunk(secret)
@@ -635,8 +691,12 @@ async def test_heartbeat_survives_registry_down(nursery, tmp_path, secret):
     s.close()
     ready = tmp_path / "ready.json"
     server, port = await start_store(
-        nursery, tmp_path / "d", secret, registry=f"127.0.0.1:{dead_port}",
-        heartbeat_interval=0.02, ready_file=ready,
+        nursery,
+        tmp_path / "d",
+        secret,
+        registry=f"127.0.0.1:{dead_port}",
+        heartbeat_interval=0.02,
+        ready_file=ready,
     )
     await trio.sleep(0.2)  # several failed heartbeats
     assert not ready.exists() and server.heartbeats_accepted == 0
