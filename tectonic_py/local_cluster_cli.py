@@ -33,8 +33,10 @@ from typing import Any
 
 import psutil
 
+from tectonic_py import cluster_file
 from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import ConfigError, Timeout
+from tectonic_py.errors import ConfigError, TectonicError, Timeout
+from tectonic_py.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
 
@@ -86,29 +88,46 @@ def _running_supervisor(root: Path) -> psutil.Process | None:
     return None if data is None else _ours(data["pid"], root)
 
 
-def _validate(args: argparse.Namespace) -> None:
-    """Catch impossible layouts before any process starts, each with a one-line reason."""
+def _apply_existing(args: argparse.Namespace, root: Path) -> None:
+    """Options not given default to the layout of the cluster already in ``root`` (9 chunk
+    stores, 2 metadata servers, 64 shards, rs-6-3 for a new one), so a plain restart brings
+    back exactly what was there. The shard map is fixed at creation: asking for another one
+    is refused rather than silently starting metadata servers over the wrong shards."""
+    existing = None
+    if (root / "cluster.toml").exists():
+        existing = cluster_file.load(root / "cluster.toml")
+    fresh = {"chunkstores": 9, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
+    if existing is not None:
+        old = {
+            "metadata_servers": len(existing.metadata_servers),
+            "shards": existing.shards,
+            "ec": existing.default_ec,
+        }
+        for name in ("metadata_servers", "shards"):
+            given = getattr(args, name)
+            if given is not None and given != old[name]:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    f"{root} holds a cluster with {old['shards']} shards on "
+                    f"{old['metadata_servers']} metadata servers, fixed at creation: "
+                    f"{flag} {given} is not possible there"
+                )
+        fresh.update(old)
+    for name, value in fresh.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
+    """The LocalCluster for these options; it validates them (one-line ConfigError). Placement
+    never puts two chunks of a block on one node, so fewer than k+m chunk stores could store
+    nothing: refused here, before any process starts."""
     policy = ECPolicy.parse(args.ec)
-    if args.chunkstores < 1:
-        raise ConfigError("--chunkstores must be at least 1")
     if args.chunkstores < policy.n:
         raise ConfigError(
             f"{policy} writes {policy.n} chunks per block on distinct nodes: "
             f"needs --chunkstores >= {policy.n}, not {args.chunkstores}"
         )
-    if args.metadata_servers < 1:
-        raise ConfigError("--metadata-servers must be at least 1")
-    if not 1 <= args.shards <= 65536:
-        raise ConfigError(f"--shards must be 1..65536, not {args.shards}")
-    if args.metadata_servers > args.shards:
-        raise ConfigError("--metadata-servers cannot exceed --shards")
-    if args.failure_domains is not None and not 1 <= args.failure_domains <= args.chunkstores:
-        raise ConfigError(f"--failure-domains must be 1..{args.chunkstores}")
-
-
-def _make_cluster(args: argparse.Namespace, root: Path) -> Any:
-    from tectonic_py.local_cluster import LocalCluster
-
     return LocalCluster(
         root,
         chunkstores=args.chunkstores,
@@ -116,6 +135,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> Any:
         shards=args.shards,
         ec=args.ec,
         failure_domains=args.failure_domains,
+        node_timeout=args.node_timeout,
     )
 
 
@@ -148,7 +168,12 @@ def _run_foreground(args: argparse.Namespace, root: Path, *, detached: bool) -> 
     cluster = _make_cluster(args, root)
     try:
         try:
-            cluster.start()
+            try:
+                cluster.start()
+            except TectonicError as e:
+                # the launcher appends the daemon's log tail; the CLI's error stays one
+                # line, and that line names the log to read
+                raise type(e)(str(e).splitlines()[0]) from None
             pids = [int(p) for p in cluster.pids()]
             _write_pid_file(
                 root, {"pid": os.getpid(), "daemons": pids, "cluster_file": str(cluster.cluster_file)}
@@ -190,7 +215,8 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
     argv = [
         sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root),
         "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
-        "--shards", str(args.shards), "--ec", args.ec, "--supervisor",
+        "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
+        "--supervisor",
     ]  # fmt: skip
     if args.failure_domains is not None:
         argv += ["--failure-domains", str(args.failure_domains)]
@@ -228,7 +254,8 @@ def _last_error(log_path: Path) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     root = Path(args.dir).resolve()
     args.dir = str(root)
-    _validate(args)
+    _apply_existing(args, root)
+    _make_cluster(args, root)  # validate before anything is created
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -310,13 +337,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the same DIR brings back all data.",
     )
     up.add_argument("--dir", required=True, help="directory for all data and DIR/cluster.toml")
-    up.add_argument("--chunkstores", type=int, default=9, help="chunk store processes (9)")
-    up.add_argument("--metadata-servers", type=int, default=2, help="metadata servers (2)")
-    up.add_argument("--shards", type=int, default=64, help="logical metadata shards (64)")
-    up.add_argument("--ec", default="rs-6-3", help="default EC policy: rs-K-M or rN (rs-6-3)")
+    up.add_argument("--chunkstores", type=int, help="chunk store processes (9)")
+    up.add_argument("--metadata-servers", type=int, help="metadata servers (2; fixed at creation)")
+    up.add_argument("--shards", type=int, help="logical metadata shards (64; fixed at creation)")
+    up.add_argument("--ec", help="default EC policy: rs-K-M or rN (rs-6-3)")
     up.add_argument(
-        "--failure-domains", type=int, default=None,
+        "--failure-domains", type=int,
         help="spread chunk stores over this many failure domains (default: one each)",
+    )  # fmt: skip
+    up.add_argument(
+        "--node-timeout", type=float, default=10.0,
+        help="seconds of heartbeat silence before a chunk store counts as down (10)",
     )  # fmt: skip
     up.add_argument(
         "--detach", action="store_true",

@@ -138,7 +138,8 @@ def render(status: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # a pipe or a log gets whole rows, not rows wrapped at rich's default of 80 columns
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     nodes = status["nodes"]
     up = sum(1 for n in nodes if n["state"] == "up")
     table = Table(title=f"cluster {status['cluster']}: {up} of {len(nodes)} chunk stores up")

@@ -95,11 +95,11 @@ def test_status_json_unreachable_is_still_an_error(tmp_path: Path, secret_file: 
         (["--ec", "rs-6"], "unknown EC policy"),
         (["--ec", "rs-40-3"], "1<=k<=32"),
         (["--ec", "rs-6-3", "--chunkstores", "8"], "--chunkstores >= 9"),
-        (["--chunkstores", "0"], "at least 1"),
-        (["--metadata-servers", "0"], "at least 1"),
-        (["--shards", "0"], "--shards"),
-        (["--shards", "2", "--metadata-servers", "3"], "cannot exceed"),
-        (["--failure-domains", "10"], "--failure-domains"),
+        (["--ec", "r3", "--chunkstores", "0"], "--chunkstores >= 3"),
+        (["--metadata-servers", "0"], "at least one"),
+        (["--shards", "0"], "at least one"),
+        (["--shards", "2", "--metadata-servers", "3"], "only 2 shards"),
+        (["--failure-domains", "10"], "failure_domains must be 1..9"),
     ],
 )
 def test_cluster_up_bad_layout(tmp_path: Path, args: list[str], needle: str) -> None:
