@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["cluster_fixtures"]
+
 
 @pytest.fixture
 def secret() -> bytes:

@@ -1,0 +1,43 @@
+"""Fixtures for tests that need a running cluster (registered in conftest.py).
+
+``local_cluster``: a real cluster (2 metadata servers, 9 chunk stores, 16 shards) as
+subprocesses under ``tmp_path``, with a small chunk size (64 KiB) so multi-block files stay
+small and fast; always stopped (SIGTERM, then SIGKILL) at the end.
+``client``: an open ``TectonicClient`` on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tectonic_py.client import TectonicClient, open_client
+from tectonic_py.local_cluster import LocalCluster
+
+TEST_CHUNK_SIZE = 64 * 1024
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        tmp_path / "cluster",
+        chunkstores=9,
+        metadata_servers=2,
+        shards=16,
+        chunk_size=TEST_CHUNK_SIZE,
+        heartbeat_interval=0.5,
+        node_timeout=5.0,
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def client(local_cluster: LocalCluster) -> AsyncIterator[TectonicClient]:
+    async with open_client(local_cluster.cluster_file, slow_chunk_s=5.0, chunk_timeout=10.0) as c:
+        yield c
