@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--ready-file", help="write {address, pid} as JSON here once serving")
     p.add_argument("--node-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat before a chunk store is down")
+    p.add_argument("--writer-lease", type=float, default=60.0,
+                   help="seconds a writer token stays live without renew_lease")
     p.set_defaults(func=run)
 
 
@@ -34,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         args.total_shards,
         load_secret(args.secret_file),
         node_timeout=args.node_timeout,
+        lease_ns=int(args.writer_lease * 1e9),
     )
     trio.run(lambda: server.serve(host, port, ready_file=args.ready_file))
     return 0
