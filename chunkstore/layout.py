@@ -40,6 +40,7 @@ import logging
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -323,13 +324,18 @@ def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
 
 
 def read_chunk(
-    data_dir: Path, chunk_id: str, offset: int = 0, length: int | None = None
+    data_dir: Path,
+    chunk_id: str,
+    offset: int = 0,
+    length: int | None = None,
+    alloc: Callable[[int], bytearray] = bytearray,
 ) -> tuple[ChunkHeader, memoryview, int]:
     """Read verified bytes of a chunk: (header, bytes, crc32c of those bytes).
 
     A whole read is checked against the whole-chunk CRC; a ranged read reads and checks
     only the segments it overlaps. Either way, bytes that fail raise ChunkCorrupt and are
-    never returned. The bytes are a view of one buffer read straight from the file.
+    never returned. The bytes are a view of one buffer read straight from the file, made by
+    ``alloc`` (the daemon's allocator charges it to a memory budget).
     """
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)
@@ -346,7 +352,7 @@ def read_chunk(
                 f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
             )
         if offset == 0 and length == header.length:
-            buf = memoryview(bytearray(length))
+            buf = memoryview(alloc(length))
             _pread_into(fd, buf, header.data_offset, chunk_id)
             crc = crc32c(buf)
             if crc != header.checksum:
@@ -357,7 +363,7 @@ def read_chunk(
         last = segment_count(offset + length, seg) if length else first
         start = first * seg
         span = min(last * seg, header.length) - start
-        buf = memoryview(bytearray(span))
+        buf = memoryview(alloc(span))
         _pread_into(fd, buf, header.data_offset + start, chunk_id)
         for i in range(first, last):
             lo = i * seg - start

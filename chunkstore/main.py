@@ -42,6 +42,12 @@ def register(subparsers: Any) -> None:
         default=1024,
         help="puts waiting for payload memory before new ones get 'busy'",
     )
+    p.add_argument(
+        "--reply-budget",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="bytes of get replies held in memory at once (slow readers wait beyond it)",
+    )
     p.set_defaults(func=run)
 
 
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_reads=args.max_concurrent_reads,
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,
+        reply_budget=args.reply_budget,
     )
     _raise_fd_limit()
     trio.run(_main, config)

@@ -13,6 +13,9 @@ crashing the node:
 * at most ``max_concurrent_writes`` puts (and ``max_concurrent_reads`` gets) touch the disk at
   once, each in a worker thread (``trio.to_thread.run_sync``); the rest wait, and their count
   is the ``queue_depth`` placement uses to favour idle nodes;
+* get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
+  burst, or readers slower than the disk, make further gets wait instead of holding a chunk
+  per request in memory;
 * a put is refused with ``DiskFull`` before any byte is written when it would take the node
   past ``--capacity``; a real ENOSPC gives the same error and the daemon keeps serving.
 
@@ -31,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -69,6 +73,7 @@ class StoreConfig:
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
+    reply_budget: int = 256 * MiB
     limits: wire.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +90,8 @@ class StoreConfig:
             raise ConfigError("concurrency limits must be at least 1")
         if self.payload_budget < MiB:
             raise ConfigError("payload budget must be at least 1 MiB")
+        if self.reply_budget < MiB:
+            raise ConfigError("reply budget must be at least 1 MiB")
         if self.max_payload_waiters < 0:
             raise ConfigError("max payload waiters must be >= 0")
         if self.registry is not None:
@@ -119,6 +126,59 @@ class _ChunkLocks:
                 self._locks[chunk_id] = (lock, users - 1)
 
 
+class _ReplyBuffer(bytearray):
+    """A get reply's buffer; weak-referenceable so its memory budget is returned when the
+    wire layer drops the last view of it, after the reply is sent (or the peer is gone)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _ReplyBudget:
+    """Bytes of get replies held in memory: read from disk, verified, not yet sent.
+
+    Without it a restore burst (thousands of readers, or readers slower than the disk) could
+    hold a chunk per request in memory. Acquired from the worker thread that reads (through
+    ``trio.from_thread``), released by a finalizer on the buffer, which may run on any thread,
+    so the release itself always hops to the event loop.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.peak = 0
+        self.waiting = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._token = trio.lowlevel.current_trio_token()
+
+    async def acquire(self, n: int) -> None:
+        # A request larger than the whole budget still runs, alone.
+        self.waiting += 1
+        try:
+            while self.held and self.held + n > self.capacity:
+                await self._lot.park()
+        finally:
+            self.waiting -= 1
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
+    def _release(self, n: int) -> None:
+        self.held -= n
+        self._lot.unpark_all()
+
+    def release_soon(self, n: int) -> None:
+        try:
+            self._token.run_sync_soon(self._release, n)
+        except trio.RunFinishedError:
+            pass
+
+    def alloc(self, n: int) -> bytearray:
+        """Called in a worker thread: wait for budget, then a buffer that returns it."""
+        trio.from_thread.run(self.acquire, n)
+        buf = _ReplyBuffer(n)
+        weakref.finalize(buf, self.release_soon, n)
+        return buf
+
+
 class ChunkStoreServer:
     """One node's chunk store: the data directory, its accounting and the RPC handlers."""
 
@@ -148,6 +208,7 @@ class ChunkStoreServer:
         self.address: str | None = None
         self.heartbeats_accepted = 0
         self._lock_fd: int | None = None
+        self._replies: _ReplyBudget | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -155,6 +216,7 @@ class ChunkStoreServer:
         self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the data directory, recover, listen; ``started((host, port))`` after bind."""
+        self._replies = _ReplyBudget(self.config.reply_budget)
         await trio.to_thread.run_sync(self._open_data_dir)
         try:
             async with trio.open_nursery() as nursery:
@@ -234,6 +296,10 @@ class ChunkStoreServer:
         """Requests admitted and not yet done with the disk, plus puts waiting for memory."""
         return self._outstanding + self.rpc.stats.payload_waiters
 
+    @property
+    def reply_bytes_held(self) -> int:
+        return 0 if self._replies is None else self._replies.held
+
     # --- handlers ----------------------------------------------------------------------------
 
     @staticmethod
@@ -270,8 +336,14 @@ class ChunkStoreServer:
         self._outstanding += 1
         try:
             async with self._reads:
+                assert self._replies is not None
                 header, data, crc = await trio.to_thread.run_sync(
-                    layout.read_chunk, self.data_dir, chunk_id, offset, length
+                    layout.read_chunk,
+                    self.data_dir,
+                    chunk_id,
+                    offset,
+                    length,
+                    self._replies.alloc,
                 )
         finally:
             self._outstanding -= 1

@@ -581,6 +581,41 @@ async def test_put_queue_full_gives_busy_and_loses_nothing(nursery, tmp_path, se
     assert server.rpc.stats.busy_refusals == 30 - len(ok)
 
 
+async def test_get_replies_in_memory_are_bounded_by_the_reply_budget(nursery, tmp_path, secret):
+    server, port = await start_store(nursery, tmp_path / "d", secret, reply_budget=MiB)
+    cid, cap = new_chunk(secret)
+    data = os.urandom(MiB)
+    async with open_client(port, secret) as c:
+        await c.put(cid, data, cap)
+    # A reader that asks for 48 MiB of replies and never reads them.
+    stalled = await _raw_authenticated(port, secret)
+    frames = b"".join(
+        wire._pack_frame({"op": "get", "rid": rid, "f": {"chunk_id": cid}}, 0)
+        for rid in range(1, 49)
+    )
+    await wire._send_all(stalled, frames)
+    for _ in range(500):  # bounded: until the store is stuck sending to it
+        if server._replies.waiting:
+            break
+        await trio.sleep(0.01)
+    assert server._replies.waiting and server._replies.peak <= MiB
+    got: list[bytes] = []
+    async with open_client(port, secret) as c:
+        async with trio.open_nursery() as n:
+
+            async def good_get():
+                got.append(bytes(await c.get(cid)))
+
+            n.start_soon(good_get)
+            await trio.sleep(0.2)
+            assert not got  # it waits for memory; it does not fail
+            stalled.close()  # the slow reader goes away and its replies' memory comes back
+        assert got == [data]
+    assert server._replies.peak <= MiB
+    while server.reply_bytes_held:
+        await trio.sleep(0.01)
+
+
 # --- lifecycle: restart, data directory lock, heartbeat, ready file -------------------------
 
 
@@ -623,6 +658,8 @@ def test_config_is_validated(tmp_path, secret):
         dict(heartbeat_interval=0),
         dict(registry="nohost"),
         dict(payload_budget=10),
+        dict(reply_budget=10),
+        dict(max_concurrent_writes=0),
     ]:
         base = dict(data_dir=tmp_path, node_id=NODE, failure_domain="r", secret=secret)
         base.update(kw)
