@@ -341,6 +341,8 @@ class MetadataClient:
         """Atomic within one directory, also over an existing file; crash-safe across."""
         validate_name(src_name)
         validate_name(dst_name)
+        if src_dir != dst_dir:
+            await self._check_not_into_itself(src_dir, src_name, dst_dir)
         replace_dir = 0
         for _ in range(3):
             try:
@@ -363,6 +365,23 @@ class MetadataClient:
             await self._shard(self._of(child), "file.link", id=child, parent=dst_dir, name=dst_name)
         except TectonicError as e:
             log.info("rename: could not refresh the name hint of %d: %s", child, e)
+
+    async def _check_not_into_itself(self, src_dir: int, src_name: str, dst_dir: int) -> None:
+        """Moving a directory below itself would cut a loop out of the tree: walk up from the
+        destination by the directories' parent pointers. Best effort under concurrent moves
+        of the same directories (no cluster-wide rename lock), exact otherwise."""
+        moving = await self.lookup(src_dir, src_name)
+        if not moving.is_dir:
+            return
+        current = dst_dir
+        for _ in range(4096):
+            if current == moving.id:
+                raise InvalidArgument("cannot move a directory below itself")
+            if current == ROOT_ID:
+                return
+            r = await self._shard(self._of(current), "file.get", id=current)
+            current = int(r["parent"])
+        raise InvalidArgument("directory tree deeper than 4096 levels")
 
     async def _rename_once(
         self, src_dir: int, src_name: str, dst_dir: int, dst_name: str, replace_dir: int

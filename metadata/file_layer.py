@@ -73,6 +73,14 @@ def get(conn: sqlite3.Connection, file_id: int, now_ns: int) -> Attrs:
     return _row_to_attrs(_row(conn, file_id), now_ns)
 
 
+def parent_of(conn: sqlite3.Connection, file_id: int) -> int:
+    """The parent hint: exact for directories (every rename refreshes it), a hint for files."""
+    row = conn.execute("SELECT parent_id FROM files WHERE id = ?", (file_id,)).fetchone()
+    if row is None:
+        raise FileNotFound(f"no file or directory {file_id}")
+    return int(row[0])
+
+
 def draw_id(conn: sqlite3.Connection, shard: int, total_shards: int) -> int:
     """A fresh id that hashes to ``shard`` and is unused here (bounded: ~S tries expected)."""
     for _ in range(200 * total_shards + 1000):

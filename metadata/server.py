@@ -23,7 +23,7 @@ name.rename_apply    dst_dir, dst_name, id, kind, deadline_ns, replace_dir victi
 name.rename_finish   intent, applied                                       {}
 name.intents         before_ns                                             intents
 file.create          kind, mode, uid, gid, ec, chunk_size, parent, name    attrs, token
-file.get             id                                                    attrs
+file.get             id                                                    attrs, parent
 file.open            id, truncate                                          token
 file.renew           id, token                                             {}
 file.commit          id, token, entries [[index, block_id], ...]           {}
@@ -301,7 +301,11 @@ class MetadataServer:
 
     async def op_file__get(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"attrs": store.read(file_layer.get, _id(req, "id"), now_ns()).to_wire()}
+        file_id = _id(req, "id")
+        return {
+            "attrs": store.read(file_layer.get, file_id, now_ns()).to_wire(),
+            "parent": store.read(file_layer.parent_of, file_id),
+        }
 
     async def op_file__open(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
