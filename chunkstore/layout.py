@@ -231,9 +231,11 @@ def write_chunk(
         log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
     header = encode_header(view, whole)
     directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
     try:
+        if not directory.is_dir():  # recover() makes them all; this only heals a removed one
+            directory.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(directory.parent)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             _write_all(fd, [header, view])
@@ -464,6 +466,14 @@ def recover(data_dir: Path) -> ScanResult:
     """
     root = chunks_root(data_dir)
     root.mkdir(parents=True, exist_ok=True)
+    # Every shard directory exists (and is durable) before the first put, so a put never
+    # has to make one durable too.
+    missing = [root / f"{i:02x}" for i in range(256) if not (root / f"{i:02x}").is_dir()]
+    for d in missing:
+        d.mkdir(exist_ok=True)
+    if missing:
+        _fsync_dir(root)
+        _fsync_dir(data_dir)
     count = used = removed = 0
     for shard in os.scandir(root):
         if not shard.is_dir(follow_symlinks=False):
