@@ -1,0 +1,225 @@
+"""``tectonic cluster up/down`` and ``tectonic status`` against a real local cluster.
+
+Everything runs as a user would run it: the ``tectonic`` entry point in subprocesses, daemons
+as real processes on 127.0.0.1, faults by ``kill -9``. Each test stops its cluster in a
+``finally`` (``cluster down`` signals only the PIDs in the cluster's own pid file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.test_cli import run_cli
+
+pytestmark = pytest.mark.slow
+
+# small enough for a shared 2-core machine; rs-4-2 still spreads a block over 6 nodes
+LAYOUT = ["--chunkstores", "6", "--metadata-servers", "2", "--shards", "8", "--ec", "rs-4-2"]
+NODE_TIMEOUT = "2"
+
+_CLIENT = """
+import hashlib, sys, tectonic_py
+op, cluster, remote = sys.argv[1:4]
+fs = tectonic_py.connect(cluster)
+try:
+    if op == "put":
+        with open(sys.argv[4], "rb") as src, fs.open(remote, "wb") as dst:
+            dst.write(src.read())
+    else:
+        with fs.open(remote, "rb") as f:
+            print(hashlib.sha256(f.read()).hexdigest())
+finally:
+    fs.close()
+"""
+
+
+def client(op: str, cluster: Path, remote: str, local: Path | None = None) -> str:
+    """Run the blocking client in its own process (as a training script would)."""
+    argv = [sys.executable, "-c", _CLIENT, op, str(cluster), remote]
+    if local is not None:
+        argv.append(str(local))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def status(cluster: Path) -> tuple[int, dict[str, Any]]:
+    proc = run_cli("status", "--json", str(cluster))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def wait_for_status(cluster: Path, predicate: Any, what: str) -> tuple[int, dict[str, Any]]:
+    """Poll ``status --json`` until ``predicate`` holds; bounded in tries, never timed."""
+    for _ in range(60):
+        rc, st = status(cluster)
+        if predicate(st):
+            return rc, st
+        time.sleep(0.5)
+    raise AssertionError(f"status never showed {what}: {st}")
+
+
+def pid_file(root: Path) -> dict[str, Any]:
+    return json.loads((root / "cluster.pid").read_text())
+
+
+def chunkstore_pid(root: Path, node_id: str) -> int:
+    for pid in pid_file(root)["daemons"]:
+        try:
+            cmdline = psutil.Process(pid).cmdline()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # one killed earlier in the test
+        if "chunkstore" in cmdline and cmdline[cmdline.index("--node-id") + 1] == node_id:
+            return int(pid)
+    raise AssertionError(f"no chunk store {node_id} in {pid_file(root)}")
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"pid {pid} still runs"
+        except psutil.NoSuchProcess:
+            pass
+
+
+def up_detached(root: Path, *extra: str) -> None:
+    proc = run_cli("cluster", "up", "--detach", "--dir", str(root), *extra, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert f"cluster file:  {root / 'cluster.toml'}" in proc.stdout
+
+
+def down(root: Path) -> None:
+    run_cli("cluster", "down", "--dir", str(root), timeout=120)
+
+
+def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
+    root = tmp_path / "cluster"
+    cluster = root / "cluster.toml"
+    data = os.urandom(2 * 4 * 4 * 1024 * 1024 + 12345)  # two full rs-4-2 blocks and a short one
+    local = tmp_path / "payload.bin"
+    local.write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        up_detached(root, *LAYOUT, "--node-timeout", NODE_TIMEOUT)
+        first = pid_file(root)
+        assert len(first["daemons"]) == 8
+
+        client("put", cluster, "/ckpt.bin", local)
+        assert client("get", cluster, "/ckpt.bin") == digest
+
+        rc, st = status(cluster)
+        assert rc == 0
+        assert sorted(n["node_id"] for n in st["nodes"]) == [f"cs{i}" for i in range(6)]
+        for n in st["nodes"]:
+            assert n["state"] == "up"
+            assert {"address", "failure_domain", "capacity", "free", "chunk_count"} <= n.keys()
+            assert 0 < n["free"] <= n["capacity"]
+        assert sum(n["chunk_count"] for n in st["nodes"]) == 3 * 6
+        assert [s["state"] for s in st["metadata_servers"]] == ["up", "up"]
+        assert sorted(sum((s["shards"] for s in st["metadata_servers"]), [])) == list(range(8))
+        assert st["degraded_blocks"] == []
+
+        # one "disk" dies: its blocks are degraded but readable, and status says which
+        os.kill(chunkstore_pid(root, "cs0"), signal.SIGKILL)
+        rc, st = wait_for_status(
+            cluster,
+            lambda s: any(n["node_id"] == "cs0" and n["state"] == "down" for n in s["nodes"]),
+            "cs0 down",
+        )
+        assert rc == 0
+        assert len(st["degraded_blocks"]) == 3
+        for b in st["degraded_blocks"]:
+            assert (b["live"], b["total"], b["missing"], b["readable"]) == (5, 6, ["cs0"], True)
+        assert client("get", cluster, "/ckpt.bin") == digest  # a degraded read
+        assert "exited; the cluster is degraded" in (root / "cluster.log").read_text()
+
+        # two more: fewer than k live chunks; status exits 2 and marks the blocks lost
+        for node in ("cs1", "cs2"):
+            os.kill(chunkstore_pid(root, node), signal.SIGKILL)
+        rc, st = wait_for_status(
+            cluster, lambda s: sum(n["state"] == "down" for n in s["nodes"]) == 3, "3 down"
+        )
+        assert rc == 2
+        assert all(not b["readable"] for b in st["degraded_blocks"])
+        table = run_cli("status", str(cluster))
+        assert table.returncode == 2 and "lost" in table.stdout
+
+        down_proc = run_cli("cluster", "down", "--dir", str(root), timeout=120)
+        assert down_proc.returncode == 0, down_proc.stderr
+        assert not (root / "cluster.pid").exists()
+        assert_all_gone([first["pid"], *first["daemons"]])
+
+        # the same directory, no options: the same cluster, every chunk back
+        up_detached(root, "--node-timeout", NODE_TIMEOUT)
+        rc, st = wait_for_status(
+            cluster, lambda s: all(n["state"] == "up" for n in s["nodes"]), "all up"
+        )
+        assert rc == 0 and len(st["nodes"]) == 6 and st["degraded_blocks"] == []
+        assert client("get", cluster, "/ckpt.bin") == digest
+    finally:
+        down(root)
+
+
+def test_foreground_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    root = tmp_path / "cluster"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root), *LAYOUT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):
+            if (root / "cluster.pid").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        info = pid_file(root)
+        assert info["pid"] == proc.pid
+        second = run_cli("cluster", "up", "--detach", "--dir", str(root))
+        assert second.returncode != 0 and "already running" in second.stderr
+
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert "Ctrl-C" in out and "cluster stopped" in out
+        assert not (root / "cluster.pid").exists()
+        assert_all_gone(info["daemons"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        down(root)
+
+
+def test_detached_start_failure_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A daemon that cannot start (its data directory is a file) fails `up` cleanly."""
+    root = tmp_path / "cluster"
+    (root / "chunks").mkdir(parents=True)
+    (root / "chunks" / "3").write_text("not a directory")
+    proc = run_cli("cluster", "up", "--detach", "--dir", str(root), *LAYOUT, timeout=240)
+    try:
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "did not start" in lines[0], proc.stderr
+        assert not (root / "cluster.pid").exists()
+        leftovers = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if any(str(root) in part for part in (p.info["cmdline"] or []))
+        ]
+        assert leftovers == []
+    finally:
+        down(root)
