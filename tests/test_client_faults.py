@@ -1,0 +1,157 @@
+"""Fault injection against the client: chunk stores killed (kill -9) before a read and in the
+middle of a write, too few stores for the write quorum, a chunk corrupted on disk, and the
+client's memory bound while writing a large file."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import psutil
+import pytest
+import trio
+
+from chunkstore import layout as chunk_layout
+from tectonic_py.client import TectonicClient, open_client
+from tectonic_py.errors import NoSpace, QuorumLost
+from tectonic_py.ids import chunk_id
+from tectonic_py.local_cluster import LocalCluster
+
+MiB = 1024 * 1024
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    block = hashlib.sha256(f"{seed}".encode()).digest() * 2048
+    return (block * (-(-n // len(block))))[:n] if n else b""
+
+
+async def _put(client: TectonicClient, path: str, data: bytes, ec: str | None = None) -> int:
+    w = await client.create(path, ec=ec)
+    await w.write(data)
+    return (await w.close()).id
+
+
+def _node_index(node_id: str) -> int:
+    return int(node_id.removeprefix("cs"))
+
+
+async def test_any_m_chunk_stores_killed_before_a_read(local_cluster, client, caplog):
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    probe = await client.create("/probe")
+    block = probe.layout.block_size
+    await probe.close()
+    data = _data(3 * block + 999, seed=3)
+    fid = await _put(client, "/f", data)
+    # Kill three stores that hold *data* chunks of the first block: every read is degraded.
+    first = (await client.meta.block_list(fid))[0]
+    victims = [_node_index(c.node_id) for c in first.chunks if c.index < 3]
+    for i in victims:
+        local_cluster.kill_chunkstore(i)
+    async with open_client(local_cluster.cluster_file, slow_chunk_s=5.0) as fresh:
+        r = await fresh.open_read("/f")
+        assert await r.read() == data
+        assert await r.pread(5, 100) == data[5:105]
+        assert fresh.stats.degraded_reads >= 1
+        assert {b[2] for b in fresh.stats.bad_chunks} >= {f"cs{i}" for i in victims}
+
+
+async def test_chunk_store_killed_in_the_middle_of_a_large_write(local_cluster, client, caplog):
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    local_cluster.add_chunkstore()  # a tenth store, so a failed chunk has somewhere to go
+    w = await client.create("/big")
+    block = w.layout.block_size
+    total = 12 * block
+    piece = _data(block, seed=11)
+    for i in range(12):
+        await w.write(piece)
+        if i == 2:
+            local_cluster.kill_chunkstore(4)
+    attrs = await w.close()
+    assert attrs.size == total
+    assert client.stats.chunk_write_failures >= 1
+    assert client.stats.chunks_replaced >= 1
+    r = await client.open_read("/big")
+    got = await r.read()
+    assert len(got) == total and got == piece * 12
+    # Every block still has all 9 chunks: the ones for the dead node were re-placed.
+    blocks = await client.meta.block_list(attrs.id)
+    assert all(len(b.chunks) == 9 for b in blocks)
+
+
+async def test_fewer_stores_than_the_write_quorum(local_cluster, client, caplog):
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    keep = _data(200_000, seed=5)
+    await _put(client, "/closed", keep)
+    for i in range(4):  # 5 of 9 left: RS(6,3) needs a quorum of 7
+        local_cluster.kill_chunkstore(i)
+    w = await client.create("/doomed")
+    with pytest.raises((QuorumLost, NoSpace)) as err:
+        await w.write(_data(w.layout.block_size * 2, seed=6))
+        await w.close()
+    assert "quorum" in str(err.value) or "nodes" in str(err.value)
+    await w.abort()
+    for i in range(4):
+        local_cluster.start_chunkstore(i)
+    async with open_client(local_cluster.cluster_file) as fresh:
+        r = await fresh.open_read("/closed")
+        assert await r.read() == keep
+
+
+async def test_corrupt_chunk_on_disk_is_read_around_and_reported(local_cluster, client, caplog):
+    data = _data(500_000, seed=9)
+    fid = await _put(client, "/c", data)
+    info = (await client.meta.block_list(fid))[0]
+    victim = next(c for c in info.chunks if c.index == 1)
+    path = chunk_layout.chunk_path(
+        local_cluster.chunkstore_dir(_node_index(victim.node_id)), chunk_id(info.block_id, 1)
+    )
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(raw)
+    async with open_client(local_cluster.cluster_file) as fresh:
+        with caplog.at_level(logging.WARNING, logger="tectonic_py.client"):
+            r = await fresh.open_read("/c")
+            assert await r.read() == data
+        assert fresh.stats.corrupt_chunks == 1
+        assert (info.block_id, 1, victim.node_id, "corrupt") in fresh.stats.bad_chunks
+        assert any("corrupt" in rec.getMessage() for rec in caplog.records)
+        # The range fast path also reads around it.
+        r = await fresh.open_read("/c")
+        off = info.chunk_len + 10
+        assert await r.pread(off, 50) == data[off : off + 50]
+
+
+async def test_large_write_keeps_rss_within_the_window(local_cluster):
+    window = 64 * MiB
+    proc = psutil.Process()
+    async with open_client(local_cluster.cluster_file, window_bytes=window,
+                           cache_bytes=32 * MiB) as client:
+        piece = _data(8 * MiB, seed=1)
+        await _put(client, "/warm", piece)  # connections, threads, zfec tables
+        base = proc.memory_info().rss
+        peak = base
+        done = trio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, proc.memory_info().rss)
+                await trio.sleep(0.02)
+
+        total = 512 * MiB
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sample)
+            w = await client.create("/huge")
+            h = hashlib.sha256()
+            for i in range(total // len(piece)):
+                chunk = bytes([i % 256]) + piece[1:]
+                h.update(chunk)
+                await w.write(chunk)
+            await w.close()
+            done.set()
+        assert peak - base < window + 96 * MiB, f"RSS grew {(peak - base) / MiB:.0f} MiB"
+        r = await client.open_read("/huge")
+        h2 = hashlib.sha256()
+        while chunk := await r.read(16 * MiB):
+            h2.update(chunk)
+        assert h2.digest() == h.digest()
