@@ -350,6 +350,9 @@ class MountBackend:
     async def read_file(self, path: str, size: int, sink: Any, opened: Any) -> None:
         fd = await self._run(os.open, self._path(path), os.O_RDONLY | os.O_CLOEXEC)
         opened()
+        # A restore follows a restart: drop what the page cache kept from the write, so the
+        # read reaches the filesystem (as the client-library mode always does).
+        await self._run(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)
         buf = bytearray(PIECE)
         view = memoryview(buf)
         try:
@@ -581,6 +584,11 @@ class CpuMeter:
             except psutil.Error:
                 continue
         self.sample()
+        self.first = dict(self.last)
+
+    def used(self) -> float:
+        """CPU-s the set spent since this meter was made."""
+        return self.sample() - sum(self.first.values())
 
     def sample(self) -> float:
         """Total CPU-s of the set now (latest readings)."""
