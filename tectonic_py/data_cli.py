@@ -1,0 +1,266 @@
+"""``tectonic put/get/ls/rm/stat/mkdir``: direct transfers and namespace commands, no FUSE.
+
+``put`` streams a local file into the cluster through one ``FileWriter`` (reads of 8 MiB from
+disk in a worker thread, so the event loop keeps the write pipeline full) and returns only
+after ``close``: the file is durable, committed and sealed when the command exits 0.
+``get`` streams it back with readahead, writing to a temporary file that is fsynced and
+renamed into place, so an interrupted ``get`` never leaves a truncated file under the
+target name. Transfers over 64 MiB show a rich progress bar on a terminal (``--quiet``
+hides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tectonic_py.client import TectonicClient, open_client
+from tectonic_py.errors import ConfigError, IsADirectory
+
+MiB = 1024 * 1024
+PIECE = 8 * MiB
+PROGRESS_OVER = 64 * MiB
+
+
+class _Progress:
+    """A rich progress bar for big transfers on a terminal, else nothing."""
+
+    def __init__(self, label: str, total: int, quiet: bool) -> None:
+        self._bar: Any = None
+        if quiet or total < PROGRESS_OVER or not sys.stderr.isatty():
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task(label, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+async def _run(cluster_file: str, fn: Any, *args: Any) -> Any:
+    async with open_client(cluster_file) as client:
+        return await fn(client, *args)
+
+
+def _remote(path: str) -> str:
+    if not path.startswith("/"):
+        raise ConfigError(f"remote path {path!r} must be absolute (start with '/')")
+    return path
+
+
+async def _put(client: TectonicClient, local: str, remote: str, ec: str | None,
+               quiet: bool) -> dict[str, Any]:
+    try:
+        f = open(local, "rb")
+    except OSError as e:
+        raise ConfigError(f"cannot read {local!r}: {e.strerror}") from None
+    with f:
+        total = os.fstat(f.fileno()).st_size
+        if remote.endswith("/"):
+            remote += os.path.basename(local)
+        started = time.monotonic()
+        writer = await client.create(remote, ec=ec)
+        progress = _Progress(f"put {os.path.basename(local)}", total, quiet)
+        try:
+            buf = bytearray(PIECE)
+            view = memoryview(buf)
+            while True:
+                n = await trio.to_thread.run_sync(f.readinto, buf)
+                if not n:
+                    break
+                await writer.write(view[:n])
+                progress.advance(n)
+            attrs = await writer.close()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await writer.abort()
+            raise
+        finally:
+            progress.close()
+    seconds = time.monotonic() - started
+    return {"path": remote, "bytes": attrs.size, "seconds": round(seconds, 3),
+            "MB_per_s": round(attrs.size / max(seconds, 1e-9) / 1e6, 1), "ec": attrs.ec}
+
+
+async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> dict[str, Any]:
+    reader = await client.open_read(remote)
+    target = Path(local)
+    if target.is_dir():
+        target = target / remote.rstrip("/").rpartition("/")[2]
+    tmp = target.with_name(f".{target.name}.tectonic-tmp")
+    started = time.monotonic()
+    progress = _Progress(f"get {target.name}", reader.size, quiet)
+    try:
+        with open(tmp, "wb") as f:
+            while True:
+                data = await reader.read(PIECE)
+                if not data:
+                    break
+                await trio.to_thread.run_sync(f.write, data)
+                progress.advance(len(data))
+            await trio.to_thread.run_sync(os.fsync, f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        progress.close()
+        await reader.aclose()
+    seconds = time.monotonic() - started
+    return {"path": str(target), "bytes": reader.size, "seconds": round(seconds, 3),
+            "MB_per_s": round(reader.size / max(seconds, 1e-9) / 1e6, 1)}
+
+
+async def _ls(client: TectonicClient, path: str, long: bool) -> list[dict[str, Any]]:
+    attrs = await client.stat(path)
+    if not attrs.is_dir:
+        name = path.rstrip("/").rpartition("/")[2]
+        return [{"name": name, "kind": attrs.kind, "size": attrs.size, "ec": attrs.ec}]
+    out = []
+    for e in await client.listdir(path):
+        row: dict[str, Any] = {"name": e.name, "kind": e.kind}
+        if long:
+            a = await client.meta.getattr(e.id)
+            row.update(size=a.size, ec=a.ec, sealed=a.sealed, mtime_ns=a.mtime_ns)
+        out.append(row)
+    return out
+
+
+async def _rm(client: TectonicClient, paths: list[str], recursive: bool) -> None:
+    for path in paths:
+        attrs = await client.stat(path)
+        if attrs.is_dir:
+            if not recursive:
+                raise IsADirectory(f"{path} is a directory (use -r)")
+            for e in await client.listdir(path):
+                await _rm(client, [path.rstrip("/") + "/" + e.name], True)
+            await client.rmdir(path)
+        else:
+            await client.unlink(path)
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    r = trio.run(_run, args.cluster_file, _put, args.local, _remote(args.remote), args.ec,
+                 args.quiet)
+    if not args.quiet:
+        print(f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s, "
+              f"{r['ec']})")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    r = trio.run(_run, args.cluster_file, _get, _remote(args.remote), args.local, args.quiet)
+    if not args.quiet:
+        print(f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s)")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = trio.run(_run, args.cluster_file, _ls, _remote(args.path), args.long)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        suffix = "/" if row["kind"] == "dir" else ""
+        if args.long and row["kind"] != "dir":
+            print(f"{row.get('size', 0):>14} {row.get('ec', ''):>8} {row['name']}{suffix}")
+        else:
+            print(f"{row['name']}{suffix}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    trio.run(_run, args.cluster_file, _rm, [_remote(p) for p in args.paths], args.recursive)
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    async def go(client: TectonicClient) -> dict[str, Any]:
+        return (await client.stat(_remote(args.path))).to_wire()
+
+    print(json.dumps(trio.run(_run, args.cluster_file, go), indent=2))
+    return 0
+
+
+def cmd_mkdir(args: argparse.Namespace) -> int:
+    async def go(client: TectonicClient) -> None:
+        for p in args.paths:
+            attrs = await client.mkdir(_remote(p), parents=args.parents)
+            if args.ec:
+                await client.meta.setattr(attrs.id, ec=args.ec)
+
+    trio.run(_run, args.cluster_file, go)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    def cluster(p: argparse.ArgumentParser) -> None:
+        p.add_argument("cluster_file", metavar="CLUSTER_FILE", help="the cluster.toml to use")
+
+    p = subparsers.add_parser("put", help="copy a local file into the cluster")
+    cluster(p)
+    p.add_argument("local", metavar="LOCAL_PATH")
+    p.add_argument("remote", metavar="REMOTE_PATH", help="absolute; ending in / keeps the name")
+    p.add_argument("--ec", help="EC policy of the new file (default: its directory's)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_put)
+
+    p = subparsers.add_parser("get", help="copy a file out of the cluster")
+    cluster(p)
+    p.add_argument("remote", metavar="REMOTE_PATH")
+    p.add_argument("local", metavar="LOCAL_PATH", help="a file name or a directory")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_get)
+
+    p = subparsers.add_parser("ls", help="list a directory")
+    cluster(p)
+    p.add_argument("path", metavar="REMOTE_PATH", nargs="?", default="/")
+    p.add_argument("-l", "--long", action="store_true", help="sizes and EC policies")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = subparsers.add_parser("rm", help="remove files (and directories with -r)")
+    cluster(p)
+    p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
+    p.add_argument("-r", "--recursive", action="store_true")
+    p.set_defaults(func=cmd_rm)
+
+    p = subparsers.add_parser("stat", help="attributes of a file or directory, as JSON")
+    cluster(p)
+    p.add_argument("path", metavar="REMOTE_PATH")
+    p.set_defaults(func=cmd_stat)
+
+    p = subparsers.add_parser("mkdir", help="make directories")
+    cluster(p)
+    p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
+    p.add_argument("-p", "--parents", action="store_true")
+    p.add_argument("--ec", help="EC policy that new files in it inherit (rs-6-3, rs-4-2, r3...)")
+    p.set_defaults(func=cmd_mkdir)
+
