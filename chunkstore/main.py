@@ -13,6 +13,7 @@ import trio
 
 from chunkstore.server import StoreConfig, serve
 from tectonic_py import wire
+from tectonic_py.aio import open_service_nursery
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 async def _main(config: StoreConfig) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly (puts already acknowledged are on
     disk either way; this only spares clients a reset connection mid-reply)."""
-    async with trio.open_nursery() as nursery:
+    async with open_service_nursery() as nursery:  # a startup error surfaces as itself
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             await nursery.start(serve, config)
             async for signum in signals:

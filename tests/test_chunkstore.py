@@ -759,3 +759,36 @@ def test_layout_header_round_trip_and_size_inversion():
 @given(n=st.integers(0, 70 * MiB))
 def test_file_size_inversion_property(n):
     assert layout.length_from_file_size(layout.file_size_for(n)) == n
+
+
+async def test_heartbeat_registers_with_the_real_metadata_registry(tmp_path, secret_file):
+    from metadata_fixtures import open_meta_cluster
+
+    secret = secret_file.read_bytes().strip()
+    async with open_meta_cluster(tmp_path / "meta", secret_file, servers=1, shards=4) as mc:
+        registry = mc.config.metadata_servers[0].address
+        async with trio.open_nursery() as nursery:
+            ready = tmp_path / "ready.json"
+            server, port = await start_store(
+                nursery,
+                tmp_path / "d",
+                secret,
+                registry=registry,
+                heartbeat_interval=0.05,
+                ready_file=ready,
+                capacity=64 * MiB,
+            )
+            for _ in range(400):  # bounded: 20 s
+                if ready.exists():
+                    break
+                await trio.sleep(0.05)
+            assert ready.exists()
+            nodes = {n.node_id: n for n in await mc.client.nodes()}
+            node = nodes[NODE]
+            assert (node.address, node.failure_domain, node.state) == (
+                f"127.0.0.1:{port}",
+                "rack-1",
+                "up",
+            )
+            assert node.capacity == 64 * MiB
+            nursery.cancel_scope.cancel()

@@ -252,3 +252,85 @@ def test_bench_smoke(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ratio" in r.stdout and "put" in r.stdout and "get" in r.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tectonic_py.cli", "chunkstore", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_cli_errors_are_one_clear_line(tmp_path, secret_file):
+    base = ["--listen", "127.0.0.1:0", "--node-id", NODE, "--failure-domain", "r"]
+    cases = [
+        (
+            [*base, "--data-dir", str(tmp_path / "d"), "--secret-file", str(tmp_path / "nope")],
+            "cannot read secret file",
+        ),
+        (
+            [
+                *base[:2],
+                "--node-id",
+                "../evil",
+                "--failure-domain",
+                "r",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--secret-file",
+                str(secret_file),
+            ],
+            "bad node id",
+        ),
+        (
+            [
+                "--listen",
+                "nohost",
+                "--node-id",
+                NODE,
+                "--failure-domain",
+                "r",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--secret-file",
+                str(secret_file),
+            ],
+            "bad address",
+        ),
+        (
+            [*base, "--data-dir", str(secret_file), "--secret-file", str(secret_file)],
+            "cannot open data directory",
+        ),
+    ]
+    for args, message in cases:
+        r = _cli(*args)
+        assert r.returncode == 1, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+async def test_sigterm_stops_cleanly_and_a_second_daemon_is_refused(tmp_path, secret_file, daemons):
+    daemon = Daemon(tmp_path / "data", secret_file)
+    daemons.append(daemon)
+    await daemon.start()
+    r = await trio.to_thread.run_sync(
+        lambda: _cli(
+            "--data-dir",
+            str(daemon.data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--node-id",
+            NODE,
+            "--failure-domain",
+            "r",
+            "--secret-file",
+            str(secret_file),
+        )
+    )
+    assert r.returncode == 1 and "in use by another chunk store" in r.stderr, r.stderr
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGTERM)
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
