@@ -332,6 +332,9 @@ class Operations(pyfuse3.Operations):
             ofile = self.cache.open_files.get(inode)
             if ofile is not None and ofile.writer is not None:
                 ofile.attrs = attrs
+                ofile.times.update(
+                    {k: v for k, v in changes.items() if k in ("atime_ns", "mtime_ns")}
+                )
         else:
             attrs = await self._attrs(inode)
         return self._entry(attrs)
@@ -350,6 +353,7 @@ class Operations(pyfuse3.Operations):
                 if ofile.writer is not None:
                     await self._guard(ofile, ofile.writer.truncate(size))
                     ofile.write_seq += 1
+                    ofile.times.clear()
                     return
                 writer = await self.client.open_writer(inode, truncate=size == 0)
                 try:
@@ -475,6 +479,7 @@ class Operations(pyfuse3.Operations):
             else:
                 await self._guard(ofile, writer.pwrite(buf, off))
             ofile.write_seq += 1
+            ofile.times.clear()
         return len(buf)
 
     async def _sync(self, handle: Handle, *, always: bool) -> None:
@@ -489,6 +494,12 @@ class Operations(pyfuse3.Operations):
             return
         await self._guard(ofile, writer.fsync())
         ofile.synced_seq = max(ofile.synced_seq, seq)
+        await self._reapply_times(ofile)
+
+    async def _reapply_times(self, ofile: OpenFile) -> None:
+        """Put back times the program set (the commit just stamped mtime with "now")."""
+        if ofile.times:
+            ofile.attrs = await self.meta.setattr(ofile.inode, **ofile.times)
 
     @_fuse_op
     async def flush(self, fh: int) -> None:
@@ -532,6 +543,7 @@ class Operations(pyfuse3.Operations):
             try:
                 with trio.CancelScope(shield=True):
                     ofile.attrs = await writer.close()
+                    await self._reapply_times(ofile)
             except FileNotFound:
                 log.debug("inode %d was removed before its seal", ofile.inode)
             except TectonicError as e:
@@ -545,6 +557,7 @@ class Operations(pyfuse3.Operations):
             ofile.writer = None
             ofile.closing = False
             ofile.error = None
+            ofile.times.clear()
 
     def _handle(self, fh: int) -> Handle:
         try:

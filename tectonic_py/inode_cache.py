@@ -60,6 +60,10 @@ class OpenFile:
     # The first write-path failure. Sticky: later writes, flushes and fsyncs report it, and
     # the file is never sealed (sealing would make lost data look complete).
     error: BaseException | None = None
+    # atime/mtime a program set explicitly (utimensat, cp -a) since its last write: the
+    # metadata service stamps mtime on every commit and on the seal, so these are applied
+    # again after each durability point.
+    times: dict[str, int] = field(default_factory=dict)
     # Set while release seals the writer: reads then wait for the seal and use a reader.
     closing: bool = False
 
