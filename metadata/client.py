@@ -611,12 +611,10 @@ class MetadataClient:
         """Cluster capacity: {"capacity", "free", "files"...} from the registry."""
         nodes = await self.nodes()
         up = [n for n in nodes if n.state == "up"]
-        stats = await self._gather(
-            [
-                (lambda a=s.address: self._call(a, "server.stats", {}))
-                for s in self.config.metadata_servers
-            ]
-        )
+        def job(address: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+            return lambda: self._call(address, "server.stats", {})
+
+        stats = await self._gather([job(s.address) for s in self.config.metadata_servers])
         return {
             "capacity": sum(n.capacity for n in up),
             "free": sum(n.free for n in up),

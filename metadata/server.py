@@ -63,7 +63,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any

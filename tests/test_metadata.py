@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 import trio
+import trio.lowlevel
+from metadata_fixtures import open_meta_cluster, register_nodes
 
 from metadata.model import BlockInfo, ChunkPlacement
 from metadata.name_layer import validate_name
@@ -26,7 +28,6 @@ from tectonic_py.errors import (
     XattrNotFound,
 )
 from tectonic_py.ids import ROOT_ID, shard_of
-from metadata_fixtures import open_meta_cluster, register_nodes
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ async def test_ec_policy_inherited_and_settable(mc):
 async def test_errno_cases(mc):
     c = mc.client
     d = await c.mkdir(ROOT_ID, "d")
-    f, tok = await c.create(d.id, "f")
+    f, _ = await c.create(d.id, "f")
     with pytest.raises(FileExists):
         await c.create(d.id, "f")
     with pytest.raises(FileExists):
@@ -339,8 +340,8 @@ async def test_cross_shard_rename_recovery_rolls_forward_or_back(mc):
     sa = shard_of(a.id, 8)
     b = await mkdir_where(c, ROOT_ID, "b", lambda s: s != sa)
     sb = shard_of(b.id, 8)
-    f1, t = await c.create(a.id, "one")
-    f2, t = await c.create(a.id, "two")
+    f1, _ = await c.create(a.id, "one")
+    f2, _ = await c.create(a.id, "two")
     deadline = 1  # already passed: the recovery pass may settle it
     far = 2**62
     # "one": the client crashed after apply, before finish -> both names visible; roll forward.
@@ -386,7 +387,7 @@ async def test_paged_listing_stable_under_concurrent_creates(mc):
             if cursor is None:
                 return
             after = cursor
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as n:
         n.start_soon(list_all)
@@ -498,7 +499,6 @@ async def test_max_length_name_accepted(mc):
 
 
 async def test_malformed_requests_and_unknown_shards(mc):
-    c = mc.client
     addr = mc.config.metadata_servers[0].address
     host, port = wire.parse_address(addr)
     secret = mc.config.secret()
