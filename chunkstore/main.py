@@ -49,6 +49,18 @@ def register(subparsers: Any) -> None:
         default=256 * 1024 * 1024,
         help="bytes of get replies held in memory at once (slow readers wait beyond it)",
     )
+    p.add_argument(
+        "--scrub-rate",
+        type=float,
+        default=16 * 1024 * 1024,
+        help="bytes/s that scrub re-reads and verifies (0: no scrub)",
+    )
+    p.add_argument(
+        "--scrub-interval",
+        type=float,
+        default=3600.0,
+        help="seconds between the starts of two scrub passes over every chunk",
+    )
     p.set_defaults(func=run)
 
 
@@ -77,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,
         reply_budget=args.reply_budget,
+        scrub_rate=args.scrub_rate,
+        scrub_interval=args.scrub_interval,
     )
     _raise_fd_limit()
     trio.run(_main, config)

@@ -44,6 +44,7 @@ from typing import Any
 import trio
 
 from chunkstore import layout
+from chunkstore.scrub import Scrubber
 from tectonic_py import capability, wire
 from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
@@ -74,6 +75,8 @@ class StoreConfig:
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
     reply_budget: int = 256 * MiB
+    scrub_rate: float = 0.0  # bytes/s re-verified by scrub (chunkstore/scrub.py); 0: off
+    scrub_interval: float = 3600.0  # seconds between the starts of two scrub passes
     limits: wire.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,11 +174,13 @@ class _ReplyBudget:
         except trio.RunFinishedError:
             pass
 
-    def alloc(self, n: int) -> bytearray:
-        """Called in a worker thread: wait for budget, then a buffer that returns it."""
+    def alloc(self, n: int, leases: list[weakref.finalize]) -> bytearray:
+        """Called in a worker thread: wait for budget, then a buffer that returns it when
+        freed. Its lease goes into ``leases`` so a failed read returns the budget at once: a
+        traceback can keep the buffer alive until the garbage collector runs."""
         trio.from_thread.run(self.acquire, n)
         buf = _ReplyBuffer(n)
-        weakref.finalize(buf, self.release_soon, n)
+        leases.append(weakref.finalize(buf, self.release_soon, n))
         return buf
 
 
@@ -195,6 +200,7 @@ class ChunkStoreServer:
                 "stat": self._stat,
                 "list": self._list,
                 "node_stats": self._node_stats,
+                "scrub_report": self._scrub_report,
             },
             config.limits,
         )
@@ -209,6 +215,7 @@ class ChunkStoreServer:
         self.heartbeats_accepted = 0
         self._lock_fd: int | None = None
         self._replies: _ReplyBudget | None = None
+        self.scrubber = Scrubber(self.data_dir, config.scrub_rate, config.scrub_interval)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -228,6 +235,7 @@ class ChunkStoreServer:
                     self.data_dir,
                     self.address,
                 )
+                nursery.start_soon(self.scrubber.run)
                 if self.config.registry is not None:
                     nursery.start_soon(self._heartbeat_loop)
                 elif self.config.ready_file is not None:
@@ -337,14 +345,21 @@ class ChunkStoreServer:
         try:
             async with self._reads:
                 assert self._replies is not None
-                header, data, crc = await trio.to_thread.run_sync(
-                    layout.read_chunk,
-                    self.data_dir,
-                    chunk_id,
-                    offset,
-                    length,
-                    self._replies.alloc,
-                )
+                replies = self._replies
+                leases: list[weakref.finalize] = []
+                try:
+                    header, data, crc = await trio.to_thread.run_sync(
+                        layout.read_chunk,
+                        self.data_dir,
+                        chunk_id,
+                        offset,
+                        length,
+                        lambda n: replies.alloc(n, leases),
+                    )
+                except BaseException:
+                    for lease in leases:
+                        lease()  # a finalizer runs at most once: never a double release
+                    raise
         finally:
             self._outstanding -= 1
         return {"size": header.length, "checksum": header.checksum, "range_checksum": crc}, data
@@ -360,7 +375,11 @@ class ChunkStoreServer:
         if size is not None:
             self.used -= size
             self.chunk_count -= 1
+        self.scrubber.forget(chunk_id)
         return {"existed": size is not None}
+
+    async def _scrub_report(self, req: wire.Request) -> dict[str, Any]:
+        return self.scrubber.report()
 
     async def _stat(self, req: wire.Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)

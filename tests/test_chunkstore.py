@@ -205,6 +205,12 @@ async def test_corrupt_data_is_detected_and_never_returned(store, secret):
             bytes(await c.get(cid, 3 * layout.SEGMENT_SIZE, 4096))
             == data[3 * layout.SEGMENT_SIZE : 3 * layout.SEGMENT_SIZE + 4096]
         )
+        # The buffers those refused reads filled were given back to the reply budget.
+        for _ in range(500):
+            if server.reply_bytes_held == 0:
+                break
+            await trio.sleep(0.01)
+        assert server.reply_bytes_held == 0
         # A retried put of the right bytes heals it.
         await c.put(cid, data, cap)
         assert layout.verify_chunk(path)
