@@ -13,9 +13,9 @@
 # Addresses: SUBNET.1/24 on the bridge in the root namespace, SUBNET.10+i for metadata
 # server i, SUBNET.100+i for chunk store i. The script only ever creates, changes and
 # deletes the bridge, veths and namespaces it names in DIR/netns.state; it touches no other
-# interface, route or firewall rule. --rate/--delay put a netem qdisc on each host's link
-# (both directions: inside the namespace and on the bridge side), so transfers see the
-# bandwidth and latency of a real network.
+# interface, route or firewall rule. --rate (tc tbf) and --delay (tc netem, needs the
+# sch_netem kernel module) shape each host's link in both directions (inside the namespace
+# and on the bridge side), so transfers see the bandwidth and latency of a real network.
 #
 # Needs root (ip netns, veth, bridge). Run `down` even after a failed `up`: it removes
 # whatever part was made.
@@ -93,12 +93,20 @@ cmd_up() {
         ip -n "$ns" addr add "$addr/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
-        if [ -n "$rate$delay" ]; then
-            local netem=(netem)
-            [ -n "$delay" ] && netem+=(delay "$delay")
-            [ -n "$rate" ] && netem+=(rate "$rate")
-            ip netns exec "$ns" tc qdisc add dev eth0 root "${netem[@]}"
-            tc qdisc add dev "$outer" root "${netem[@]}"
+        shape_link ip netns exec "$ns" tc qdisc add dev eth0
+        shape_link tc qdisc add dev "$outer"
+    }
+
+    # shape_link TC-COMMAND...: latency with netem (root), bandwidth with tbf (under netem,
+    # or root alone): tbf needs no sch_netem, which some kernels lack
+    shape_link() {
+        local tbf=(tbf rate "$rate" burst 512kb latency 100ms)
+        if [ -n "$delay" ]; then
+            "$@" root handle 1: netem delay "$delay" \
+                || die "tc netem failed (is sch_netem in this kernel?): --delay cannot be applied"
+            if [ -n "$rate" ]; then "$@" parent 1:1 handle 10: "${tbf[@]}"; fi
+        elif [ -n "$rate" ]; then
+            "$@" root "${tbf[@]}"
         fi
     }
 
@@ -117,7 +125,7 @@ cmd_up() {
     local servers_toml="" registry=""
     for ((i = 0; i < metadata_servers; i++)); do
         local lo=$((i * per)) hi=$(( (i + 1) * per - 1 ))
-        [ "$hi" -ge "$shards" ] && hi=$((shards - 1))
+        if [ "$hi" -ge "$shards" ]; then hi=$((shards - 1)); fi
         [ "$lo" -le "$hi" ] || die "more metadata servers than shards"
         local addr="$subnet.$((10 + i))"
         make_host "md$i" "$addr"
@@ -127,7 +135,7 @@ cmd_up() {
             --data-dir "$DIR/md$i" --listen "$addr:7100" --shards "$lo-$hi" \
             --total-shards "$shards" --secret-file "$DIR/secret" \
             --ready-file "$DIR/md$i/ready.json" --node-timeout "$node_timeout"
-        [ "$i" -eq 0 ] && registry="$addr:7100"
+        if [ "$i" -eq 0 ]; then registry="$addr:7100"; fi
         servers_toml+=$'\n[[metadata_servers]]\n'"address = \"$addr:7100\""$'\n'"shards = [$(seq -s ', ' "$lo" "$hi")]"$'\n'
     done
     for ((i = 0; i < chunkstores; i++)); do
@@ -144,8 +152,10 @@ cmd_up() {
     # wait (bounded) for every daemon's ready file; a daemon that died fails fast
     local want=$((metadata_servers + chunkstores)) deadline=$((SECONDS + 60))
     while :; do
-        local ready
-        ready=$(ls "$DIR"/md*/ready.json "$DIR"/cs*/ready.json 2>/dev/null | wc -l)
+        local ready=0
+        for f in "$DIR"/md*/ready.json "$DIR"/cs*/ready.json; do
+            if [ -f "$f" ]; then ready=$((ready + 1)); fi
+        done
         [ "$ready" -ge "$want" ] && break
         for pid in $(state_get pid); do
             kill -0 "$pid" 2>/dev/null || die "a daemon (pid $pid) exited during start-up; see $DIR/*/log"
@@ -163,6 +173,11 @@ cmd_up() {
         echo "$servers_toml"
     } > "$DIR/cluster.toml.tmp"
     mv "$DIR/cluster.toml.tmp" "$DIR/cluster.toml"
+    # new files inherit the root directory's policy: make it the one asked for
+    "$PYTHON" -c 'import sys, trio
+from tectonic_py import cluster_file
+from tectonic_py.local_cluster_cli import set_root_policy
+trio.run(set_root_policy, cluster_file.load(sys.argv[1]), sys.argv[2])' "$DIR/cluster.toml" "$ec"
     trap - EXIT
     echo "cluster of $metadata_servers metadata server(s) and $chunkstores chunk stores is up"
     echo "cluster file: $DIR/cluster.toml"

@@ -151,7 +151,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
     )
 
 
-async def _set_root_policy(config: ClusterConfig, ec: str) -> None:
+async def set_root_policy(config: ClusterConfig, ec: str) -> None:
     """Make ``--ec`` the root directory's policy, which new files and directories inherit.
 
     The metadata service creates the root with its built-in default; the cluster file's
@@ -200,7 +200,7 @@ def _run_foreground(args: argparse.Namespace, root: Path, *, detached: bool) -> 
             try:
                 config = cluster.start()
                 if args.set_root_ec:
-                    trio.run(_set_root_policy, config, ECPolicy.parse(args.ec).name)
+                    trio.run(set_root_policy, config, ECPolicy.parse(args.ec).name)
             except TectonicError as e:
                 # the launcher appends the daemon's log tail; the CLI's error stays one
                 # line, and that line names the log to read

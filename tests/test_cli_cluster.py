@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.test_cli import run_cli
+from test_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
