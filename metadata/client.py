@@ -220,11 +220,16 @@ class MetadataClient:
     async def _policy(self, dir_id: int) -> tuple[str, int]:
         cached = self._dir_policy.get(dir_id)
         if cached is not None and cached[0] > time.monotonic():
-            return cached[1], cached[2]
+            return cached[1], self._chunk_size(dir_id, cached[2])
         attrs = await self.getattr(dir_id)
         if not attrs.is_dir:
             raise NotADirectory(f"{dir_id} is not a directory")
-        return attrs.ec, attrs.chunk_size
+        return attrs.ec, self._chunk_size(dir_id, attrs.chunk_size)
+
+    def _chunk_size(self, dir_id: int, recorded: int) -> int:
+        """The root directory is made by the server, which has no cluster file: its files
+        and subdirectories take the cluster file's ``chunk_size``; others inherit theirs."""
+        return self.config.chunk_size if dir_id == ROOT_ID else recorded
 
     async def _new_record(
         self, dir_id: int, name: str, kind: str, mode: int, uid: int, gid: int, ec: str | None

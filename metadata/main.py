@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 import trio
 
@@ -38,5 +39,20 @@ def run(args: argparse.Namespace) -> int:
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
     )
-    trio.run(lambda: server.serve(host, port, ready_file=args.ready_file))
+    trio.run(_serve_until_signalled, server, host, port, args.ready_file)
     return 0
+
+
+async def _serve_until_signalled(
+    server: MetadataServer, host: str, port: int, ready_file: str | None
+) -> None:
+    """SIGTERM/SIGINT end the server cleanly: every acknowledged change is already durable
+    (a reply follows its commit), so stopping needs no flush, only closing the databases."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: server.serve(
+                host, port, ready_file=ready_file, task_status=task_status))
+            async for signum in signals:
+                log.info("metadata server stopping on signal %d", signum)
+                nursery.cancel_scope.cancel()
+                break

@@ -70,7 +70,8 @@ from typing import Any
 import trio
 
 from metadata import block_layer, file_layer, name_layer
-from metadata.model import KIND_DIR, KIND_FILE
+from metadata.maintenance_ops import MaintenanceOps
+from metadata.model import KIND_DIR, KIND_FILE, Attrs
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
 from tectonic_py import capability, wire
@@ -90,6 +91,11 @@ LEASE_NS = 60 * 1_000_000_000
 RECOVERY_INTERVAL_S = 5.0
 MAX_MODE = 0o7777
 MAX_UGID = 2**32 - 1
+
+
+def _attrs(attrs: Attrs) -> dict[str, Any]:
+    """Attrs as a wire map; a shallow copy (``asdict`` deep-copies, a hot spot in profiles)."""
+    return dict(attrs.__dict__)
 
 
 def _id(req: wire.Request, name: str) -> int:
@@ -119,8 +125,10 @@ def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
     os.replace(tmp, path)
 
 
-class MetadataServer:
-    """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``."""
+class MetadataServer(MaintenanceOps):
+    """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
+
+    The ops of the background services come from ``MaintenanceOps`` (metadata/maintenance_ops.py)."""
 
     def __init__(
         self,
@@ -214,7 +222,7 @@ class MetadataServer:
         child_store = self.stores.get(shard_of(child, self.total_shards))
         if child_store is not None:
             try:
-                reply["attrs"] = child_store.read(file_layer.get, child, now_ns()).to_wire()
+                reply["attrs"] = _attrs(child_store.read(file_layer.get, child, now_ns()))
             except FileNotFound:
                 pass
         return reply
@@ -296,13 +304,13 @@ class MetadataServer:
         attrs, token = await store.write(
             file_layer.create, store.shard, self.total_shards, spec, now_ns(), self.lease_ns
         )
-        return {"attrs": attrs.to_wire(), "token": token}
+        return {"attrs": _attrs(attrs), "token": token}
 
     async def op_file__get(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         file_id = _id(req, "id")
         return {
-            "attrs": store.read(file_layer.get, file_id, now_ns()).to_wire(),
+            "attrs": _attrs(store.read(file_layer.get, file_id, now_ns())),
             "parent": store.read(file_layer.parent_of, file_id),
         }
 
@@ -345,7 +353,7 @@ class MetadataServer:
             file_layer.seal, _id(req, "id"), req.int("token", hi=MAX_ID),
             req.int("size", hi=2**62), now_ns(),
         )
-        return {"attrs": attrs.to_wire()}
+        return {"attrs": _attrs(attrs)}
 
     async def op_file__set_size(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
@@ -353,7 +361,7 @@ class MetadataServer:
             file_layer.set_size, _id(req, "id"), req.int("token", hi=MAX_ID),
             req.int("size", hi=2**62), now_ns(),
         )
-        return {"attrs": attrs.to_wire()}
+        return {"attrs": _attrs(attrs)}
 
     async def op_file__setattr(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
@@ -366,7 +374,7 @@ class MetadataServer:
             "ec": req.str("ec", None, max_len=16),
         }
         attrs = await store.write(file_layer.setattr_, _id(req, "id"), changes, now_ns())
-        return {"attrs": attrs.to_wire()}
+        return {"attrs": _attrs(attrs)}
 
     async def op_file__link(self, req: wire.Request) -> None:
         store = self._store(req)

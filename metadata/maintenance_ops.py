@@ -1,0 +1,318 @@
+"""Metadata ops for the background services (repair, GC, rebalance, lease recovery).
+
+Kept apart from the Name/File/Block layer modules because they exist only for the
+``tectonic maintenance`` process (``tectonic_py/maintenance/``): the data path never calls
+them. ``MaintenanceOps`` is a mixin of ``MetadataServer``: its ``op_*`` methods become ops the
+same way the server's own do. Every op is one transaction in one shard and re-checks the
+state it acts on inside that transaction, so a maintenance process that acted on a stale view
+(or crashed and restarted, or runs twice) is refused instead of doing harm.
+
+==================== ===================================================== ===================
+op                   fields (and ``shard``)                                reply
+==================== ===================================================== ===================
+block.scan           after, limit                                          blocks, next
+block.set_chunk      block_id, index, old_node ("" = none), new_node,      {}
+                     checksum
+block.forget         block_id, state, [file_id, file_index]                forgotten
+block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
+file.gc_queue        older_than_ns, limit                                  blocks [[b, q_ns]]
+file.gc_ack          block_ids                                             {}
+file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
+file.expired_leases  before_ns, limit                                      files [[id, token]]
+file.recover_lease   id, token, before_ns                                  outcome
+==================== ===================================================== ===================
+
+``block.scan`` lists every block of a shard (allocated and committed) in block-id order with
+its state, file, index, allocation time, granted nodes and chunks: the input of the GC's
+block sweep and of repair's search for blocks committed with fewer than n chunks.
+
+Lease recovery rule (``recover_lease``), matching the FUSE promise that a crashed writer
+never leaves a file that looks complete but is not: a file whose writer lease expired
+without a seal keeps its last *committed* size (the size its writer made durable with
+fsync/flush, ``set_size``), blocks wholly past that size are dropped (queued for GC), the
+writer token is released (a writer that was only partitioned is fenced) and the file stays
+**unsealed**, which marks it incomplete: it is never sealed by anyone but a writer's close.
+A file that was unlinked while being written (nlink 0) is deleted instead. An unsealed file
+with no writer can be reopened for writing (which rewrites it) or removed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import msgpack
+
+from metadata.shard import now_ns
+from tectonic_py import wire
+from tectonic_py.errors import FileNotFound, InvalidArgument
+from tectonic_py.ids import MAX_ID, NODE_ID_RE
+
+MAX_SCAN = 10_000
+
+
+# --- Block layer functions -----------------------------------------------------------------
+
+
+def scan_blocks(conn: sqlite3.Connection, after: int, limit: int) -> tuple[list[dict[str, Any]], int | None]:
+    rows = conn.execute(
+        "SELECT block_id, state, ec, chunk_len, data_len, file_id, file_index, nodes, allocated_ns"
+        " FROM blocks WHERE block_id > ? ORDER BY block_id LIMIT ?",
+        (after, limit),
+    ).fetchall()
+    out = []
+    for bid, state, ec, cl, dl, fid, fidx, nodes, alloc in rows:
+        chunks = [
+            [r[0], r[1], r[2]]
+            for r in conn.execute(
+                "SELECT idx, node_id, checksum FROM block_chunks WHERE block_id = ? ORDER BY idx",
+                (bid,),
+            )
+        ]
+        out.append(
+            {
+                "block_id": bid, "state": state, "ec": ec, "chunk_len": cl, "data_len": dl,
+                "file_id": fid, "file_index": fidx, "granted": list(msgpack.unpackb(nodes)),
+                "allocated_ns": alloc, "chunks": chunks,
+            }
+        )
+    nxt = rows[-1][0] if len(rows) == limit else None
+    return out, nxt
+
+
+def set_chunk(
+    conn: sqlite3.Connection, block_id: int, index: int, old_node: str, new_node: str,
+    checksum: int,
+) -> None:
+    """Point chunk ``index`` of a committed block at ``new_node``: a move or repair when
+    ``old_node`` names where it is now, the first placement of a chunk the writer never
+    managed to store when ``old_node`` is "". Refused if the chunk is elsewhere by now."""
+    if not NODE_ID_RE.match(new_node):
+        raise InvalidArgument(f"invalid node id {new_node!r}")
+    row = conn.execute("SELECT state, ec FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+    if row is None or row[0] != "committed":
+        raise FileNotFound(f"no committed block {block_id:016x}")
+    from tectonic_py.ec_policy import ECPolicy
+
+    if not 0 <= index < ECPolicy.parse(row[1]).n:
+        raise InvalidArgument(f"chunk index {index} outside {row[1]}")
+    cur = conn.execute(
+        "SELECT node_id, checksum FROM block_chunks WHERE block_id = ? AND idx = ?",
+        (block_id, index),
+    ).fetchone()
+    current = cur[0] if cur is not None else ""
+    if current != old_node:
+        raise InvalidArgument(
+            f"chunk {index} of block {block_id:016x} is on {current or 'no node'!r},"
+            f" not {old_node or 'no node'!r}"
+        )
+    if cur is not None and cur[1] != checksum:
+        raise InvalidArgument(f"chunk {index} of block {block_id:016x}: checksum differs")
+    if cur is not None:
+        conn.execute(
+            "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
+            (old_node, block_id, index),
+        )
+    conn.execute(
+        "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
+        (block_id, index, new_node, checksum),
+    )
+    conn.execute(
+        "INSERT OR REPLACE INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
+        (new_node, block_id, index),
+    )
+
+
+def forget_block(
+    conn: sqlite3.Connection, block_id: int, state: str, file_id: int | None,
+    file_index: int | None,
+) -> bool:
+    """Delete a block's record, if it is still in the state the GC saw (and, when given,
+    still of that file at that index); True if deleted."""
+    row = conn.execute(
+        "SELECT state, file_id, file_index FROM blocks WHERE block_id = ?", (block_id,)
+    ).fetchone()
+    if row is None or row[0] != state:
+        return False
+    if file_id is not None and (row[1], row[2]) != (file_id, file_index):
+        return False
+    conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
+    conn.execute("DELETE FROM block_chunks WHERE block_id = ?", (block_id,))
+    conn.execute("DELETE FROM node_blocks WHERE block_id = ?", (block_id,))
+    return True
+
+
+def dead_chunks(
+    conn: sqlite3.Connection, node_id: str, chunks: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Chunks a node holds that no block needs there: the block is gone, or is committed
+    with that chunk on another node (or without it). Chunks of allocated (uncommitted)
+    blocks are not dead here: the block sweep forgets stale allocations first."""
+    dead = []
+    for block_id, index in chunks:
+        row = conn.execute("SELECT state FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+        if row is None:
+            dead.append((block_id, index))
+            continue
+        if row[0] != "committed":
+            continue
+        at = conn.execute(
+            "SELECT node_id FROM block_chunks WHERE block_id = ? AND idx = ?", (block_id, index)
+        ).fetchone()
+        if at is None or at[0] != node_id:
+            dead.append((block_id, index))
+    return dead
+
+
+# --- File layer functions ------------------------------------------------------------------
+
+
+def gc_queue(conn: sqlite3.Connection, older_than_ns: int, limit: int) -> list[tuple[int, int]]:
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            "SELECT block_id, queued_ns FROM gc_blocks WHERE queued_ns < ? ORDER BY queued_ns"
+            " LIMIT ?",
+            (older_than_ns, limit),
+        )
+    ]
+
+
+def gc_ack(conn: sqlite3.Connection, block_ids: list[int]) -> None:
+    conn.executemany("DELETE FROM gc_blocks WHERE block_id = ?", [(b,) for b in block_ids])
+
+
+def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> list[bool]:
+    """For each (file_id, index, block_id): does the file hold that block at that index?"""
+    out = []
+    for file_id, index, block_id in refs:
+        row = conn.execute(
+            "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
+        ).fetchone()
+        out.append(row is not None and row[0] == block_id)
+    return out
+
+
+def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list[tuple[int, int]]:
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            "SELECT id, writer_token FROM files WHERE writer_token != 0 AND lease_ns < ?"
+            " AND kind = 'file' ORDER BY lease_ns LIMIT ?",
+            (before_ns, limit),
+        )
+    ]
+
+
+def recover_lease(conn: sqlite3.Connection, file_id: int, token: int, before_ns: int, now: int) -> str:
+    """Apply the lease recovery rule of the module docstring; returns what was done."""
+    from metadata import file_layer
+
+    row = conn.execute(
+        "SELECT writer_token, lease_ns, nlink, size, ec, chunk_size FROM files"
+        " WHERE id = ? AND kind = 'file'",
+        (file_id,),
+    ).fetchone()
+    if row is None or row[0] != token or row[1] >= before_ns:
+        return "skipped"  # gone, reopened by a new writer, or renewed meanwhile
+    if row[2] == 0:
+        file_layer._delete_record(conn, file_id, now)
+        return "deleted"
+    from tectonic_py.ec_policy import ECPolicy
+
+    per_block = ECPolicy.parse(row[4]).k * row[5]
+    file_layer._drop_blocks_from(conn, file_id, -(-row[3] // per_block), now)
+    conn.execute(
+        "UPDATE files SET writer_token = 0, lease_ns = 0, sealed = 0, ctime_ns = ? WHERE id = ?",
+        (now, file_id),
+    )
+    return "incomplete"
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+def _pairs(req: wire.Request, field: str, width: int) -> list[tuple[int, ...]]:
+    items = req.list(field, max_len=MAX_SCAN)
+    out = []
+    for item in items:
+        if (
+            not isinstance(item, list | tuple)
+            or len(item) != width
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in item)
+        ):
+            raise InvalidArgument(f"{req.op}: {field} must be lists of {width} integers")
+        out.append(tuple(item))
+    return out
+
+
+class MaintenanceOps:
+    """Mixin of ``MetadataServer`` (which provides ``_store``)."""
+
+    def _store(self, req: wire.Request) -> Any:  # provided by MetadataServer
+        raise NotImplementedError
+
+    async def op_block__scan(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        blocks, nxt = store.read(
+            scan_blocks, req.int("after", 0, hi=MAX_ID), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
+        )
+        return {"blocks": blocks, "next": nxt}
+
+    async def op_block__set_chunk(self, req: wire.Request) -> None:
+        store = self._store(req)
+        await store.write(
+            set_chunk, req.int("block_id", lo=1, hi=MAX_ID), req.int("index", hi=255),
+            req.str("old_node", "", max_len=64), req.str("new_node", max_len=64),
+            req.int("checksum", hi=2**32 - 1),
+        )
+
+    async def op_block__forget(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        state = req.str("state", max_len=16)
+        if state not in ("allocated", "committed"):
+            raise InvalidArgument(f"block.forget: unknown state {state!r}")
+        done = await store.write(
+            forget_block, req.int("block_id", lo=1, hi=MAX_ID), state,
+            req.int("file_id", None, lo=0, hi=MAX_ID), req.int("file_index", None, lo=-1, hi=MAX_ID),
+        )
+        return {"forgotten": done}
+
+    async def op_block__dead_chunks(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        node = req.str("node_id", max_len=64)
+        chunks = [(b, i) for b, i in _pairs(req, "chunks", 2)]
+        return {"dead": [list(c) for c in store.read(dead_chunks, node, chunks)]}
+
+    async def op_file__gc_queue(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        rows = store.read(
+            gc_queue, req.int("older_than_ns", hi=2**63 - 1), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
+        )
+        return {"blocks": [list(r) for r in rows]}
+
+    async def op_file__gc_ack(self, req: wire.Request) -> None:
+        store = self._store(req)
+        ids = req.list("block_ids", max_len=MAX_SCAN)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_ID for b in ids):
+            raise InvalidArgument("file.gc_ack: block_ids must be block ids")
+        await store.write(gc_ack, ids)
+
+    async def op_file__referenced(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        return {"referenced": store.read(referenced, _pairs(req, "refs", 3))}
+
+    async def op_file__expired_leases(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        rows = store.read(
+            expired_leases, req.int("before_ns", hi=2**63 - 1), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
+        )
+        return {"files": [list(r) for r in rows]}
+
+    async def op_file__recover_lease(self, req: wire.Request) -> dict[str, Any]:
+        store = self._store(req)
+        outcome = await store.write(
+            recover_lease, req.int("id", lo=1, hi=MAX_ID), req.int("token", lo=1, hi=MAX_ID),
+            req.int("before_ns", hi=2**63 - 1), now_ns(),
+        )
+        return {"outcome": outcome}
