@@ -89,6 +89,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 DEFAULT_WINDOW_BYTES = 256 * MiB
 DEFAULT_CACHE_BYTES = 192 * MiB
+LEASE_RENEW_S = 15.0  # well inside the metadata server's writer lease (60 s by default)
 
 
 @dataclass
@@ -773,6 +774,7 @@ class FileWriter:
         self._aborted = False
         self._closed = False
         self._final: Attrs | None = None
+        self._renewed = time.monotonic()
 
     # --- public ------------------------------------------------------------------------------
 
@@ -984,6 +986,18 @@ class FileWriter:
         gen = next(self._gen)
         self._begin(index)
         self.client._nursery.start_soon(self._flush_task, index, buf, n, gen)
+        now = time.monotonic()
+        if now - self._renewed > LEASE_RENEW_S:
+            self._renewed = now
+            self.client._nursery.start_soon(self._renew_lease)
+
+    async def _renew_lease(self) -> None:
+        """Keep the writer token's lease alive during a long write (GC recovers files whose
+        writer's lease ran out); a stolen token shows up here as StaleWriterToken."""
+        try:
+            await self.client.meta.renew_lease(self.file_id, self.token)
+        except TectonicError as e:
+            self._fail(e)
 
     async def _flush_task(self, index: int, buf: bytearray, n: int, gen: int) -> None:
         try:
@@ -1055,12 +1069,21 @@ class FileReader:
         if offset < 0 or length < 0:
             raise InvalidArgument(f"bad read range {offset}+{length}")
         length = max(0, min(length, self.size - offset))
-        out = bytearray(length)
-        view = memoryview(out)
         sequential = offset == self._last_end
         self._last_end = offset + length
         bs = self.layout.block_size
-        for piece in self.layout.pieces(offset, length):
+        pieces = self.layout.pieces(offset, length)
+        if len(pieces) == 1 and (sequential or length >= bs // 2):
+            # The common sequential case: one copy, from the cached block to the caller.
+            piece = pieces[0]
+            info = self._blocks.get(piece.block_index)
+            if info is not None and piece.block_offset + piece.length <= info.data_len:
+                self._readahead(sequential, offset, length)
+                data = await self.client.read_block(info)
+                return bytes(data[piece.block_offset : piece.block_offset + piece.length])
+        out = bytearray(length)
+        view = memoryview(out)
+        for piece in pieces:
             info = self._blocks.get(piece.block_index)
             if info is None:
                 continue
@@ -1073,6 +1096,10 @@ class FileReader:
                 dst[:] = data[piece.block_offset : piece.block_offset + avail]
             else:
                 await self.client.read_range(info, piece.block_offset, dst)
+        self._readahead(sequential, offset, length)
+        return bytes(out)
+
+    def _readahead(self, sequential: bool, offset: int, length: int) -> None:
         if sequential and length and self.client.readahead_blocks:
             last = self.layout.block_of(offset + length - 1)
             ahead = [
@@ -1081,7 +1108,6 @@ class FileReader:
                 if i in self._blocks
             ]
             self.client.prefetch(ahead)
-        return bytes(out)
 
     async def read(self, n: int = -1) -> bytes:
         """Sequential read from the current position, with readahead."""

@@ -121,10 +121,17 @@ async def test_corrupt_chunk_on_disk_is_read_around_and_reported(local_cluster, 
         assert await r.pread(off, 50) == data[off : off + 50]
 
 
-async def test_large_write_keeps_rss_within_the_window(local_cluster):
+async def test_large_write_keeps_rss_within_the_window(tmp_path):
     window = 64 * MiB
     proc = psutil.Process()
-    async with open_client(local_cluster.cluster_file, window_bytes=window,
+    # 1 MiB chunks (6 MiB blocks): big enough that the window, not per-chunk costs, matters.
+    with LocalCluster(tmp_path / "c", chunkstores=9, metadata_servers=1, shards=8,
+                      chunk_size=MiB, heartbeat_interval=0.5) as cluster:
+        await _write_big(cluster, window, proc)
+
+
+async def _write_big(cluster: LocalCluster, window: int, proc: psutil.Process) -> None:
+    async with open_client(cluster.cluster_file, window_bytes=window,
                            cache_bytes=32 * MiB) as client:
         piece = _data(8 * MiB, seed=1)
         await _put(client, "/warm", piece)  # connections, threads, zfec tables
@@ -138,7 +145,7 @@ async def test_large_write_keeps_rss_within_the_window(local_cluster):
                 peak = max(peak, proc.memory_info().rss)
                 await trio.sleep(0.02)
 
-        total = 512 * MiB
+        total = 256 * MiB
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sample)
             w = await client.create("/huge")
