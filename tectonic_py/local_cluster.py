@@ -155,6 +155,8 @@ class LocalCluster:
         stop_timeout: float = 10.0,
         chunkstore_args: list[str] | None = None,
         metadata_args: list[str] | None = None,
+        maintenance: bool = False,
+        maintenance_args: list[str] | None = None,
     ) -> None:
         if chunkstores < 1 or metadata_servers < 1 or not 1 <= shards <= 65536:
             raise ConfigError("need at least one chunk store and one metadata server")
@@ -176,6 +178,11 @@ class LocalCluster:
         self.stop_timeout = stop_timeout
         self.chunkstore_args = list(chunkstore_args or [])
         self.metadata_args = list(metadata_args or [])
+        # A ``tectonic maintenance`` process (repair, GC, rebalance) when asked for; its
+        # flags (short grace periods and intervals for tests) in ``maintenance_args``.
+        self.maintenance = maintenance
+        self.maintenance_args = list(maintenance_args or [])
+        self._maint = self._daemon("maintenance")
         self._meta: list[_Daemon] = []
         self._chunk: list[_Daemon] = []
         self._ports: dict[str, int] = {}
@@ -238,6 +245,8 @@ class LocalCluster:
             for i in range(len(self._chunk)):
                 self._ports[f"chunkstore-{i}"] = self._port(self._chunk[i].wait_ready(deadline))
             self._save_state()
+            if self.maintenance and not self._maint.running:
+                self.start_maintenance()
         except BaseException:
             self.stop()
             raise
@@ -246,7 +255,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """SIGTERM every daemon we started, SIGKILL the ones still there after a timeout."""
-        daemons = [d for d in self._chunk + self._meta if d.running]
+        daemons = [d for d in [self._maint, *self._chunk, *self._meta] if d.running]
         for d in daemons:
             d.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
@@ -268,7 +277,31 @@ class LocalCluster:
         self.stop()
 
     def pids(self) -> list[int]:
-        return [d.proc.pid for d in self._meta + self._chunk if d.running and d.proc]
+        daemons = [*self._meta, *self._chunk, self._maint]
+        return [d.proc.pid for d in daemons if d.running and d.proc]
+
+    def start_maintenance(self) -> None:
+        """(Re)start the ``tectonic maintenance`` process with ``maintenance_args``."""
+        if not self._maint.running:
+            self._maint.spawn(
+                self._cli() + ["maintenance", str(self.cluster_file),
+                               "--ready-file", str(self._maint.ready_file),
+                               *self.maintenance_args]
+            )
+        self._maint.wait_ready(time.monotonic() + self.start_timeout)
+
+    def kill_maintenance(self) -> None:
+        """kill -9 the maintenance process (fault injection)."""
+        self._maint.kill()
+
+    def stop_maintenance(self) -> None:
+        self._maint.signal(signal.SIGTERM)
+        if not self._maint.wait(self.stop_timeout):
+            self._maint.kill()
+
+    @property
+    def maintenance_pid(self) -> int | None:
+        return self._maint.proc.pid if self._maint.running and self._maint.proc else None
 
     def chunkstore_pids(self) -> list[int | None]:
         return [d.proc.pid if d.running and d.proc else None for d in self._chunk]

@@ -1,0 +1,239 @@
+"""Garbage collection and lease recovery: give back the space of data nobody can reach.
+
+Each round, in this order:
+
+1. **Lease recovery.** Files whose writer lease expired more than ``lease_grace`` ago
+   without a seal (the writer crashed, or its mount was killed) are resolved by the rule of
+   ``metadata/maintenance_ops.py``: the file keeps its last committed size (what its writer
+   made durable with fsync/flush), blocks past it are dropped, the writer token is released
+   and the file stays **unsealed**, i.e. visibly incomplete, never a file that looks complete
+   but is not; a file that was unlinked while being written is deleted. ``lease_grace`` is
+   generous because a writer's lease is taken at open (clients do not renew it yet).
+2. **Orphan records**: File records of creates that crashed before their Name entry
+   (``MetadataClient.collect_orphans``), after ``grace``.
+3. **The GC queue**: blocks of deleted, truncated or overwritten files (queued by the File
+   layer), once queued for ``grace``: their chunks are deleted from their nodes, then the
+   block record is forgotten, then the queue entry acknowledged. A crash anywhere repeats
+   the step; chunks on nodes that are down are left to the chunk sweep.
+4. Every ``sweep_interval``, the **block sweep**: blocks allocated but never committed
+   (aborted writes, a killed writer) and committed blocks that their file does not hold
+   (a crash between Block-layer commit and File-layer append) whose allocation is older
+   than ``grace`` are *suspects*; a suspect still in that state on a sweep at least
+   ``grace`` later is forgotten (``block.forget`` re-checks the state in its transaction).
+   Two sightings keep a slow writer's commit, which happens between the two layers, safe.
+5. Every ``sweep_interval``, the **chunk sweep**: every up chunk store's chunk list is
+   checked against the Block layer (``block.dead_chunks``); a chunk no block needs on that
+   node (its block forgotten, or the chunk repaired or moved elsewhere, or a hedge copy)
+   whose file is older than ``grace`` is deleted. This is also how a node that comes back
+   after being down is reconciled with the Block layer.
+
+Nothing referenced is ever deleted: a chunk goes only if the Block layer says no committed
+block needs it there, a block record only when unreferenced twice, ``grace`` apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from metadata.model import NodeInfo
+from tectonic_py.errors import FileNotFound, TectonicError
+from tectonic_py.ids import chunk_id, parse_chunk_id, shard_of
+from tectonic_py.maintenance.runtime import Maintenance, gather
+
+log = logging.getLogger(__name__)
+
+PAGE = 1000
+
+
+class GarbageCollector:
+    def __init__(self, m: Maintenance) -> None:
+        self.m = m
+        self._suspects: dict[int, float] = {}  # block id -> monotonic time first seen
+        self._last_sweep = 0.0
+
+    async def round(self) -> None:
+        s = self.m.settings
+        await self.recover_leases()
+        self.m.counters.orphans_collected += await self.m.meta.collect_orphans(s.grace)
+        await self.drain_queue()
+        now = time.monotonic()
+        if self._last_sweep == 0.0 or now - self._last_sweep >= s.sweep_interval:
+            await self.sweep_blocks()
+            await self.sweep_chunks()
+            self._last_sweep = now
+
+    # --- 1. lease recovery -------------------------------------------------------------------
+
+    async def recover_leases(self) -> int:
+        before = time.time_ns() - int(self.m.settings.lease_grace * 1e9)
+        done = 0
+        for shard in range(self.m.config.shards):
+            r = await self.m.shard_call(shard, "file.expired_leases", before_ns=before, limit=PAGE)
+            for file_id, token in r["files"]:
+                out = await self.m.shard_call(
+                    shard, "file.recover_lease", id=file_id, token=token, before_ns=before
+                )
+                if out["outcome"] != "skipped":
+                    done += 1
+                    log.warning(
+                        "file %d: writer lease expired without a close; %s", file_id,
+                        "deleted (it was unlinked)" if out["outcome"] == "deleted"
+                        else "left unsealed (incomplete) at its last committed size",
+                    )
+        self.m.counters.leases_recovered += done
+        return done
+
+    # --- 3. the GC queue -------------------------------------------------------------------
+
+    async def drain_queue(self) -> int:
+        before = time.time_ns() - int(self.m.settings.grace * 1e9)
+        nodes = await self.m.nodes()
+        done = 0
+        for shard in range(self.m.config.shards):
+            r = await self.m.shard_call(shard, "file.gc_queue", older_than_ns=before, limit=PAGE)
+            ids = [int(b) for b, _ in r["blocks"]]
+            if not ids:
+                continue
+            acked: list[int] = []
+
+            async def collect(block_id: int) -> None:
+                if await self.collect_block(block_id, nodes):
+                    acked.append(block_id)
+
+            await gather([lambda b=b: collect(b) for b in ids], 8)
+            if acked:
+                await self.m.shard_call(shard, "file.gc_ack", block_ids=acked)
+                done += len(acked)
+        return done
+
+    async def collect_block(self, block_id: int, nodes: dict[str, NodeInfo]) -> bool:
+        """Delete a dropped block's chunks and forget it; True when it is gone for good."""
+        try:
+            info = (await self.m.meta.locate_blocks([block_id]))[0]
+        except FileNotFound:
+            return True  # never committed, or forgotten by an earlier (crashed) round
+        for c in info.chunks:
+            node = nodes.get(c.node_id)
+            if node is None or node.state != "up":
+                continue  # the chunk sweep deletes it when the node is back
+            try:
+                await self.m.delete_chunk(node, block_id, c.index)
+            except TectonicError as e:
+                log.info("chunk %s stays for the chunk sweep: %s", chunk_id(block_id, c.index), e)
+        r = await self.m.shard_call(
+            self.m.meta._of(block_id), "block.forget", block_id=block_id, state="committed"
+        )
+        self.m.counters.forgotten_blocks += bool(r["forgotten"])
+        return True
+
+    # --- 4. the block sweep ----------------------------------------------------------------
+
+    async def sweep_blocks(self) -> int:
+        grace = self.m.settings.grace
+        cutoff = time.time_ns() - int(grace * 1e9)
+        now = time.monotonic()
+        seen: set[int] = set()
+        forgotten = 0
+        for shard in range(self.m.config.shards):
+            committed: list[dict[str, Any]] = []
+            candidates: list[dict[str, Any]] = []
+            async for rec in self.m.scan_blocks(shard):
+                if rec["allocated_ns"] >= cutoff:
+                    continue
+                if rec["state"] == "allocated":
+                    candidates.append(rec)
+                else:
+                    committed.append(rec)
+            candidates += await self._unreferenced(committed)
+            for rec in candidates:
+                bid = rec["block_id"]
+                seen.add(bid)
+                first = self._suspects.setdefault(bid, now)
+                if now - first < grace:
+                    continue
+                r = await self.m.shard_call(
+                    shard, "block.forget", block_id=bid, state=rec["state"],
+                    file_id=rec["file_id"], file_index=rec["file_index"],
+                )
+                if r["forgotten"]:
+                    forgotten += 1
+                    log.info(
+                        "forgot %s block %016x of file %d (unreferenced past the grace period)",
+                        rec["state"], bid, rec["file_id"],
+                    )
+        self._suspects = {b: t for b, t in self._suspects.items() if b in seen}
+        self.m.counters.forgotten_blocks += forgotten
+        return forgotten
+
+    async def _unreferenced(self, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for rec in recs:
+            by_shard.setdefault(shard_of(rec["file_id"], self.m.config.shards), []).append(rec)
+        out = []
+        for shard, group in by_shard.items():
+            for i in range(0, len(group), PAGE):
+                page = group[i : i + PAGE]
+                r = await self.m.shard_call(
+                    shard, "file.referenced",
+                    refs=[[g["file_id"], g["file_index"], g["block_id"]] for g in page],
+                )
+                out += [g for g, ref in zip(page, r["referenced"]) if not ref]
+        return out
+
+    # --- 5. the chunk sweep ----------------------------------------------------------------
+
+    async def sweep_chunks(self) -> int:
+        nodes = await self.m.nodes()
+        deleted = 0
+
+        def job(node: NodeInfo) -> Callable[[], Awaitable[None]]:
+            async def run() -> None:
+                nonlocal deleted
+                deleted += await self.sweep_node(node)
+
+            return run
+
+        await gather([job(n) for n in nodes.values() if n.state == "up"], 4)
+        return deleted
+
+    async def sweep_node(self, node: NodeInfo) -> int:
+        """Delete the chunks on one node that no block needs there (older than grace)."""
+        cutoff = time.time() - self.m.settings.grace
+        deleted = 0
+        after: str | None = ""
+        while after is not None:
+            r = await self.m.node_call(node, "list", after=after, limit=PAGE)
+            after = r["next"]
+            by_shard: dict[int, list[list[int]]] = {}
+            for cid, _size in r["chunks"]:
+                try:
+                    b, i = parse_chunk_id(cid)
+                except ValueError:
+                    continue
+                by_shard.setdefault(self.m.meta._of(b), []).append([b, i])
+            for shard, chunks in by_shard.items():
+                d = await self.m.shard_call(shard, "block.dead_chunks", node_id=node.node_id, chunks=chunks)
+                for b, i in d["dead"]:
+                    cid = chunk_id(b, i)
+                    try:
+                        st = await self.m.node_call(node, "stat", chunk_id=cid)
+                    except TectonicError:
+                        continue
+                    if st["mtime"] > cutoff:
+                        continue  # a copy being made right now (repair, rebalance, a writer)
+                    again = await self.m.shard_call(
+                        shard, "block.dead_chunks", node_id=node.node_id, chunks=[[b, i]]
+                    )
+                    if not again["dead"]:
+                        continue  # moved back here meanwhile
+                    if await self.m.delete_chunk(node, b, i):
+                        deleted += 1
+            await trio.lowlevel.checkpoint()
+        if deleted:
+            log.info("chunk sweep: deleted %d unreferenced chunks on %s", deleted, node.node_id)
+        return deleted

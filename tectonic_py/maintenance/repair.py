@@ -1,0 +1,294 @@
+"""Repair: restore every block to k+m live chunks after node failures and corrupt chunks.
+
+Failure detection is the node registry's: a chunk store whose heartbeats stop for longer than
+``--node-timeout`` is ``down`` (``node.list``); one that heartbeats again is ``up``, and its
+chunks are checked against the Block layer by the GC's chunk sweep (copies that were
+repaired elsewhere meanwhile are deleted, the rest count again at once).
+
+Each round finds the blocks that need work:
+
+* chunks on down nodes, through the Block layer's reverse index (``blocks_on_node``);
+* chunks that scrub found corrupt (``scrub_report`` of every up chunk store);
+* every ``sweep_interval``, a scan of all blocks (``block.scan``), which also finds blocks a
+  writer committed with fewer than n chunks (the write quorum is k + 1).
+
+Most endangered first: the queue is ordered by the number of live chunks (fewest first).
+For each block: fetch k live chunks (verified against the CRCs the Block layer recorded),
+decode with zfec in a worker thread, re-encode to get the missing chunks and check each
+against its recorded CRC, put each on an up node that holds no chunk of the block, in a
+failure domain the block does not use where one exists, then ``block.set_chunk`` (refused if
+the chunk moved meanwhile), then delete the old copy if its node is reachable (a corrupt copy,
+or a node that came back). Bytes read and written go through the bandwidth ``TokenBucket``.
+A block with fewer than k live chunks cannot be rebuilt: it is logged as lost and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from metadata.model import BlockInfo, NodeInfo
+from tectonic_py.codec import decode_into, encode_block
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.errors import ChunkCorrupt, ChunkNotFound, FileNotFound, TectonicError
+from tectonic_py.ids import parse_chunk_id
+from tectonic_py.maintenance.runtime import Maintenance, gather
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockHealth:
+    """One block as repair sees it."""
+
+    info: BlockInfo
+    live: list[int]  # chunk indexes on up nodes, not known bad
+    missing: list[int]  # indexes to rebuild
+
+
+def assess(
+    info: BlockInfo, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]]
+) -> BlockHealth:
+    policy = ECPolicy.parse(info.ec)
+    placed = {c.index: c for c in info.chunks}
+    live = []
+    missing = []
+    for i in range(policy.n):
+        c = placed.get(i)
+        node = nodes.get(c.node_id) if c is not None else None
+        if c is None or node is None or node.state != "up" or (info.block_id, i, c.node_id) in bad:
+            missing.append(i)
+        else:
+            live.append(i)
+    return BlockHealth(info, live, missing)
+
+
+class Repairer:
+    def __init__(self, m: Maintenance) -> None:
+        self.m = m
+        self._last_scan = 0.0
+        self.queue_len = 0
+
+    async def bad_chunks(self, nodes: dict[str, NodeInfo]) -> set[tuple[int, int, str]]:
+        """(block, index, node) of every chunk an up chunk store's scrub reported bad."""
+        bad: set[tuple[int, int, str]] = set()
+
+        async def ask(node: NodeInfo) -> None:
+            try:
+                with trio.fail_after(30):
+                    r = await self.m.node_call(node, "scrub_report")
+            except (TectonicError, trio.TooSlowError) as e:
+                log.info("no scrub report from %s: %s", node.node_id, e)
+                return
+            for cid, _why in r.get("bad", []):
+                try:
+                    block_id, index = parse_chunk_id(cid)
+                except ValueError:
+                    continue
+                bad.add((block_id, index, node.node_id))
+
+        async with trio.open_nursery() as nursery:
+            for node in nodes.values():
+                if node.state == "up":
+                    nursery.start_soon(ask, node)
+        return bad
+
+    async def find_work(
+        self, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]], full_scan: bool
+    ) -> list[BlockHealth]:
+        ids: set[int] = {b for b, _, _ in bad}
+        for node in nodes.values():
+            if node.state != "up":
+                ids.update(b for b, _ in await self.m.meta.blocks_on_node(node.node_id))
+        infos: dict[int, BlockInfo] = {}
+        if full_scan:
+            for shard in range(self.m.config.shards):
+                async for rec in self.m.scan_blocks(shard):
+                    if rec["state"] == "committed":
+                        infos[rec["block_id"]] = _info(rec)
+        for block_id in ids - infos.keys():
+            try:
+                infos[block_id] = (await self.m.meta.locate_blocks([block_id]))[0]
+            except FileNotFound:
+                continue  # collected meanwhile
+        work = [assess(info, nodes, bad) for info in infos.values()]
+        work = [w for w in work if w.missing]
+        work.sort(key=lambda w: (len(w.live), w.info.block_id))
+        return work
+
+    async def round(self) -> None:
+        nodes = await self.m.nodes()
+        bad = await self.bad_chunks(nodes)
+        now = time.monotonic()
+        full = now - self._last_scan >= self.m.settings.sweep_interval or self._last_scan == 0.0
+        work = await self.find_work(nodes, bad, full)
+        if full:
+            self._last_scan = now
+        self.queue_len = len(work)
+        if not work:
+            return
+        log.info("repair: %d blocks need work (fewest live chunks: %d)", len(work), len(work[0].live))
+        # Most endangered first: the limiter admits jobs in the order they were started.
+        await gather(
+            [lambda w=w: self.repair_block(w, nodes, bad) for w in work],
+            self.m.settings.repair_concurrency,
+        )
+
+    async def repair_block(
+        self, health: BlockHealth, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]]
+    ) -> int:
+        """Rebuild the missing chunks of one block; returns how many were restored."""
+        info = health.info
+        policy = ECPolicy.parse(info.ec)
+        placed = {c.index: c for c in info.chunks}
+        if len(health.live) < policy.k:
+            self.m.counters.lost_blocks += 1
+            log.error(
+                "block %016x has %d live chunks of the %d needed: cannot be repaired now",
+                info.block_id, len(health.live), policy.k,
+            )
+            return 0
+        got = await self._fetch(info, health.live, nodes, policy.k)
+        if len(got) < policy.k:
+            log.warning("block %016x: only %d chunks readable; later", info.block_id, len(got))
+            return 0
+        enc = await trio.to_thread.run_sync(_rebuild, policy, got, info.chunk_len)
+        holders = {c.node_id for c in info.chunks}
+        used_domains = {
+            nodes[placed[i].node_id].failure_domain for i in health.live if placed[i].node_id in nodes
+        }
+        order = list(nodes.values())
+        restored = 0
+        for index in health.missing:
+            old = placed.get(index)
+            crc = enc.checksums[index]
+            if old is not None and old.checksum != crc:
+                log.error(
+                    "block %016x chunk %d rebuilds to crc %08x, Block layer says %08x: skipped",
+                    info.block_id, index, crc, old.checksum,
+                )
+                continue
+            data = bytes(enc.chunks[index])
+            target = await self._place(info.block_id, index, data, crc, order, holders, used_domains)
+            if target is None:
+                log.warning("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
+                continue
+            try:
+                await self.m.set_chunk(
+                    info.block_id, index, old.node_id if old else "", target.node_id, crc
+                )
+            except TectonicError as e:
+                # Moved or collected meanwhile: our copy is unreferenced; the chunk sweep of
+                # the GC removes it after the grace period.
+                log.info("block %016x chunk %d: not recorded (%s)", info.block_id, index, e)
+                continue
+            holders.add(target.node_id)
+            used_domains.add(target.failure_domain)
+            restored += 1
+            self.m.counters.repaired_chunks += 1
+            self.m.counters.repair_bytes += len(data)
+            if old is not None:
+                node = nodes.get(old.node_id)
+                if node is not None and node.state == "up":
+                    try:
+                        await self.m.delete_chunk(node, info.block_id, index)
+                    except TectonicError as e:
+                        log.info("old copy of %016x.%d stays for the GC: %s", info.block_id, index, e)
+        return restored
+
+    async def _fetch(
+        self, info: BlockInfo, live: list[int], nodes: dict[str, NodeInfo], k: int
+    ) -> dict[int, bytes]:
+        placed = {c.index: c for c in info.chunks}
+        got: dict[int, bytes] = {}
+        pending = list(live)  # data chunks first: zfec passes them through
+
+        async def fetch(i: int) -> None:
+            c = placed[i]
+            try:
+                got[i] = await self.m.get_chunk(nodes[c.node_id], info.block_id, i, c.checksum)
+            except (ChunkCorrupt, ChunkNotFound) as e:
+                log.warning("block %016x chunk %d on %s unreadable: %s", info.block_id, i, c.node_id, e)
+            except TectonicError as e:
+                log.info("block %016x chunk %d on %s: %s", info.block_id, i, c.node_id, e)
+
+        while len(got) < k and pending:
+            batch, pending = pending[: k - len(got)], pending[k - len(got):]
+            async with trio.open_nursery() as nursery:
+                for i in batch:
+                    nursery.start_soon(fetch, i)
+        return dict(sorted(got.items())[:k])
+
+    async def _place(
+        self, block_id: int, index: int, data: bytes, crc: int, nodes: list[NodeInfo],
+        holders: set[str], used_domains: set[str],
+    ) -> NodeInfo | None:
+        tried = set(holders)
+        for _ in range(len(nodes)):
+            target = self.m.choose_target(nodes, tried, used_domains)
+            if target is None:
+                return None
+            tried.add(target.node_id)
+            try:
+                await self.m.put_chunk(target, block_id, index, data, crc)
+                return target
+            except TectonicError as e:
+                log.info("rebuilt chunk %016x.%d to %s failed: %s", block_id, index, target.node_id, e)
+        return None
+
+
+def _rebuild(policy: ECPolicy, chunks: dict[int, bytes], chunk_len: int) -> Any:
+    """All n chunks of a block from any k of them (worker thread: zfec releases the GIL)."""
+    out = memoryview(bytearray(policy.k * chunk_len))
+    decode_into(policy, chunks, chunk_len, out)
+    return encode_block(policy, out, chunk_len)
+
+
+def _info(rec: dict[str, Any]) -> BlockInfo:
+    return BlockInfo.from_wire(
+        {
+            "block_id": rec["block_id"], "ec": rec["ec"], "chunk_len": rec["chunk_len"],
+            "data_len": rec["data_len"], "file_index": rec["file_index"],
+            "chunks": [{"index": i, "node_id": n, "checksum": c} for i, n, c in rec["chunks"]],
+        }
+    )
+
+
+async def repair_status(m: Maintenance) -> dict[str, Any]:
+    """Where repair stands, from the metadata service and the chunk stores alone (so any
+    process can ask, running services or not): blocks by live chunk count, lost blocks, down
+    nodes, chunks scrub found bad."""
+    nodes = await m.nodes()
+    bad = await Repairer(m).bad_chunks(nodes)
+    by_live: dict[int, int] = {}
+    total = degraded = lost = 0
+    missing_chunks = 0
+    for shard in range(m.config.shards):
+        async for rec in m.scan_blocks(shard):
+            if rec["state"] != "committed":
+                continue
+            h = assess(_info(rec), nodes, bad)
+            policy = ECPolicy.parse(rec["ec"])
+            total += 1
+            by_live[len(h.live)] = by_live.get(len(h.live), 0) + 1
+            if h.missing:
+                degraded += 1
+                missing_chunks += len(h.missing)
+            if len(h.live) < policy.k:
+                lost += 1
+    return {
+        "blocks": total,
+        "full_redundancy": total - degraded,
+        "degraded": degraded,
+        "lost": lost,
+        "chunks_to_rebuild": missing_chunks,
+        "blocks_by_live_chunks": {str(k): v for k, v in sorted(by_live.items())},
+        "nodes_down": sorted(n.node_id for n in nodes.values() if n.state != "up"),
+        "nodes_up": sum(1 for n in nodes.values() if n.state == "up"),
+        "bad_chunks": sorted(f"{b:016x}.{i}@{n}" for b, i, n in bad),
+    }
+

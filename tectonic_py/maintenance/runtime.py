@@ -1,0 +1,273 @@
+"""Shared plumbing of the maintenance services: settings, connections, bandwidth, node choice.
+
+``Maintenance`` holds one ``MetadataClient``, one ``ChunkPool`` of chunk store connections
+and the ``TokenBucket`` that bounds the bytes repair and rebalance read and write per second,
+so background traffic cannot starve checkpoint writes. ``run_services`` runs every service as
+a loop of rounds in one nursery; a round that fails (a metadata server or chunk store down,
+a refused step) is logged and retried next interval: failures are what these services exist
+for, so none of them ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from metadata.client import MetadataClient
+from metadata.model import NodeInfo
+from tectonic_py import capability
+from tectonic_py.aio import open_service_nursery
+from tectonic_py.checksum import checksum
+from tectonic_py.client import ChunkPool
+from tectonic_py.cluster_file import ClusterConfig
+from tectonic_py.errors import ChecksumMismatch, ChunkCorrupt, ConfigError, TectonicError
+from tectonic_py.ids import chunk_id
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class MaintenanceSettings:
+    """Knobs of ``tectonic maintenance`` (defaults for production; tests shorten them)."""
+
+    interval: float = 10.0  # seconds between rounds of repair, GC and rebalance
+    grace: float = 3600.0  # GC: age before unreferenced chunks and blocks are collected
+    lease_grace: float = 600.0  # lease recovery: time past a writer lease's expiry
+    sweep_interval: float = 3600.0  # GC: seconds between block and chunk sweeps
+    bandwidth: float = 200 * MiB  # bytes/s that repair and rebalance read + write together
+    repair_concurrency: int = 4  # blocks rebuilt at once
+    rebalance: bool = True
+    rebalance_tolerance: float = 0.1  # move while fullest - emptiest > this * mean used
+    rebalance_max_moves: int = 256  # chunk moves per rebalance round
+    services: tuple[str, ...] = ("repair", "gc", "rebalance")
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "sweep_interval", "bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be positive")
+        for name in ("grace", "lease_grace", "rebalance_tolerance"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name.replace('_', '-')} must not be negative")
+        if self.repair_concurrency < 1 or self.rebalance_max_moves < 0:
+            raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
+        unknown = set(self.services) - {"repair", "gc", "rebalance"}
+        if unknown:
+            raise ConfigError(f"unknown services {sorted(unknown)}")
+
+
+class TokenBucket:
+    """Bytes per second with a burst of one second: ``await take(n)`` waits its turn.
+
+    A request larger than the burst is let through and paid for afterwards (the next caller
+    waits), so a big chunk never deadlocks the bucket."""
+
+    def __init__(self, rate: float, burst_s: float = 1.0) -> None:
+        self.rate = float(rate)
+        self.burst_s = burst_s
+        self._t = 0.0
+        self.taken = 0
+
+    async def take(self, n: int) -> None:
+        now = trio.current_time()
+        self._t = max(self._t, now - self.burst_s) + n / self.rate
+        self.taken += n
+        if self._t > now:
+            await trio.sleep(self._t - now)
+
+
+@dataclass
+class Counters:
+    """What the services did since this process started (logged each round)."""
+
+    repaired_chunks: int = 0
+    repair_bytes: int = 0
+    lost_blocks: int = 0
+    moved_chunks: int = 0
+    deleted_chunks: int = 0
+    forgotten_blocks: int = 0
+    leases_recovered: int = 0
+    orphans_collected: int = 0
+    rounds: dict[str, int] = field(default_factory=dict)
+
+
+class Maintenance:
+    """The shared context of the services of one process."""
+
+    def __init__(
+        self, config: ClusterConfig, settings: MaintenanceSettings, meta: MetadataClient,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.config = config
+        self.settings = settings
+        self.meta = meta
+        self.secret = config.secret()
+        self.pool = ChunkPool(self.secret, nursery)
+        self.bucket = TokenBucket(settings.bandwidth)
+        self.counters = Counters()
+        self.rng = random.Random()
+
+    # --- metadata ------------------------------------------------------------------------------
+
+    async def shard_call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        return await self.meta._shard(shard, op, **fields)
+
+    async def nodes(self) -> dict[str, NodeInfo]:
+        return {n.node_id: n for n in await self.meta.nodes()}
+
+    async def scan_blocks(self, shard: int) -> AsyncIterator[dict[str, Any]]:
+        """Every block record of a block shard, page by page (``block.scan``)."""
+        after = 0
+        for _ in range(10_000_000):
+            r = await self.shard_call(shard, "block.scan", after=after, limit=1000)
+            for b in r["blocks"]:
+                yield b
+            if r["next"] is None:
+                return
+            after = int(r["next"])
+
+    async def set_chunk(
+        self, block_id: int, index: int, old_node: str, new_node: str, crc: int
+    ) -> None:
+        await self.shard_call(
+            self.meta._of(block_id), "block.set_chunk", block_id=block_id, index=index,
+            old_node=old_node, new_node=new_node, checksum=crc,
+        )
+
+    # --- chunk stores ----------------------------------------------------------------------------
+
+    async def get_chunk(self, node: NodeInfo, block_id: int, index: int, crc: int) -> bytes:
+        """A chunk's bytes, verified against the CRC the Block layer recorded for it."""
+        cid = chunk_id(block_id, index)
+        resp = await self.pool.call(node.address, "get", {"chunk_id": cid})
+        data = bytes(resp.payload) if resp.payload is not None else b""
+        await self.bucket.take(len(data))
+        got = await _crc(data)
+        if got != crc:
+            kind = ChunkCorrupt if resp.fields.get("checksum") != crc else ChecksumMismatch
+            raise kind(f"chunk {cid} on {node.node_id}: crc {got:08x}, Block layer says {crc:08x}")
+        return data
+
+    async def put_chunk(self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int) -> None:
+        cap = capability.issue(self.secret, block_id, [node.node_id], ttl_s=600)
+        await self.bucket.take(len(data))
+        await self.pool.call(
+            node.address, "put", {"chunk_id": chunk_id(block_id, index), "checksum": crc, "cap": cap},
+            data,
+        )
+
+    async def delete_chunk(self, node: NodeInfo, block_id: int, index: int) -> bool:
+        resp = await self.pool.call(node.address, "delete", {"chunk_id": chunk_id(block_id, index)})
+        existed = bool(resp.fields.get("existed"))
+        self.counters.deleted_chunks += existed
+        return existed
+
+    async def node_call(self, node: NodeInfo, op: str, **fields: Any) -> dict[str, Any]:
+        return (await self.pool.call(node.address, op, fields)).fields
+
+    def choose_target(
+        self, nodes: Sequence[NodeInfo], holders: set[str], used_domains: set[str],
+        load: dict[str, float] | None = None,
+    ) -> NodeInfo | None:
+        """An up node holding no chunk of the block, in a failure domain the block does not
+        use if there is one, then the least loaded (``load``: bytes used, else chunk count)."""
+        candidates = [n for n in nodes if n.state == "up" and n.node_id not in holders]
+        if not candidates:
+            return None
+
+        def key(n: NodeInfo) -> tuple[int, float, float]:
+            used = load.get(n.node_id, 0.0) if load is not None else float(n.chunk_count)
+            return (int(n.failure_domain in used_domains), used, self.rng.random())
+
+        return min(candidates, key=key)
+
+
+async def _crc(data: bytes) -> int:
+    if len(data) < 256 * 1024:
+        return checksum(data)
+    return await trio.to_thread.run_sync(checksum, data)
+
+
+async def gather(jobs: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
+    """Run jobs, at most ``limit`` at once; a job's TectonicError is logged, not raised."""
+    limiter = trio.CapacityLimiter(max(1, limit))
+
+    async def run(job: Callable[[], Awaitable[None]]) -> None:
+        async with limiter:
+            try:
+                await job()
+            except TectonicError as e:
+                log.warning("maintenance step failed: %s", e)
+
+    async with trio.open_nursery() as nursery:
+        for job in jobs:
+            nursery.start_soon(run, job)
+
+
+def _write_ready_file(path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "address": ""}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def _loop(
+    m: Maintenance, name: str, interval: float, round_fn: Callable[[], Awaitable[Any]]
+) -> None:
+    failing = False
+    while True:
+        started = time.monotonic()
+        try:
+            await round_fn()
+            m.counters.rounds[name] = m.counters.rounds.get(name, 0) + 1
+            if failing:
+                log.info("%s: rounds succeed again", name)
+            failing = False
+        except TectonicError as e:
+            log.log(logging.INFO if failing else logging.WARNING, "%s round failed: %s", name, e)
+            failing = True
+        await trio.sleep(max(0.05, interval - (time.monotonic() - started)))
+
+
+async def run_services(
+    config: ClusterConfig,
+    settings: MaintenanceSettings,
+    *,
+    ready_file: Path | None = None,
+    task_status: trio.TaskStatus[Maintenance] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the configured services until cancelled."""
+    from tectonic_py.maintenance.gc import GarbageCollector
+    from tectonic_py.maintenance.rebalance import Rebalancer
+    from tectonic_py.maintenance.repair import Repairer
+
+    async with open_service_nursery() as nursery:
+        meta = MetadataClient(config, nursery=nursery)
+        m = Maintenance(config, settings, meta, nursery)
+        try:
+            if "repair" in settings.services:
+                nursery.start_soon(_loop, m, "repair", settings.interval, Repairer(m).round)
+            if "gc" in settings.services:
+                nursery.start_soon(_loop, m, "gc", settings.interval, GarbageCollector(m).round)
+            if "rebalance" in settings.services and settings.rebalance:
+                nursery.start_soon(_loop, m, "rebalance", settings.interval, Rebalancer(m).round)
+            if ready_file is not None:
+                await trio.to_thread.run_sync(_write_ready_file, ready_file)
+            task_status.started(m)
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await m.pool.aclose()
+                await meta.aclose()

@@ -1,0 +1,138 @@
+"""``tectonic maintenance CLUSTER_FILE`` (run the background services until stopped) and
+``tectonic repair CLUSTER_FILE --status`` (where repair stands).
+
+What each service does and why it is safe to kill at any moment: tectonic_py/maintenance/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from metadata.client import MetadataClient
+from tectonic_py import cluster_file
+from tectonic_py.aio import open_service_nursery
+from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, run_services
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "maintenance", help="run repair, scrub coordination, GC, lease recovery and rebalance"
+    )
+    p.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
+    p.add_argument(
+        "--grace", type=float, default=3600.0,
+        help="seconds before unreferenced chunks and blocks are collected",
+    )
+    p.add_argument(
+        "--lease-grace", type=float, default=600.0,
+        help="seconds past a writer lease's expiry before its file is recovered",
+    )
+    p.add_argument(
+        "--sweep-interval", type=float, default=3600.0,
+        help="seconds between full sweeps (block scan, chunk lists of every node)",
+    )
+    p.add_argument(
+        "--bandwidth", type=float, default=200 * 1024 * 1024,
+        help="bytes/s that repair and rebalance read and write together",
+    )
+    p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
+    p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
+    p.add_argument(
+        "--rebalance-tolerance", type=float, default=0.1,
+        help="move while fullest - emptiest exceeds this fraction of the mean used bytes",
+    )
+    p.add_argument("--rebalance-max-moves", type=int, default=256, help="chunk moves per round")
+    p.add_argument(
+        "--services", default="repair,gc,rebalance",
+        help="comma-separated subset of repair,gc,rebalance",
+    )
+    p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
+    p.set_defaults(func=run_maintenance)
+
+    r = subparsers.add_parser("repair", help="repair progress (tectonic repair CLUSTER_FILE --status)")
+    r.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
+    r.add_argument("--status", action="store_true", required=True, help="show repair progress")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(func=run_status)
+
+
+def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
+    return MaintenanceSettings(
+        interval=args.interval,
+        grace=args.grace,
+        lease_grace=args.lease_grace,
+        sweep_interval=args.sweep_interval,
+        bandwidth=args.bandwidth,
+        repair_concurrency=args.repair_concurrency,
+        rebalance=not args.no_rebalance,
+        rebalance_tolerance=args.rebalance_tolerance,
+        rebalance_max_moves=args.rebalance_max_moves,
+        services=tuple(s.strip() for s in args.services.split(",") if s.strip()),
+    )
+
+
+def run_maintenance(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    config = cluster_file.load(args.cluster_file)
+    trio.run(_main, config, settings, args.ready_file)
+    return 0
+
+
+async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | None) -> None:
+    async with open_service_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await nursery.start(lambda task_status: run_services(
+                config, settings, ready_file=ready_file, task_status=task_status
+            ))
+            async for signum in signals:
+                log.info("signal %d: stopping the maintenance services", signum)
+                nursery.cancel_scope.cancel()
+
+
+def run_status(args: argparse.Namespace) -> int:
+    config = cluster_file.load(args.cluster_file)
+    status = trio.run(_status, config)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0 if status["lost"] == 0 else 2
+
+
+async def _status(config: Any) -> dict[str, Any]:
+    from tectonic_py.maintenance.repair import repair_status
+
+    async with open_service_nursery() as nursery:
+        meta = MetadataClient(config, nursery=nursery)
+        m = Maintenance(config, MaintenanceSettings(), meta, nursery)
+        try:
+            return await repair_status(m)
+        finally:
+            with trio.CancelScope(shield=True):
+                await m.pool.aclose()
+                await meta.aclose()
+
+
+def format_status(s: dict[str, Any]) -> str:
+    total = s["blocks"]
+    pct = 100.0 * s["full_redundancy"] / total if total else 100.0
+    lines = [
+        f"blocks: {total}, at full redundancy: {s['full_redundancy']} ({pct:.1f}%),"
+        f" degraded: {s['degraded']}, lost: {s['lost']}",
+        f"chunks to rebuild: {s['chunks_to_rebuild']}",
+        "blocks by live chunks: "
+        + (", ".join(f"{k}: {v}" for k, v in s["blocks_by_live_chunks"].items()) or "-"),
+        f"nodes up: {s['nodes_up']}, down: {', '.join(s['nodes_down']) or 'none'}",
+        f"chunks scrub found bad: {len(s['bad_chunks'])}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""Repair with real processes: a chunk store killed (kill -9) is repaired around; metadata
+servers and the maintenance process killed at random moments during repair never leave a
+block below k live chunks, and repair resumes; ``tectonic repair --status``."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import trio
+from maintenance_helpers import (
+    block_health,
+    data_of,
+    make_cluster,
+    open_fresh_client,
+    open_inspector,
+    put,
+    read,
+    wait_for,
+)
+
+from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.maintenance.repair import Repairer, assess
+from tectonic_py.maintenance.runtime import TokenBucket
+
+
+def _index(node_id: str) -> int:
+    return int(node_id.removeprefix("cs"))
+
+
+async def _full(m):  # type: ignore[no-untyped-def]
+    s = await block_health(m)
+    return s if s["degraded"] == 0 and s["nodes_up"] >= 1 else None
+
+
+async def test_killed_store_is_repaired_then_m_more_can_go(tmp_path):
+    cluster = make_cluster(tmp_path / "c", chunkstores=8, maintenance_args=["--no-rebalance"])
+    try:
+        cluster.start()
+        files = {f"/f{i}": data_of(150_000 + 37_000 * i, seed=i) for i in range(5)}
+        async with open_fresh_client(cluster) as client:
+            for path, data in files.items():
+                await put(client, path, data)
+            victim_node = (await client.meta.block_list((await client.stat("/f0")).id))[0].chunks[0].node_id
+        victim = _index(victim_node)
+        async with open_inspector(cluster) as m:
+            before = await block_health(m)
+            assert before["degraded"] == 0 and before["blocks"] >= 10
+            cluster.kill_chunkstore(victim)
+
+            async def repaired():  # type: ignore[no-untyped-def]
+                s = await block_health(m)
+                return s if victim_node in s["nodes_down"] and s["degraded"] == 0 else None
+
+            after = await wait_for("repair of every block", repaired)
+            assert after["blocks"] == before["blocks"] and after["lost"] == 0
+            policy = ECPolicy.parse("rs-4-2")
+            assert after["blocks_by_live_chunks"] == {str(policy.n): before["blocks"]}
+            # Full redundancy again: any m = 2 other stores may now go too.
+            others = [i for i in range(8) if i != victim]
+            for i in random.Random(7).sample(others, policy.m):
+                cluster.kill_chunkstore(i)
+        async with open_fresh_client(cluster) as client:
+            for path, data in files.items():
+                assert await read(client, path) == data
+    finally:
+        cluster.stop()
+
+
+async def test_kill_metadata_and_maintenance_during_repair(tmp_path):
+    """No block ever drops below k live chunks, whatever is killed when; repair resumes."""
+    cluster = make_cluster(
+        tmp_path / "c", chunkstores=8,
+        maintenance_args=["--no-rebalance", "--bandwidth", str(2 * 1024 * 1024),
+                          "--repair-concurrency", "1"],
+    )
+    rng = random.Random(11)
+    try:
+        cluster.start()
+        files = {f"/k{i}": data_of(200_000, seed=100 + i) for i in range(4)}
+        async with open_fresh_client(cluster) as client:
+            for path, data in files.items():
+                await put(client, path, data)
+        cluster.kill_chunkstore(3)
+        min_live = 99
+        async with open_inspector(cluster) as m:
+            for _ in range(4):
+                await trio.sleep(rng.uniform(0.5, 2.0))
+                victim = rng.choice(["maintenance", "metadata-0", "metadata-1"])
+                if victim == "maintenance":
+                    cluster.kill_maintenance()
+                    cluster.start_maintenance()
+                else:
+                    i = int(victim[-1])
+                    cluster.kill_metadata(i)
+                    await trio.sleep(rng.uniform(0.0, 0.5))
+                    cluster.start_metadata(i)
+                s = await _health_retrying(m)
+                min_live = min(min_live, min(int(k) for k in s["blocks_by_live_chunks"]))
+                assert s["lost"] == 0
+            final = await wait_for("repair to resume and finish", lambda: _full(m))
+            assert final["lost"] == 0
+        assert min_live >= 4
+        async with open_fresh_client(cluster) as client:
+            for path, data in files.items():
+                assert await read(client, path) == data
+    finally:
+        cluster.stop()
+
+
+async def _health_retrying(m):  # type: ignore[no-untyped-def]
+    from tectonic_py.errors import TectonicError
+
+    for _ in range(100):
+        try:
+            return await block_health(m)
+        except TectonicError:
+            await trio.sleep(0.2)
+    raise AssertionError("metadata service did not come back")
+
+
+async def test_repair_status_cli(tmp_path):
+    cluster = make_cluster(tmp_path / "c", chunkstores=7, maintenance=False)
+    try:
+        cluster.start()
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/s", data_of(100_000, seed=1))
+        out = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "tectonic_py.cli", "repair", str(cluster.cluster_file),
+                 "--status", "--json"], capture_output=True, text=True, timeout=120,
+            )
+        )
+        assert out.returncode == 0, out.stderr
+        s = json.loads(out.stdout)
+        assert s["blocks"] == 2 and s["degraded"] == 0 and s["nodes_down"] == []
+        cluster.kill_chunkstore(0)
+        cluster.kill_chunkstore(1)
+
+        async def down():  # type: ignore[no-untyped-def]
+            r = await trio.to_thread.run_sync(
+                lambda: subprocess.run(
+                    [sys.executable, "-m", "tectonic_py.cli", "repair", str(cluster.cluster_file),
+                     "--status"], capture_output=True, text=True, timeout=120,
+                )
+            )
+            return r if "down: cs0, cs1" in r.stdout else None
+
+        r = await wait_for("the status to show two nodes down", down)
+        assert "degraded: 2" in r.stdout and "lost: 0" in r.stdout
+        bad = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "tectonic_py.cli", "repair", str(tmp_path / "nope.toml"),
+                 "--status"], capture_output=True, text=True, timeout=60,
+            )
+        )
+        assert bad.returncode != 0 and "error" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        cluster.stop()
+
+
+def test_assess_orders_and_counts():
+    from metadata.model import BlockInfo, ChunkPlacement, NodeInfo
+
+    nodes = {f"n{i}": NodeInfo(f"n{i}", "", f"d{i}", state="down" if i == 2 else "up") for i in range(6)}
+    info = BlockInfo(1, "rs-4-2", 10, 40, [ChunkPlacement(i, f"n{i}", 0) for i in range(5)])
+    h = assess(info, nodes, {(1, 0, "n0")})
+    assert h.live == [1, 3, 4] and h.missing == [0, 2, 5]
+
+
+async def test_token_bucket_paces_without_deadlock(autojump_clock):
+    bucket = TokenBucket(1000.0)
+    start = trio.current_time()
+    for _ in range(5):
+        await bucket.take(1000)
+    await bucket.take(10_000)  # bigger than the burst: let through, paid for afterwards
+    await bucket.take(1)
+    assert trio.current_time() - start >= 14.0
+    assert bucket.taken == 15_001
+
+
+def test_repairer_is_importable_without_a_cluster():
+    assert Repairer.round
