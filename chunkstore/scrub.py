@@ -89,8 +89,9 @@ class Scrubber:
         """Verify every chunk once, paced to ``rate``; returns how many bad chunks it found."""
         self.stats.pass_started = time.monotonic()
         found = 0
+        still_bad: set[str] = set()
         after: str | None = ""
-        budget_start = time.monotonic()
+        budget_start = trio.current_time()
         spent = 0
         while after is not None:
             chunks, after = await trio.to_thread.run_sync(
@@ -105,18 +106,22 @@ class Scrubber:
                 self.stats.bytes_checked += nbytes
                 if ok:
                     self.bad.pop(chunk_id, None)
-                elif chunk_id not in self.bad:
-                    self.bad[chunk_id] = "checksum"
-                    self.stats.bad_found += 1
-                    found += 1
-                    log.warning("scrub: chunk %s failed its checksum", chunk_id)
+                else:
+                    still_bad.add(chunk_id)
+                    if chunk_id not in self.bad:
+                        self.bad[chunk_id] = "checksum"
+                        self.stats.bad_found += 1
+                        found += 1
+                        log.warning("scrub: chunk %s failed its checksum", chunk_id)
                 spent += nbytes
                 if self.rate > 0:
-                    ahead = spent / self.rate - (time.monotonic() - budget_start)
+                    ahead = spent / self.rate - (trio.current_time() - budget_start)
                     if ahead > 0:
                         await trio.sleep(ahead)
                 else:
                     await trio.lowlevel.checkpoint()
+        # Deleted by any means since it was found (repaired elsewhere): no longer reported.
+        self.bad = {c: why for c, why in self.bad.items() if c in still_bad}
         self.stats.passes += 1
         self.stats.last_pass_s = time.monotonic() - self.stats.pass_started
         return found
