@@ -218,7 +218,7 @@ async def test_burst_of_1000_connections_all_succeed_or_busy_memory_bounded(
                 for _ in range(clients):
                     n.start_soon(one)
         peak = _peak_rss(pid)
-        assert not other, other[:3]
+        assert not other, f"{len(other)} puts failed otherwise: {other[:3]}"
         assert len(ok) + len(busy) == clients and ok
         async with open_client(port, secret) as c:
             listed = dict(await c.list_all())
@@ -234,7 +234,9 @@ async def test_burst_of_1000_connections_all_succeed_or_busy_memory_bounded(
             f" {clients * size / MiB:.0f} MiB offered, payload budget {budget / MiB:.0f} MiB"
         )
         # Bounded: the payload budget plus per-connection state, far below what was offered.
-        assert growth < budget + 56 * MiB
+        # 1,000 connections' state and allocator slack vary with load (17-41 MiB seen);
+        # unbounded, the refused payloads alone grew it by 343 MiB.
+        assert growth < budget + 96 * MiB, f"daemon grew {growth / MiB:.0f} MiB"
         assert daemon.proc.poll() is None
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
