@@ -252,6 +252,12 @@ class Operations(pyfuse3.Operations):
         self.cache = InodeCache()
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
+        # Set once the kernel's INIT request is handled: settings of the mount's backing
+        # device (read_ahead_kb) made before that are overwritten by the kernel.
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        self.initialized.set()
 
     # --- attributes -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyfuse3
 import trio
@@ -32,6 +32,9 @@ from tectonic_py import cluster_file
 from tectonic_py.cluster_file import ClusterConfig
 from tectonic_py.errors import ConfigError
 from tectonic_py.ids import ROOT_ID
+
+if TYPE_CHECKING:
+    from tectonic_py.fs import Operations
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +156,10 @@ async def serve_mount(
         ops = Operations(client)
         pyfuse3.init(ops, mountpoint, options)
         try:
-            if read_ahead_kb > 0:
-                set_read_ahead(mountpoint, read_ahead_kb)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signal)
+                if read_ahead_kb > 0:
+                    nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
                 if ready_file:
                     _write_ready_file(ready_file, mountpoint)
                 if ready is not None:
@@ -209,6 +212,25 @@ def _unescape(field: str) -> str:
     return field
 
 
+async def _raise_read_ahead(ops: Operations, mountpoint: str, kb: int) -> None:
+    """Set read_ahead_kb once the kernel has processed our INIT reply, which resets it to
+    the INIT's max_readahead (128 KiB); checked by reading it back (bounded retries)."""
+    await ops.initialized.wait()
+    for _ in range(50):
+        await trio.sleep(0.02)
+        if set_read_ahead(mountpoint, kb) and read_ahead(mountpoint) == kb:
+            return
+    log.warning("read_ahead_kb of %s did not stay at %d; reads stay small", mountpoint, kb)
+
+
+def read_ahead(mountpoint: str) -> int | None:
+    dev = mount_device(mountpoint)
+    try:
+        return int((Path("/sys/class/bdi") / str(dev) / "read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def set_read_ahead(mountpoint: str, kb: int) -> bool:
     """Raise the kernel read-ahead of the mount's backing device info; True if it worked.
     Needs root (or a writable sysfs); without it reads still work, in 128 KiB requests."""
@@ -222,7 +244,7 @@ def set_read_ahead(mountpoint: str, kb: int) -> bool:
     except OSError as e:
         log.warning("cannot set %s to %d: %s; reads stay in 128 KiB requests", path, kb, e)
         return False
-    log.info("read_ahead_kb of %s (%s) set to %d", mountpoint, dev, kb)
+    log.debug("read_ahead_kb of %s (%s) set to %d", mountpoint, dev, kb)
     return True
 
 

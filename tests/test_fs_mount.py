@@ -353,7 +353,7 @@ def test_directories_and_attributes(wdir: Path) -> None:
     d.mkdir(mode=0o750)
     with pytest.raises(FileExistsError):
         d.mkdir()
-    names = sorted(f"rank_{i:04d}.pt" for i in range(150))
+    names = sorted(f"rank_{i:04d}.pt" for i in range(100))
     for n in names:
         (d / n).write_bytes(n.encode())
     assert sorted(os.listdir(d)) == names  # several readdir pages
