@@ -176,8 +176,10 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
     )
     return "\n".join(
         [
-            f"cluster up: {args.metadata_servers} metadata server(s), {args.chunkstores} chunk "
-            f"stores, {args.ec}, data in {args.dir}",
+            (
+                f"cluster up: {args.metadata_servers} metadata server(s), "
+                f"{args.chunkstores} chunk stores, {args.ec}, data in {args.dir}"
+            ),
             f"cluster file:  {cluster_file}",
             f"status:        tectonic status {cluster_file}",
             f"mount:         tectonic mount {cluster_file} MOUNTPOINT",
@@ -207,7 +209,8 @@ def _run_foreground(args: argparse.Namespace, root: Path, *, detached: bool) -> 
                 raise type(e)(str(e).splitlines()[0]) from None
             pids = [int(p) for p in cluster.pids()]
             _write_pid_file(
-                root, {"pid": os.getpid(), "daemons": pids, "cluster_file": str(cluster.cluster_file)}
+                root,
+                {"pid": os.getpid(), "daemons": pids, "cluster_file": str(cluster.cluster_file)},
             )
             print(_summary(Path(cluster.cluster_file), args, detached), flush=True)
             _watch(pids)
@@ -269,7 +272,9 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
             raise ConfigError(f"the cluster did not start: {_last_error(log_path)}")
         if time.monotonic() > deadline:
             proc.terminate()
-            raise Timeout(f"the cluster was not healthy after {START_TIMEOUT_S:.0f} s; see {log_path}")
+            raise Timeout(
+                f"the cluster was not healthy after {START_TIMEOUT_S:.0f} s; see {log_path}"
+            )
         time.sleep(0.2)
 
 
@@ -335,12 +340,11 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"no cluster is running in {root}")
         return 0
     supervisor = _ours(data["pid"], root)
-    if supervisor is not None:
-        if _terminate([supervisor], STOP_TIMEOUT_S):
-            raise Timeout(
-                f"the cluster supervisor (pid {supervisor.pid}) did not stop within "
-                f"{STOP_TIMEOUT_S:.0f} s; see {root / LOG_FILE}"
-            )
+    if supervisor is not None and _terminate([supervisor], STOP_TIMEOUT_S):
+        raise Timeout(
+            f"the cluster supervisor (pid {supervisor.pid}) did not stop within "
+            f"{STOP_TIMEOUT_S:.0f} s; see {root / LOG_FILE}"
+        )
     # daemons left behind by a supervisor that was killed (kill -9, OOM): stop them too
     leftovers = [p for p in (_ours(int(pid), root) for pid in data.get("daemons", [])) if p]
     if leftovers:
@@ -390,4 +394,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down = sub.add_parser("down", help="stop a cluster started with `cluster up --detach`")
     down.add_argument("--dir", required=True, help="the directory given to `cluster up`")
     down.set_defaults(func=cmd_down)
-

@@ -151,8 +151,15 @@ def render(status: dict[str, Any]) -> None:
         used = 1 - n["free"] / n["capacity"] if n["capacity"] else 0.0
         state = "[green]up[/]" if n["state"] == "up" else "[bold red]down[/]"
         table.add_row(
-            n["node_id"], n["address"], n["failure_domain"], state, _size(n["capacity"]),
-            _size(n["free"]), f"{used:.0%}", str(n["chunk_count"]), str(n["queue_depth"]),
+            n["node_id"],
+            n["address"],
+            n["failure_domain"],
+            state,
+            _size(n["capacity"]),
+            _size(n["free"]),
+            f"{used:.0%}",
+            str(n["chunk_count"]),
+            str(n["queue_depth"]),
         )
     console.print(table)
 
@@ -190,7 +197,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             with trio.fail_after(args.timeout):
                 return await gather(config)
         except trio.TooSlowError:
-            raise Timeout(f"no complete answer from the cluster within {args.timeout:g} s") from None
+            raise Timeout(
+                f"no complete answer from the cluster within {args.timeout:g} s"
+            ) from None
 
     status = trio.run(run)
     if args.json:

@@ -24,6 +24,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=timeout,
+        check=False,
     )
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from test_cli_cluster import client, wait_for_status
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -31,7 +30,7 @@ LOCK = Path("/tmp/tectonic-netns-test.lock")
 
 def netns(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
@@ -39,15 +38,17 @@ def _skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root for ip netns, veth and bridges"
     probe = f"tectoprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, check=False
+    )
     if made.returncode != 0:
         return f"ip netns add is not permitted here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
 
 
 def _free_subnet() -> str:
-    used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=False).stdout
     for third in range(200, 250):
         subnet = f"10.213.{third}"
         if f" {subnet}." not in used:
@@ -120,9 +121,11 @@ def test_cluster_across_namespaces_survives_a_cut_host(netns_lock: None, tmp_pat
         down = netns("down", str(root))
     assert down.returncode == 0, down.stderr
     assert not (root / "netns.state").exists()
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    namespaces = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=False
+    ).stdout
     assert f"{prefix}-" not in namespaces
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
     assert f"{prefix}-" not in links
     for pid in pids:
         for _ in range(50):
@@ -133,7 +136,9 @@ def test_cluster_across_namespaces_survives_a_cut_host(netns_lock: None, tmp_pat
             pytest.fail(f"daemon {pid} still runs after down")
 
 
-def test_script_refuses_bad_options_without_making_anything(netns_lock: None, tmp_path: Path) -> None:
+def test_script_refuses_bad_options_without_making_anything(
+    netns_lock: None, tmp_path: Path
+) -> None:
     for args, needle in [
         (["--subnet", "192.168.1"], "--subnet"),
         (["--prefix", "Bad-Prefix"], "--prefix"),
