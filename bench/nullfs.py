@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -330,8 +331,12 @@ class NullMount:
     stats_file: str
     workdir: str
 
+    final_stats: dict[str, int] = field(default_factory=dict)
+
     def stats(self) -> dict[str, int]:
         """Bytes and calls the daemon saw; complete once the mount is gone."""
+        if self.final_stats:
+            return dict(self.final_stats)
         try:
             with open(self.stats_file) as f:
                 return dict(json.load(f))
@@ -386,19 +391,20 @@ def mount_nullfs(
     os.makedirs(mountpoint, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="nullfs-")
     ready, stats_file = os.path.join(workdir, "ready"), os.path.join(workdir, "stats")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.nullfs", mountpoint, "--ready-file", ready,
-         "--stats-file", stats_file],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(os.path.join(workdir, "stderr"), "wb"),
-    )
+    with open(os.path.join(workdir, "stderr"), "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.nullfs", mountpoint, "--ready-file", ready,
+             "--stats-file", stats_file],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     mount = NullMount(mountpoint, proc, stats_file, workdir)
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready):
         if proc.poll() is not None or time.monotonic() > deadline:
-            unmount(mount)
             err = Path(workdir, "stderr").read_text(errors="replace").strip()
+            unmount(mount)
             raise NullFSError(f"nullfs did not come up on {mountpoint}: {err[-500:] or 'timeout'}")
         time.sleep(0.02)
     if read_ahead_kb:
@@ -424,6 +430,8 @@ def unmount(mount: NullMount, timeout: float = 15) -> None:
             mount.proc.wait()
     if os.path.ismount(mount.mountpoint):
         subprocess.run(["fusermount3", "-uz", mount.mountpoint], capture_output=True)
+    mount.final_stats = mount.stats()
+    shutil.rmtree(mount.workdir, ignore_errors=True)
 
 
 @contextmanager

@@ -1,0 +1,137 @@
+"""Every bench script of this part in --smoke mode, so none of them can rot unnoticed.
+
+The figures of a smoke run mean nothing (tiny sizes on a shared machine); these tests check
+that each script runs end to end, emits the JSON shape the report reads, and leaves no mount
+and no process behind. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench import ceilings
+from bench.nullfs import NullFSError, fuse_available, mount_nullfs, nullfs_mounted, unmount
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout)
+
+
+def _mounts() -> str:
+    with open("/proc/self/mounts") as f:
+        return f.read()
+
+
+def test_ceilings_smoke(tmp_path):
+    r = _run("bench.ceilings", "--smoke", "--json", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for name in ("disk_write_fsync", "disk_read_cold", "zfec_encode_rs6_3_t1",
+                 "zfec_decode_rs6_3_t2", "tcp_raw_blocking", "tcp_trio_recv_into", "wire_put",
+                 "wire_get"):
+        assert out[name]["mbps"] > 0 and out[name]["cpu_s_per_gib"] is not None, name
+    assert out["msgpack_1mib"]["pack_us"] > 0
+    assert os.listdir(tmp_path) == []  # the disk test file and tmp dir are removed
+
+
+def test_ceiling_functions_move_what_they_say(tmp_path):
+    w = ceilings.disk_write(tmp_path, 3 * MiB + 5)
+    assert w["bytes"] == 3 * MiB + 5 == os.path.getsize(w["path"])
+    assert ceilings.disk_read(tmp_path, 3 * MiB + 5)["bytes"] == 3 * MiB + 5
+    assert ceilings.tcp_raw(5 * MiB + 1)["bytes"] == 5 * MiB + 1
+    assert ceilings.tcp_trio(5 * MiB + 1)["bytes"] == 5 * MiB + 1
+    wire = ceilings.tcp_wire(4 * MiB, inflight=3)
+    assert wire["wire_put"]["bytes"] == wire["wire_get"]["bytes"] == 4 * MiB
+    # decode checks its own output against the data before it is timed
+    assert ceilings.zfec_decode(6, 3, 6 * 4096, 2, 1)["bytes"] == 2 * 6 * 4096
+
+
+@pytest.mark.fuse
+def test_nullfs_smoke_and_always_unmounted(tmp_path):
+    reason = fuse_available()
+    if reason:
+        pytest.skip(reason)
+    r = _run("bench.nullfs", "--smoke", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["daemon_stats"]["bytes_written"] == 16 * MiB
+    assert out["daemon_stats"]["bytes_read"] == 16 * MiB  # the read was cold: it reached us
+    mnt = tmp_path / "mnt"
+    try:
+        with nullfs_mounted(mnt) as mount:
+            (mnt / "d").mkdir()
+            (mnt / "d" / "f").write_bytes(b"x" * 5000)
+            assert (mnt / "d" / "f").read_bytes() == bytes(5000)  # contents discarded
+            os.rename(mnt / "d" / "f", mnt / "d" / "g")
+            assert os.listdir(mnt / "d") == ["g"]
+            with pytest.raises(OSError):
+                os.rmdir(mnt / "d")
+            raise RuntimeError("the body failed")
+    except RuntimeError:
+        pass
+    assert str(mnt) not in _mounts()
+    assert mount.proc.poll() is not None
+    assert mount.stats()["bytes_written"] == 5000
+
+
+@pytest.mark.fuse
+def test_nullfs_bad_mountpoint_is_a_clear_error(tmp_path):
+    if fuse_available():
+        pytest.skip(fuse_available())
+    target = tmp_path / "file"
+    target.write_text("not a directory")
+    with pytest.raises((NullFSError, OSError)):
+        m = mount_nullfs(target, read_ahead_kb=None, timeout=20)
+        unmount(m)
+    assert str(target) not in _mounts()
+
+
+def test_gluster_smoke_runs_or_says_why(tmp_path):
+    """The peer: built, measured and torn down; or one clear reason it cannot run here."""
+    r = _run("bench.gluster", "--smoke", "--json", "--root", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    if not out["available"]:
+        assert out["reason"]
+        return
+    for key in ("dd_write", "dd_read", "torch_save", "torch_load"):
+        assert out[key]["mbps"] > 0 and out[key]["cpu_s_per_gib"] > 0, key
+    assert out["torch_load"]["verified"] is True
+    assert out["loadtest"]["errors"] == 0
+    assert out["loadtest"]["bytes_verified"] == out["loadtest"]["bytes_written"] > 0
+    assert "glusterfs" not in _mounts()
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "tbench" in " ".join(p.info["cmdline"] or [])]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.fuse
+def test_run_all_smoke_writes_a_report(tmp_path):
+    out_dir = tmp_path / "out"
+    r = _run("bench.run_all", "--smoke", "--skip", "ceilings,nullfs,others,peer",
+             "--out-dir", str(out_dir), "--workdir", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = (out_dir / "REPORT.md").read_text()
+    assert "| workload | tectonic-py MB/s" in report and "## Checkpoint burst" in report
+    assert (out_dir / "report.png").stat().st_size > 10_000
+    results = json.loads((out_dir / "results.json").read_text())
+    tec = results["tectonic"]
+    assert tec.get("status") != "failed", tec
+    for part in ("fuse_dd", "fuse_torch", "mount_burst"):
+        assert tec[part].get("status") != "failed", (part, tec[part])
+    assert tec["fuse_torch"]["torch_load"]["verified"] is True
+    for burst in tec["bursts"]:
+        assert burst["errors"] == 0 and burst["bytes_verified"] == burst["bytes_written"] > 0
+    assert str(tmp_path) not in _mounts()
+    assert [p for p in os.listdir(tmp_path) if p.startswith("bench-run-")] == []
