@@ -348,21 +348,23 @@ class MetadataClient:
         validate_name(dst_name)
         if src_dir != dst_dir:
             await self._check_not_into_itself(src_dir, src_name, dst_dir)
-        replace_dir = 0
-        for _ in range(3):
+        try:
+            result = await self._rename_once(src_dir, src_name, dst_dir, dst_name, 0)
+        except DirectoryNotEmpty:
+            # The destination is a directory. Replace it only if it is empty, and kill it
+            # first (atomically with the emptiness check, in its own shard) so that no create
+            # can slip into it between the check and the replace.
+            victim = await self.lookup(dst_dir, dst_name)
+            await self._shard(self._of(victim.id), "file.kill_dir", id=victim.id)
             try:
-                result = await self._rename_once(src_dir, src_name, dst_dir, dst_name, replace_dir)
-                break
-            except DirectoryNotEmpty:
-                if replace_dir:
-                    raise
-                victim = await self.lookup(dst_dir, dst_name)
-                entries, _ = await self.readdir(victim.id, limit=1)
-                if entries:
-                    raise DirectoryNotEmpty(f"{dst_name!r} is not empty") from None
-                replace_dir = victim.id
-        else:
-            raise DirectoryNotEmpty(f"{dst_name!r} changed during rename")
+                result = await self._rename_once(src_dir, src_name, dst_dir, dst_name, victim.id)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self._shard(self._of(victim.id), "file.revive_dir", id=victim.id)
+                    except TectonicError as e:
+                        log.warning("directory %d left dead after a failed rename: %s", victim.id, e)
+                raise
         if result["victim_id"]:
             await self._release(result["victim_id"], result["victim_kind"])
         child = result["id"]

@@ -295,6 +295,11 @@ def kill_dir(conn: sqlite3.Connection, dir_id: int, expect_empty: bool = True) -
     conn.execute("UPDATE files SET nlink = 0 WHERE id = ?", (dir_id,))
 
 
+def revive_dir(conn: sqlite3.Connection, dir_id: int) -> None:
+    """Undo ``kill_dir`` (a rename over the directory failed after killing it)."""
+    conn.execute("UPDATE files SET nlink = 2 WHERE id = ? AND kind = ?", (dir_id, KIND_DIR))
+
+
 def drop(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
     """Delete a record whatever its state (rmdir's last step, a dead directory's remains)."""
     _delete_record(conn, file_id, now_ns)

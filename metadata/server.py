@@ -33,6 +33,7 @@ file.setattr         id, mode, uid, gid, atime_ns, mtime_ns, ec            attrs
 file.link            id, parent, name                                      {}
 file.unlink          id                                                    {}
 file.kill_dir        id                                                    {}
+file.revive_dir      id                                                    {}
 file.drop            id                                                    {}
 file.blocks          id                                                    blocks [[index, id]]
 file.*xattr          id, name, value                                       value / names / {}
@@ -387,6 +388,10 @@ class MetadataServer(MaintenanceOps):
     async def op_file__kill_dir(self, req: wire.Request) -> None:
         store = self._store(req)
         await store.write(file_layer.kill_dir, _id(req, "id"))
+
+    async def op_file__revive_dir(self, req: wire.Request) -> None:
+        store = self._store(req)
+        await store.write(file_layer.revive_dir, _id(req, "id"))
 
     async def op_file__drop(self, req: wire.Request) -> None:
         store = self._store(req)

@@ -598,3 +598,19 @@ async def test_shard_file_identity_is_checked(tmp_path, secret_file):
 
     with pytest.raises(ShardUnavailable, match="total_shards"):
         MetadataServer(tmp_path / "meta0", [0, 1], 8, b"s" * 32)
+
+
+async def test_killed_directory_refuses_creates_until_revived(mc):
+    """The mechanism behind rmdir and rename over an empty directory: once killed (emptiness
+    checked in the same transaction) nothing can be created in it; a failed rename revives it."""
+    c = mc.client
+    d = await c.mkdir(ROOT_ID, "victim")
+    shard = shard_of(d.id, 8)
+    await c._shard(shard, "file.kill_dir", id=d.id)
+    with pytest.raises(FileNotFound):
+        await c.create(d.id, "late")
+    await c._shard(shard, "file.revive_dir", id=d.id)
+    f, _ = await c.create(d.id, "late")
+    with pytest.raises(DirectoryNotEmpty):
+        await c._shard(shard, "file.kill_dir", id=d.id)
+    assert (await c.lookup(d.id, "late")).id == f.id
