@@ -517,6 +517,24 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
             f"{_mib(b.get('watched_max_rss'))} |")
     add("")
 
+    # metadata
+    add("## Metadata creates per second")
+    add("")
+    add("| source | creates/s | ceiling: raw SQLite commits/s (batch 1) | ratio |")
+    add("|---|---:|---:|---:|")
+    md = _get(results, "others", "bench_metadata") or {}
+    raw = next((r.get("commits_per_s") for r in md.get("raw_sqlite") or []
+                if isinstance(r, dict) and r.get("batch") == 1), None)
+    for run_ in md.get("runs") or []:
+        if isinstance(run_, dict):
+            for key, where in (("one_dir_per_s", "one directory"), ("spread_per_s", "spread")):
+                add(f"| bench_metadata, {run_.get('servers')} server(s), {where} "
+                    f"| {_fmt(run_.get(key))} | {_fmt(raw)} | {_ratio(run_.get(key), raw)} |")
+    for b in bursts:
+        add(f"| loadtest burst {_burst_label(b)} (all ranks create at once) "
+            f"| {_fmt(b.get('creates_per_s'))} | {_fmt(raw)} | {_ratio(b.get('creates_per_s'), raw)} |")
+    add("")
+
     # ceilings
     add("## Ceilings measured in this run")
     add("")
