@@ -1,0 +1,192 @@
+"""Garbage collection and lease recovery with real processes: a writer killed (kill -9) in
+the middle of a large file leaves orphan chunks that are collected after the grace period and
+a file resolved by the documented rule (unsealed, at its last committed size), with nothing
+else touched; deleting a checkpoint directory of many files gives the space back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import trio
+from maintenance_helpers import (
+    EC,
+    data_of,
+    make_cluster,
+    open_fresh_client,
+    open_inspector,
+    put,
+    read,
+    total_used,
+    wait_for,
+)
+
+from tectonic_py.ids import chunk_id, parse_chunk_id
+from tectonic_py.maintenance.runtime import Maintenance
+
+ROOT = Path(__file__).resolve().parents[1]
+GC_FAST = ["--grace", "1", "--lease-grace", "0.5", "--no-rebalance"]
+SYNCED = 200_000
+
+WRITER = textwrap.dedent(
+    """
+    import sys, trio
+    import tectonic_py.client as c
+    c.LEASE_RENEW_S = 0.3  # the test's metadata servers grant 2 s writer leases
+
+    async def main(cluster_file, ec):
+        piece = bytes(range(256)) * 256  # 64 KiB
+        async with c.open_client(cluster_file) as client:
+            w = await client.create("/ckpt/big", ec=ec)
+            data = bytearray()
+            for i in range(4):
+                chunk = bytes((b + i) % 256 for b in piece[: {synced} // 4])
+                data += chunk
+                await w.write(chunk)
+            await w.fsync()
+            print("SYNCED", flush=True)
+            for _ in range(100_000):  # until killed
+                await w.write(piece)
+                await trio.sleep(0.005)
+
+    trio.run(main, sys.argv[1], sys.argv[2])
+    """
+).replace("{synced}", str(SYNCED))
+
+
+def _expected_prefix() -> bytes:
+    piece = bytes(range(256)) * 256
+    return b"".join(bytes((b + i) % 256 for b in piece[: SYNCED // 4]) for i in range(4))
+
+
+async def _chunks_on_disk(m: Maintenance) -> set[tuple[str, str]]:
+    out = set()
+    for node in (await m.nodes()).values():
+        if node.state != "up":
+            continue
+        after: str | None = ""
+        while after is not None:
+            r = await m.node_call(node, "list", after=after, limit=1000)
+            out |= {(c, node.node_id) for c, _ in r["chunks"]}
+            after = r["next"]
+    return out
+
+
+async def _blocks(m: Maintenance) -> list[dict[str, Any]]:
+    out = []
+    for shard in range(m.config.shards):
+        async for rec in m.scan_blocks(shard):
+            out.append(rec)
+    return out
+
+
+async def _referenced(m: Maintenance) -> set[tuple[str, str]]:
+    return {
+        (chunk_id(b["block_id"], i), node)
+        for b in await _blocks(m) if b["state"] == "committed"
+        for i, node, _ in b["chunks"]
+    }
+
+
+async def test_killed_writer_orphans_collected_and_file_resolved(tmp_path):
+    cluster = make_cluster(
+        tmp_path / "c", chunkstores=7, maintenance_args=GC_FAST, metadata_args=["--writer-lease", "2"]
+    )
+    proc = None
+    try:
+        cluster.start()
+        keep = data_of(180_000, seed=3)
+        async with open_fresh_client(cluster) as client:
+            await client.mkdir("/ckpt")
+            await put(client, "/ckpt/keep", keep)
+            keep_blocks = await client.meta.block_list((await client.stat("/ckpt/keep")).id)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        with open(tmp_path / "writer.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", WRITER, str(cluster.cluster_file), EC],
+                stdout=subprocess.PIPE, stderr=log, env=env,
+            )
+        assert proc.stdout is not None
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert line.strip() == b"SYNCED", (tmp_path / "writer.log").read_text()
+        async with open_inspector(cluster) as m:
+
+            async def past_synced():  # type: ignore[no-untyped-def]
+                blocks = await _blocks(m)
+                return len([b for b in blocks if b["file_index"] >= 4]) >= 2
+
+            await wait_for("the writer to get past its synced size", past_synced, timeout=60, every=0.05)
+            proc.send_signal(signal.SIGKILL)
+            await trio.to_thread.run_sync(proc.wait)
+
+            async def resolved():  # type: ignore[no-untyped-def]
+                attrs = await m.meta.resolve("/ckpt/big")
+                if attrs.writer:
+                    return None
+                blocks = await _blocks(m)
+                if any(b["state"] != "committed" for b in blocks):
+                    return None
+                disk, ref = await _chunks_on_disk(m), await _referenced(m)
+                return attrs if disk == ref else None
+
+            attrs = await wait_for("orphan chunks collected and the file resolved", resolved)
+            # The documented rule: unsealed (visibly incomplete), at its last committed size.
+            assert not attrs.sealed and attrs.size == SYNCED
+            # The blocks written past the committed size (>= 2 of them, some perhaps never
+            # committed) are gone with their chunks.
+            assert not [b for b in await _blocks(m) if b["file_id"] == attrs.id and b["file_index"] >= 4]
+            after = await m.meta.block_list((await m.meta.resolve("/ckpt/keep")).id)
+            assert [(b.block_id, [(c.index, c.node_id) for c in b.chunks]) for b in after] == [
+                (b.block_id, [(c.index, c.node_id) for c in b.chunks]) for b in keep_blocks
+            ]
+        async with open_fresh_client(cluster) as client:
+            assert await read(client, "/ckpt/big") == _expected_prefix()
+            assert await read(client, "/ckpt/keep") == keep
+            # An incomplete file can be rewritten by a new writer.
+            await put(client, "/ckpt/big", b"fresh")
+            assert await read(client, "/ckpt/big") == b"fresh"
+    finally:
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        cluster.stop()
+
+
+async def test_deleted_checkpoint_directory_gives_space_back(tmp_path):
+    cluster = make_cluster(tmp_path / "c", chunkstores=7, maintenance_args=GC_FAST)
+    try:
+        cluster.start()
+        keep = data_of(90_000, seed=8)
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/keep", keep)
+            async with open_inspector(cluster) as m:
+                baseline = await total_used(m)
+                await client.mkdir("/step_100")
+                for i in range(24):
+                    await put(client, f"/step_100/rank_{i}.pt", data_of(30_000 + 3_000 * i, seed=i))
+                full = await total_used(m)
+                assert full > baseline
+                for i in range(24):
+                    await client.unlink(f"/step_100/rank_{i}.pt")
+                await client.rmdir("/step_100")
+
+                async def back():  # type: ignore[no-untyped-def]
+                    used = await total_used(m)
+                    return used if used == baseline else None
+
+                await wait_for("the space of the deleted files to come back", back)
+                disk = {c for c, _ in await _chunks_on_disk(m)}
+                live = {b["block_id"] for b in await _blocks(m)}
+                assert {parse_chunk_id(c)[0] for c in disk} == live
+        async with open_fresh_client(cluster) as client:
+            assert await read(client, "/keep") == keep
+    finally:
+        cluster.stop()
