@@ -113,6 +113,18 @@ def bench_single(cluster: LocalCluster, size: int, cores: int, **tuning: Any) ->
     return out
 
 
+def bench_chunk_sizes(root: Path, size: int, cores: int, sizes_mib: list[int]) -> list[dict]:
+    """The same write and read at several chunk sizes C: the measurement behind the default."""
+    out = []
+    for c in sizes_mib:
+        with LocalCluster(root / f"sweep{c}", chunkstores=9, metadata_servers=2, shards=64,
+                          chunk_size=c * MiB) as cl:
+            for fig in bench_single(cl, size, cores):
+                fig["name"] = f"{fig['name']} C={c}MiB"
+                out.append(fig)
+    return out
+
+
 def _drop_caches(cluster: LocalCluster) -> None:
     """Evict the chunk files from the page cache (posix_fadvise), so the read is cold."""
     for i in range(cluster.chunkstores):
@@ -203,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-mib", type=int, default=16)
     parser.add_argument("--window-mib", type=int, default=256)
     parser.add_argument("--no-ceilings", action="store_true")
+    parser.add_argument("--chunk-mib", type=int, default=4, help="C of the main run")
+    parser.add_argument("--sweep-chunk-mib", default="",
+                        help="e.g. 1,2,4,8: also write+read --sweep-size-mib at each C")
+    parser.add_argument("--sweep-size-mib", type=int, default=512)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where the cluster lives")
     args = parser.parse_args(argv)
@@ -213,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         if not args.no_ceilings:
             results["ceilings"] = ceilings(root, args.size_mib * MiB)
-        with LocalCluster(root / "cluster", chunkstores=9, metadata_servers=2, shards=64) as cl:
+        if args.sweep_chunk_mib:
+            results["chunk_sweep"] = bench_chunk_sizes(
+                root, args.sweep_size_mib * MiB, cores,
+                [int(x) for x in args.sweep_chunk_mib.split(",")],
+            )
+        with LocalCluster(root / "cluster", chunkstores=9, metadata_servers=2, shards=64,
+                          chunk_size=args.chunk_mib * MiB) as cl:
             results["single"] = bench_single(
                 cl, args.size_mib * MiB, cores, window_bytes=args.window_mib * MiB
             )
@@ -232,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in results.get("ceilings", []):
             print(f"ceiling {c['name']:>24}: {c.get('mbps') or 0:8.1f} MB/s  "
                   f"{c.get('cpu_s_per_gib') or 0:6.2f} CPU-s/GiB")
-        for f in results["single"]:
+        for f in results.get("chunk_sweep", []) + results["single"]:
             print(f"{f['name']:>6}: {f['MB_per_s']:8.1f} MB/s  {f['cpu_s_per_GiB']:6.2f} CPU-s/GiB"
                   f"  core utilisation {f['core_utilisation']:.2f}")
         if "burst" in results:
