@@ -1,0 +1,195 @@
+"""The Operations class called directly (as S3QL's t3_fs_api does) over a real client and a
+real local cluster: handle sharing, seal on the last release, sticky write errors that are
+never sealed, lookup counts, and the errno of bad calls. No kernel in between, so each
+handler's answer is checked exactly."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+
+import pyfuse3
+import pytest
+
+from cluster_fixtures import TEST_CHUNK_SIZE
+from tectonic_py.client import TectonicClient, open_client
+from tectonic_py.fs import Operations
+from tectonic_py.ids import ROOT_ID
+from tectonic_py.local_cluster import LocalCluster
+
+CTX = SimpleNamespace(uid=1000, gid=1000, pid=1, umask=0o022)
+RW = os.O_RDWR
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One cluster for the tests that break nothing (each uses its own names): 11 daemons
+    per test would cost the suite a minute."""
+    cluster = LocalCluster(
+        tmp_path_factory.mktemp("ops") / "cluster",
+        chunkstores=9,
+        metadata_servers=2,
+        shards=16,
+        chunk_size=TEST_CHUNK_SIZE,
+        heartbeat_interval=0.5,
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def ops(shared_cluster: LocalCluster) -> AsyncIterator[Operations]:
+    async with open_client(shared_cluster.cluster_file) as client:
+        yield Operations(client)
+
+
+async def _errno(call) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await call
+    return info.value.errno
+
+
+async def test_one_writer_shared_and_sealed_on_last_release(ops: Operations) -> None:
+    fi, entry = await ops.create(ROOT_ID, b"f", 0o640, os.O_WRONLY | os.O_CREAT, CTX)
+    inode = entry.st_ino
+    assert (entry.st_mode & 0o777, entry.st_uid, entry.st_gid) == (0o640, 1000, 1000)
+    assert ops.cache.lookup_count(inode) == 1
+    fi2 = await ops.open(inode, RW, CTX)
+    assert ops.cache.handle(fi.fh).ofile.writer is ops.cache.handle(fi2.fh).ofile.writer
+    assert await ops.write(fi.fh, 0, b"a" * 100_000) == 100_000
+    assert await ops.write(fi2.fh, 100_000, b"b" * 50) == 50
+    assert (await ops.getattr(inode, CTX)).st_size == 100_050  # from the writer, unsynced
+    assert await ops.read(fi2.fh, 99_990, 100) == b"a" * 10 + b"b" * 50  # read-your-writes
+    await ops.flush(fi.fh)
+    await ops.flush(fi.fh)  # dup'd descriptors: several flushes, nothing new to sync
+    await ops.release(fi.fh)
+    assert not (await ops.meta.getattr(inode)).sealed  # another handle still writes
+    await ops.release(fi2.fh)
+    attrs = await ops.meta.getattr(inode)
+    assert attrs.sealed and attrs.size == 100_050
+    assert ops.cache.open_files == {} and ops.cache.handles == {}
+    fi3 = await ops.open(inode, os.O_RDONLY, CTX)
+    assert await ops.read(fi3.fh, 0, 5) == b"aaaaa"
+    await ops.release(fi3.fh)
+
+
+async def test_open_trunc_and_setattr_size(ops: Operations) -> None:
+    fi, entry = await ops.create(ROOT_ID, b"t", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, b"x" * 1000)
+    await ops.release(fi.fh)
+    fi = await ops.open(entry.st_ino, os.O_WRONLY | os.O_TRUNC, CTX)
+    assert (await ops.getattr(entry.st_ino, CTX)).st_size == 0
+    fields = SimpleNamespace(
+        update_size=True, update_mode=False, update_uid=False, update_gid=False,
+        update_atime=False, update_mtime=False, update_ctime=False,
+    )
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 5000
+    assert (await ops.setattr(entry.st_ino, attr, fields, fi.fh, CTX)).st_size == 5000
+    await ops.release(fi.fh)
+    fi = await ops.open(entry.st_ino, os.O_RDONLY, CTX)
+    assert await ops.read(fi.fh, 0, 10_000) == bytes(5000)
+    await ops.release(fi.fh)
+
+
+async def test_failed_write_is_sticky_and_never_sealed(
+    client: TectonicClient, local_cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    ops = Operations(client)
+    fi, entry = await ops.create(ROOT_ID, b"doomed", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, b"x" * 4096)
+    await ops.flush(fi.fh)
+    for i in range(4):  # 5 of 9 chunk stores left: below the RS(6,3) write quorum
+        local_cluster.kill_chunkstore(i)
+    data = os.urandom(64 * 1024)
+    codes = []
+    for n in range(1, 40):  # blocks are 384 KiB here; the failure surfaces at a flush
+        try:
+            await ops.write(fi.fh, 4096 + (n - 1) * len(data), data)
+        except pyfuse3.FUSEError as e:
+            codes.append(e.errno)
+            break
+    if not codes:
+        codes.append(await _errno(ops.flush(fi.fh)))
+    assert codes[0] in (errno.EIO, errno.ENOSPC)
+    assert await _errno(ops.write(fi.fh, 0, b"y")) == codes[0]  # sticky
+    assert await _errno(ops.flush(fi.fh)) == codes[0]
+    await ops.release(fi.fh)
+    attrs = await ops.meta.getattr(entry.st_ino)
+    assert not attrs.sealed  # incomplete data is never made to look complete
+    assert "will not be sealed" in caplog.text and "not sealed after a failed write" in caplog.text
+
+
+async def test_unlinked_file_keeps_its_handles(ops: Operations) -> None:
+    fi, entry = await ops.create(ROOT_ID, b"u", 0o644, os.O_RDWR | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, b"hello")
+    await ops.unlink(ROOT_ID, b"u", CTX)
+    assert await _errno(ops.lookup(ROOT_ID, b"u", CTX)) == errno.ENOENT
+    await ops.write(fi.fh, 5, b" world")
+    assert await ops.read(fi.fh, 0, 100) == b"hello world"
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    assert ops.cache.open_files == {}
+
+
+async def test_lookup_counts_and_forget(ops: Operations) -> None:
+    entry = await ops.mkdir(ROOT_ID, b"d", 0o755, CTX)
+    assert ops.cache.lookup_count(entry.st_ino) == 1
+    await ops.lookup(ROOT_ID, b"d", CTX)
+    await ops.lookup(ROOT_ID, b"d", CTX)
+    assert ops.cache.lookup_count(entry.st_ino) == 3
+    await ops.forget([(entry.st_ino, 3)])
+    assert ops.cache.lookup_count(entry.st_ino) == 0
+    # A failed lookup hands the kernel nothing, so it counts nothing.
+    assert await _errno(ops.lookup(entry.st_ino, b"missing", CTX)) == errno.ENOENT
+    assert ops.cache.lookups == {}
+
+
+async def test_bad_calls_get_their_errno(ops: Operations) -> None:
+    assert await _errno(ops.read(999, 0, 10)) == errno.EBADF
+    assert await _errno(ops.write(999, 0, b"x")) == errno.EBADF
+    assert await _errno(ops.flush(999)) == errno.EBADF
+    assert await _errno(ops.mkdir(ROOT_ID, b"x" * 256, 0o755, CTX)) == errno.ENAMETOOLONG
+    assert await _errno(ops.mkdir(ROOT_ID, b"\xff", 0o755, CTX)) == errno.EINVAL
+    await ops.mkdir(ROOT_ID, b"dir", 0o755, CTX)
+    fi, _ = await ops.create(ROOT_ID, b"file", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.release(fi.fh)
+    assert await _errno(
+        ops.create(ROOT_ID, b"file", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, CTX)
+    ) == errno.EEXIST
+    assert await _errno(ops.mkdir(ROOT_ID, b"dir", 0o755, CTX)) == errno.EEXIST
+    assert await _errno(ops.rmdir(ROOT_ID, b"file", CTX)) == errno.ENOTDIR
+    assert await _errno(ops.unlink(ROOT_ID, b"dir", CTX)) == errno.EISDIR
+    assert await _errno(
+        ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_NOREPLACE, CTX)
+    ) == errno.EEXIST
+    assert await _errno(
+        ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_EXCHANGE, CTX)
+    ) == errno.EINVAL
+    assert await _errno(ops.getxattr(ROOT_ID, b"security.capability", CTX)) == pyfuse3.ENOATTR
+    assert await _errno(ops.setxattr(ROOT_ID, b"trusted.x", b"1", CTX)) == errno.EOPNOTSUPP
+    assert await _errno(ops.setxattr(ROOT_ID, b"user.tectonic.ec", b"rs-1-99", CTX)) == errno.EINVAL
+
+
+async def test_statfs_reports_cluster_capacity(ops: Operations) -> None:
+    s = await ops.statfs(CTX)
+    assert s.f_blocks > 0 and 0 < s.f_bfree <= s.f_blocks and s.f_namemax == 255
+
+
+async def test_no_error_logs_on_the_happy_path(
+    ops: Operations, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    fi, entry = await ops.create(ROOT_ID, b"h", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, os.urandom(1_000_000))
+    await ops.fsync(fi.fh, False)
+    await ops.release(fi.fh)
+    await ops.rename(ROOT_ID, b"h", ROOT_ID, b"h2", 0, CTX)
+    await ops.unlink(ROOT_ID, b"h2", CTX)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
