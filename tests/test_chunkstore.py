@@ -63,7 +63,7 @@ def new_chunk(secret: bytes, index: int = 0, node: str = NODE) -> tuple[str, byt
 
 
 def payload(n: int, seed: int = 0) -> bytes:
-    return (bytes(range(251)) * (n // 251 + 1))[seed % 251 :][:n] if n else b""
+    return (bytes(range(251)) * (n // 251 + 2))[seed % 251 :][:n]
 
 
 @pytest.fixture
@@ -798,3 +798,41 @@ async def test_heartbeat_registers_with_the_real_metadata_registry(tmp_path, sec
             )
             assert node.capacity == 64 * MiB
             nursery.cancel_scope.cancel()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    size=st.integers(0, 5 * layout.SEGMENT_SIZE + 3),
+    seed=st.integers(0, 250),
+    ranges=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=4),
+    flip=st.one_of(st.none(), st.floats(0, 1)),
+)
+def test_layout_ranges_and_corruption_property(tmp_path_factory, size, seed, ranges, flip):
+    """Any range reads back exactly; after any one flipped byte, no read returns bad bytes."""
+    data_dir = tmp_path_factory.getbasetemp() / "layout-property"
+    if not data_dir.exists():  # one store for all examples: recover() makes 256 directories
+        layout.recover(data_dir)
+    cid = ids.chunk_id(ids.new_id(), 0)
+    data = payload(size, seed)
+    layout.write_chunk(data_dir, cid, data, crc32c(data))
+    path = layout.chunk_path(data_dir, cid)
+    bad = None
+    if flip is not None:
+        bad = min(int(flip * path.stat().st_size), path.stat().st_size - 1)
+        flip_byte(path, bad)
+    header_len = layout.file_size_for(size) - size
+    for a, b in [(0.0, 1.0), *ranges]:
+        off = int(min(a, b) * size)
+        n = int(max(a, b) * size) - off
+        try:
+            _, out, crc = layout.read_chunk(data_dir, cid, off, n)
+        except ChunkCorrupt:
+            assert bad is not None  # only damage is ever reported as damage
+            continue
+        # Whatever is returned is exactly the stored bytes, with their CRC.
+        assert bytes(out) == data[off : off + n] and crc == crc32c(out)
+        if bad is not None and bad < header_len:
+            raise AssertionError("a damaged header went unnoticed")
+    assert layout.verify_chunk(path) is (bad is None)
