@@ -140,6 +140,7 @@ class MetadataServer(MaintenanceOps):
         *,
         node_timeout: float = 10.0,
         lease_ns: int = LEASE_NS,
+        recovery_interval_s: float = RECOVERY_INTERVAL_S,
     ) -> None:
         if not shards:
             raise InvalidArgument("a metadata server must host at least one shard")
@@ -151,6 +152,7 @@ class MetadataServer(MaintenanceOps):
         self.total_shards = total_shards
         self.secret = secret
         self.lease_ns = lease_ns
+        self.recovery_interval_s = recovery_interval_s
         self.stores = {s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))}
         self.registry = (
             Registry(self.stores[REGISTRY_SHARD], node_timeout)
@@ -554,7 +556,7 @@ class MetadataServer(MaintenanceOps):
                 await self.recover_intents()
             except TectonicError as e:
                 log.warning("rename recovery pass failed: %s", e)
-            await trio.sleep(RECOVERY_INTERVAL_S)
+            await trio.sleep(self.recovery_interval_s)
 
     async def recover_intents(self, *, before_ns: int | None = None) -> int:
         """Finish or abort every intent whose deadline passed; returns how many were settled."""

@@ -24,16 +24,27 @@ class MetaCluster:
 
 @asynccontextmanager
 async def open_meta_cluster(
-    root: Path, secret_file: Path, *, servers: int = 2, shards: int = 8, node_timeout: float = 10.0
+    root: Path,
+    secret_file: Path,
+    *,
+    servers: int = 2,
+    shards: int = 8,
+    node_timeout: float = 10.0,
+    recovery_interval_s: float = 5.0,
+    ports: list[int] | None = None,
 ) -> AsyncIterator[MetaCluster]:
+    """``ports``: listen on these (a restart "on the same addresses"); default any free port."""
     secret = secret_file.read_bytes().strip()
     async with trio.open_nursery() as nursery:
         entries = []
         objs = []
         for i in range(servers):
             hosted = list(range(i * shards // servers, (i + 1) * shards // servers))
-            server = MetadataServer(root / f"meta{i}", hosted, shards, secret, node_timeout=node_timeout)
-            host, port = await nursery.start(server.serve, "127.0.0.1", 0)
+            server = MetadataServer(
+                root / f"meta{i}", hosted, shards, secret, node_timeout=node_timeout,
+                recovery_interval_s=recovery_interval_s,
+            )
+            host, port = await nursery.start(server.serve, "127.0.0.1", ports[i] if ports else 0)
             entries.append(ServerEntry(f"{host}:{port}", hosted))
             objs.append(server)
         config = ClusterConfig("test", secret_file, shards, entries)

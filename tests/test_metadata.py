@@ -8,10 +8,12 @@ import trio
 import trio.lowlevel
 from metadata_fixtures import open_meta_cluster, register_nodes
 
+from metadata import name_layer
 from metadata.model import BlockInfo, ChunkPlacement
 from metadata.name_layer import validate_name
 from tectonic_py import capability, wire
 from tectonic_py.errors import (
+    Busy,
     DirectoryNotEmpty,
     FileExists,
     FileNotFound,
@@ -614,3 +616,32 @@ async def test_killed_directory_refuses_creates_until_revived(mc):
     with pytest.raises(DirectoryNotEmpty):
         await c._shard(shard, "file.kill_dir", id=d.id)
     assert (await c.lookup(d.id, "late")).id == f.id
+
+
+async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
+    """A client that died mid cross-shard rename: the restarted servers settle its intents."""
+    async with open_meta_cluster(tmp_path, secret_file, recovery_interval_s=3600) as mc:
+        c = mc.client
+        a = await c.mkdir(ROOT_ID, "a")
+        sa = shard_of(a.id, 8)
+        b = await mkdir_where(c, ROOT_ID, "b", lambda s: s != sa)
+        sb = shard_of(b.id, 8)
+        f, _ = await c.create(a.id, "f")
+        await c._shard(sa, "name.rename_prepare", src_dir=a.id, src_name="f", dst_dir=b.id,
+                       dst_name="f", dst_address=c._shard_addr[sb], deadline_ns=1)
+        store = next(s.stores[sa] for s in mc.servers if sa in s.stores)
+        with pytest.raises(Busy):  # pinned while the intent is open
+            await store.write(name_layer.remove, a.id, "f", "file", 0)
+        ports = [int(s.address.rsplit(":", 1)[1]) for s in mc.config.metadata_servers]
+    async with open_meta_cluster(tmp_path, secret_file, ports=ports, recovery_interval_s=0.1) as mc:
+        c = mc.client
+        for _ in range(600):  # recovery passes run from the servers' start
+            r = await c._shard(sa, "name.intents", before_ns=2**62)
+            if not r["intents"]:
+                break
+            await trio.sleep(0.05)
+        assert r["intents"] == []
+        assert (await c.lookup(a.id, "f")).id == f.id  # rolled back: never applied
+        with pytest.raises(FileNotFound):
+            await c.lookup(b.id, "f")
+        await c.unlink(a.id, "f")
