@@ -26,31 +26,22 @@ pytestmark = pytest.mark.slow
 # small enough for a shared 2-core machine; rs-4-2 still spreads a block over 6 nodes
 LAYOUT = ["--chunkstores", "6", "--metadata-servers", "2", "--shards", "8", "--ec", "rs-4-2"]
 NODE_TIMEOUT = "2"
-
-_CLIENT = """
-import hashlib, sys, tectonic_py
-op, cluster, remote = sys.argv[1:4]
-fs = tectonic_py.connect(cluster)
-try:
-    if op == "put":
-        with open(sys.argv[4], "rb") as src, fs.open(remote, "wb") as dst:
-            dst.write(src.read())
-    else:
-        with fs.open(remote, "rb") as f:
-            print(hashlib.sha256(f.read()).hexdigest())
-finally:
-    fs.close()
-"""
+# for tests of the supervisor itself, where fewer processes mean a faster test
+TINY = ["--chunkstores", "3", "--metadata-servers", "1", "--shards", "4", "--ec", "r3"]
 
 
 def client(op: str, cluster: Path, remote: str, local: Path | None = None) -> str:
-    """Run the blocking client in its own process (as a training script would)."""
-    argv = [sys.executable, "-c", _CLIENT, op, str(cluster), remote]
-    if local is not None:
-        argv.append(str(local))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    """``tectonic put`` a local file, or ``tectonic get`` one and return its sha256."""
+    if op == "put":
+        assert local is not None
+        proc = run_cli("put", "-q", str(cluster), str(local), remote, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        return ""
+    target = cluster.parent / "got.bin"
+    target.unlink(missing_ok=True)
+    proc = run_cli("get", "-q", str(cluster), remote, str(target), timeout=180)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+    return hashlib.sha256(target.read_bytes()).hexdigest()
 
 
 def status(cluster: Path) -> tuple[int, dict[str, Any]]:
@@ -173,7 +164,7 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
 def test_foreground_ctrl_c_stops_everything(tmp_path: Path) -> None:
     root = tmp_path / "cluster"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root), *LAYOUT],
+        [sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root), *TINY],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -206,8 +197,8 @@ def test_detached_start_failure_is_one_line_and_leaves_nothing(tmp_path: Path) -
     """A daemon that cannot start (its data directory is a file) fails `up` cleanly."""
     root = tmp_path / "cluster"
     (root / "chunks").mkdir(parents=True)
-    (root / "chunks" / "3").write_text("not a directory")
-    proc = run_cli("cluster", "up", "--detach", "--dir", str(root), *LAYOUT, timeout=240)
+    (root / "chunks" / "2").write_text("not a directory")
+    proc = run_cli("cluster", "up", "--detach", "--dir", str(root), *TINY, timeout=240)
     try:
         assert proc.returncode != 0
         assert "Traceback" not in proc.stderr
