@@ -11,6 +11,9 @@ Layout under ``root``::
     logs/*.log             stdout and stderr of every daemon
     run/*.ready            ready files the daemons write once serving
 
+A cluster started with an ``ec`` other than RS(6,3) sets the root directory's policy once
+every daemon is up, so every file and directory created below inherits it.
+
 Every daemon is ``python -m tectonic_py.cli metadata|chunkstore ...`` in its own session
 (so a Ctrl-C in a terminal reaches only the supervisor), and the launcher waits for its
 ``--ready-file``. ``stop`` signals only the PIDs it started: SIGTERM, then SIGKILL after a
@@ -37,7 +40,7 @@ from typing import Any
 
 from tectonic_py import cluster_file
 from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
-from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.errors import ConfigError, Timeout
 
 log = logging.getLogger(__name__)
@@ -245,6 +248,7 @@ class LocalCluster:
             for i in range(len(self._chunk)):
                 self._ports[f"chunkstore-{i}"] = self._port(self._chunk[i].wait_ready(deadline))
             self._save_state()
+            self._set_root_policy()
             if self.maintenance and not self._maint.running:
                 self.start_maintenance()
         except BaseException:
@@ -424,6 +428,21 @@ class LocalCluster:
             path=self.cluster_file,
         )
         self.config.write(self.cluster_file)
+
+    def _set_root_policy(self) -> None:
+        """The metadata server makes the root directory with RS(6,3); a cluster started with
+        another ``ec`` sets the root's policy (inherited by everything created below it)."""
+        if ECPolicy.parse(self.ec) == DEFAULT_POLICY:
+            return
+        argv = self._cli() + ["mkdir", str(self.cluster_file), "/", "-p", "--ec", self.ec]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(_PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=self.start_timeout,
+                           cwd=str(_PROJECT_ROOT), env=env)
+        if r.returncode != 0:
+            raise ConfigError(f"cannot set the root EC policy to {self.ec}: {r.stderr.strip()}")
 
     def _load_state(self) -> None:
         path = self.root / "state.json"
