@@ -34,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -228,7 +229,7 @@ class ChunkStoreServer:
         try:
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
-                self.address = f"{host}:{port}"
+                self.address = _advertised_address(host, port, self.config.registry)
                 log.info(
                     "chunk store %s serving %s on %s",
                     self.config.node_id,
@@ -483,6 +484,25 @@ class ChunkStoreServer:
                     if self.heartbeats_accepted == 1 and self.config.ready_file is not None:
                         await trio.to_thread.run_sync(self._write_ready_file)
                 await trio.sleep(self.config.heartbeat_interval)
+
+
+def _advertised_address(host: str, port: int, registry: str | None) -> str:
+    """The address clients should use. A wildcard listen (0.0.0.0, ::) is no address to
+    dial, so the node advertises the local IP it uses to reach the registry (a UDP
+    ``connect`` picks it from the routing table without sending anything)."""
+    if host not in ("0.0.0.0", "::"):
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if registry is None:
+        return f"127.0.0.1:{port}" if host == "0.0.0.0" else f"[::1]:{port}"
+    rhost, rport = wire.parse_address(registry)
+    family = socket.AF_INET6 if ":" in rhost else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((rhost, rport))
+            local = probe.getsockname()[0]
+    except OSError as e:
+        raise ConfigError(f"cannot find a route to the registry {registry}: {e}") from None
+    return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"
 
 
 async def serve(

@@ -836,3 +836,12 @@ def test_layout_ranges_and_corruption_property(tmp_path_factory, size, seed, ran
         if bad is not None and bad < header_len:
             raise AssertionError("a damaged header went unnoticed")
     assert layout.verify_chunk(path) is (bad is None)
+
+
+def test_advertised_address_for_wildcard_listen():
+    from chunkstore.server import _advertised_address
+
+    assert _advertised_address("10.1.2.3", 7200, None) == "10.1.2.3:7200"
+    assert _advertised_address("::1", 7200, None) == "[::1]:7200"
+    assert _advertised_address("0.0.0.0", 7200, None) == "127.0.0.1:7200"
+    assert _advertised_address("0.0.0.0", 7200, "127.0.0.1:7100") == "127.0.0.1:7200"
