@@ -9,6 +9,8 @@ import signal
 import trio
 
 from metadata.server import MetadataServer, parse_shard_list
+from tectonic_py.aio import _single
+from tectonic_py.errors import ConfigError, TectonicError
 from tectonic_py.wire import load_secret, parse_address
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,16 @@ def run(args: argparse.Namespace) -> int:
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
     )
-    trio.run(_serve_until_signalled, server, host, port, args.ready_file)
+    try:
+        trio.run(_serve_until_signalled, server, host, port, args.ready_file)
+    except BaseExceptionGroup as group:
+        # trio wraps even one failure; surface a lone startup error (a port in use) as one line.
+        inner = _single(group)
+        if isinstance(inner, OSError):
+            raise ConfigError(f"cannot serve on {args.listen}: {inner.strerror or inner}") from None
+        if inner is not None and isinstance(inner, (TectonicError, KeyboardInterrupt)):
+            raise inner from None
+        raise
     return 0
 
 

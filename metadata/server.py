@@ -79,6 +79,7 @@ from tectonic_py import capability, wire
 from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.ec_policy import DEFAULT_POLICY
 from tectonic_py.errors import (
+    ConfigError,
     FileNotFound,
     InvalidArgument,
     TectonicError,
@@ -142,13 +143,18 @@ class MetadataServer(MaintenanceOps):
         lease_ns: int = LEASE_NS,
         recovery_interval_s: float = RECOVERY_INTERVAL_S,
     ) -> None:
+        if total_shards < 1:
+            raise InvalidArgument(f"total shards must be at least 1, not {total_shards}")
         if not shards:
             raise InvalidArgument("a metadata server must host at least one shard")
         for s in shards:
             if not 0 <= s < total_shards:
                 raise InvalidArgument(f"shard {s} outside 0..{total_shards - 1}")
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create data directory {str(data_dir)!r}: {e.strerror}") from None
         self.total_shards = total_shards
         self.secret = secret
         self.lease_ns = lease_ns

@@ -134,3 +134,22 @@ async def test_kill9_during_creates_loses_nothing_acknowledged(tmp_path, secret_
             await client.aclose()
     finally:
         stop(proc)
+
+
+def test_cli_refuses_bad_settings_with_one_line(tmp_path, secret_file):
+    cases = [
+        (["--shards", "0-3", "--total-shards", "2"], "outside"),
+        (["--shards", "x", "--total-shards", "2"], "bad shard list"),
+        (["--shards", "0", "--total-shards", "0"], "at least 1"),
+        (["--shards", "0", "--total-shards", "1", "--secret-file", str(tmp_path / "none")],
+         "secret file"),
+    ]
+    for extra, message in cases:
+        args = ["--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file), *extra]
+        out = subprocess.run(
+            [sys.executable, "-m", "tectonic_py.cli", "metadata", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 1, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], out.stderr
