@@ -56,14 +56,13 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import trio
 
 from metadata.model import Attrs, BlockGrant, BlockInfo, ChunkPlacement, DirEntry, NodeInfo
-from tectonic_py import cluster_file
+from tectonic_py import cluster_file, wire
 from tectonic_py.aio import open_service_nursery
-from tectonic_py.checksum import checksum
 from tectonic_py.cluster_file import ClusterConfig
 from tectonic_py.codec import Codec, EncodedBlock
 from tectonic_py.ec_policy import ECPolicy
@@ -80,12 +79,11 @@ from tectonic_py.errors import (
 )
 from tectonic_py.ids import ROOT_ID, chunk_id
 from tectonic_py.stripe import Layout, chunk_len_for, chunk_ranges
-from tectonic_py import wire
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 DEFAULT_WINDOW_BYTES = 256 * MiB
 DEFAULT_CACHE_BYTES = 192 * MiB

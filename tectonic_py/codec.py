@@ -16,9 +16,9 @@ is where the allocation cost lived (CEILINGS.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence, Set as AbstractSet
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Union
 
 import trio
 import zfec
@@ -29,7 +29,7 @@ from tectonic_py.errors import InvalidArgument, QuorumLost
 
 log = logging.getLogger(__name__)
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 _encoders: dict[tuple[int, int], zfec.Encoder] = {}
 _decoders: dict[tuple[int, int], zfec.Decoder] = {}

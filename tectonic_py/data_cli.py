@@ -78,7 +78,7 @@ def _remote(path: str) -> str:
 async def _put(client: TectonicClient, local: str, remote: str, ec: str | None,
                quiet: bool) -> dict[str, Any]:
     try:
-        f = open(local, "rb")
+        f = await trio.to_thread.run_sync(open, local, "rb")
     except OSError as e:
         raise ConfigError(f"cannot read {local!r}: {e.strerror}") from None
     with f:
@@ -118,7 +118,8 @@ async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> 
     started = time.monotonic()
     progress = _Progress(f"get {target.name}", reader.size, quiet)
     try:
-        with open(tmp, "wb") as f:
+        f = await trio.to_thread.run_sync(open, tmp, "wb")
+        with f:
             while True:
                 data = await reader.read(PIECE)
                 if not data:

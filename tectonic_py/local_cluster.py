@@ -439,7 +439,7 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(_PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])]
         )
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=self.start_timeout,
+        r = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.start_timeout,
                            cwd=str(_PROJECT_ROOT), env=env)
         if r.returncode != 0:
             raise ConfigError(f"cannot set the root EC policy to {self.ec}: {r.stderr.strip()}")
@@ -454,8 +454,7 @@ class LocalCluster:
         if isinstance(ports, dict):
             self._ports.update({str(k): int(v) for k, v in ports.items()})
         n = int(state.get("chunkstores", 0))
-        if n > self.chunkstore_count:
-            self.chunkstore_count = n
+        self.chunkstore_count = max(self.chunkstore_count, n)
 
     def _save_state(self) -> None:
         path = self.root / "state.json"

@@ -8,10 +8,9 @@ import os
 
 import pytest
 import trio
-
 from cluster_fixtures import TEST_CHUNK_SIZE
+
 from tectonic_py.client import TectonicClient, open_client
-from tectonic_py.local_cluster import LocalCluster
 from tectonic_py.ec_policy import ECPolicy
 from tectonic_py.errors import (
     FileExists,
@@ -20,6 +19,7 @@ from tectonic_py.errors import (
     InvalidName,
     StaleWriterToken,
 )
+from tectonic_py.local_cluster import LocalCluster
 
 
 def _data(n: int, seed: int = 0) -> bytes:

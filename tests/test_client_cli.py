@@ -12,7 +12,7 @@ from pathlib import Path
 def _tectonic(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tectonic_py.cli", *args],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
 
 
