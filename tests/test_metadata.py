@@ -24,6 +24,7 @@ from tectonic_py.errors import (
     NoSpace,
     NotADirectory,
     ProtocolError,
+    ShardUnavailable,
     StaleWriterToken,
     UnknownOp,
     WrongShard,
@@ -645,3 +646,55 @@ async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
         with pytest.raises(FileNotFound):
             await c.lookup(b.id, "f")
         await c.unlink(a.id, "f")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 4 MiB filesystem (tmpfs) so ENOSPC comes from the kernel."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill(path):
+    """Take the filesystem's free space (leaves well under a megabyte)."""
+    with open(path, "wb") as out:
+        try:
+            for _ in range(64):
+                out.write(b"\0" * 65536)
+                out.flush()
+        except OSError:
+            pass
+
+
+async def test_full_disk_fails_the_batch_cleanly_and_recovers(small_fs, secret_file):
+    async with open_meta_cluster(small_fs, secret_file, servers=1, shards=2) as mc:
+        c = mc.client
+        f, _ = await c.create(ROOT_ID, "f")
+        filler = small_fs / "filler"
+        fill(filler)
+        acknowledged = []
+        with pytest.raises(ShardUnavailable, match="full"):
+            for i in range(200):
+                await c.setxattr(f.id, f"user.k{i}", bytes([i]) * 60_000)
+                acknowledged.append(i)
+        filler.unlink()
+        # Every acknowledged change is there; the failed one is not half-applied.
+        names = await c.listxattr(f.id)
+        assert names == sorted(f"user.k{i}" for i in acknowledged)
+        for i in acknowledged[:3]:
+            assert await c.getxattr(f.id, f"user.k{i}") == bytes([i]) * 60_000
+        # With space back, the same shard takes writes again.
+        await c.setxattr(f.id, "user.after", b"ok")
+        assert await c.getxattr(f.id, "user.after") == b"ok"
+        g, _ = await c.create(ROOT_ID, "g")
+        assert (await c.lookup(ROOT_ID, "g")).id == g.id
