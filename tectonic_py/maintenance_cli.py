@@ -127,11 +127,15 @@ def format_status(s: dict[str, Any]) -> str:
     total = s["blocks"]
     pct = 100.0 * s["full_redundancy"] / total if total else 100.0
     lines = [
-        f"blocks: {total}, at full redundancy: {s['full_redundancy']} ({pct:.1f}%),"
-        f" degraded: {s['degraded']}, lost: {s['lost']}",
+        (
+            f"blocks: {total}, at full redundancy: {s['full_redundancy']} ({pct:.1f}%),"
+            f" degraded: {s['degraded']}, lost: {s['lost']}"
+        ),
         f"chunks to rebuild: {s['chunks_to_rebuild']}",
-        "blocks by live chunks: "
-        + (", ".join(f"{k}: {v}" for k, v in s["blocks_by_live_chunks"].items()) or "-"),
+        (
+            "blocks by live chunks: "
+            + (", ".join(f"{k}: {v}" for k, v in s["blocks_by_live_chunks"].items()) or "-")
+        ),
         f"nodes up: {s['nodes_up']}, down: {', '.join(s['nodes_down']) or 'none'}",
         f"chunks scrub found bad: {len(s['bad_chunks'])}",
     ]

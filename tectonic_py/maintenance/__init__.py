@@ -29,6 +29,11 @@ the repair bandwidth ``TokenBucket``, node choice).
 
 from __future__ import annotations
 
-from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, TokenBucket, run_services
+from tectonic_py.maintenance.runtime import (
+    Maintenance,
+    MaintenanceSettings,
+    TokenBucket,
+    run_services,
+)
 
 __all__ = ["Maintenance", "MaintenanceSettings", "TokenBucket", "run_services"]

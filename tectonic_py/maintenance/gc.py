@@ -33,6 +33,7 @@ block needs it there, a block record only when unreferenced twice, ``grace`` apa
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -101,11 +102,11 @@ class GarbageCollector:
                 continue
             acked: list[int] = []
 
-            async def collect(block_id: int) -> None:
+            async def collect(block_id: int, out: list[int]) -> None:
                 if await self.collect_block(block_id, nodes):
-                    acked.append(block_id)
+                    out.append(block_id)
 
-            await gather([lambda b=b: collect(b) for b in ids], 8)
+            await gather([functools.partial(collect, b, acked) for b in ids], 8)
             if acked:
                 await self.m.shard_call(shard, "file.gc_ack", block_ids=acked)
                 done += len(acked)

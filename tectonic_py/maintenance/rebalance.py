@@ -19,6 +19,7 @@ bytes, one decode).
 from __future__ import annotations
 
 import logging
+
 from metadata.model import NodeInfo
 from tectonic_py.errors import FileNotFound, TectonicError
 from tectonic_py.maintenance.runtime import Maintenance
@@ -54,7 +55,7 @@ class Rebalancer:
             return 0
         moved = 0
         skip: set[tuple[int, int]] = set()
-        self._on_node: dict[str, list[tuple[int, int]]] = {}
+        self._on_node = {}
         for _ in range(s.rebalance_max_moves):
             fill = {n: used / cap for n, (used, cap) in usage.items()}
             mean_used = sum(u for u, _ in usage.values()) / len(usage)

@@ -24,6 +24,7 @@ A block with fewer than k live chunks cannot be rebuilt: it is logged as lost an
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -134,9 +135,14 @@ class Repairer:
         log.info("repair: %d blocks need work (fewest live chunks: %d)", len(work), len(work[0].live))
         # Most endangered first: the limiter admits jobs in the order they were started.
         await gather(
-            [lambda w=w: self.repair_block(w, nodes, bad) for w in work],
+            [functools.partial(self._repair_one, w, nodes, bad) for w in work],
             self.m.settings.repair_concurrency,
         )
+
+    async def _repair_one(
+        self, health: BlockHealth, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]]
+    ) -> None:
+        await self.repair_block(health, nodes, bad)
 
     async def repair_block(
         self, health: BlockHealth, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]]

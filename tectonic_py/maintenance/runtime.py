@@ -29,12 +29,13 @@ from tectonic_py.aio import open_service_nursery
 from tectonic_py.checksum import checksum
 from tectonic_py.client import ChunkPool
 from tectonic_py.cluster_file import ClusterConfig
-from tectonic_py.errors import ChecksumMismatch, ChunkCorrupt, ConfigError, TectonicError
+from tectonic_py.errors import ChecksumMismatch, ChunkCorrupt, ConfigError, TectonicError, Timeout
 from tectonic_py.ids import chunk_id
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+CHUNK_CALL_TIMEOUT_S = 60.0  # a chunk store that hangs (not down, not answering) is skipped
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Maintenance:
     async def get_chunk(self, node: NodeInfo, block_id: int, index: int, crc: int) -> bytes:
         """A chunk's bytes, verified against the CRC the Block layer recorded for it."""
         cid = chunk_id(block_id, index)
-        resp = await self.pool.call(node.address, "get", {"chunk_id": cid})
+        resp = await self._call(node, "get", {"chunk_id": cid})
         data = bytes(resp.payload) if resp.payload is not None else b""
         await self.bucket.take(len(data))
         got = await _crc(data)
@@ -161,19 +162,27 @@ class Maintenance:
     async def put_chunk(self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int) -> None:
         cap = capability.issue(self.secret, block_id, [node.node_id], ttl_s=600)
         await self.bucket.take(len(data))
-        await self.pool.call(
-            node.address, "put", {"chunk_id": chunk_id(block_id, index), "checksum": crc, "cap": cap},
-            data,
+        await self._call(
+            node, "put", {"chunk_id": chunk_id(block_id, index), "checksum": crc, "cap": cap}, data
         )
 
     async def delete_chunk(self, node: NodeInfo, block_id: int, index: int) -> bool:
-        resp = await self.pool.call(node.address, "delete", {"chunk_id": chunk_id(block_id, index)})
+        resp = await self._call(node, "delete", {"chunk_id": chunk_id(block_id, index)})
         existed = bool(resp.fields.get("existed"))
         self.counters.deleted_chunks += existed
         return existed
 
     async def node_call(self, node: NodeInfo, op: str, **fields: Any) -> dict[str, Any]:
-        return (await self.pool.call(node.address, op, fields)).fields
+        return (await self._call(node, op, fields)).fields
+
+    async def _call(
+        self, node: NodeInfo, op: str, fields: dict[str, Any], payload: bytes | None = None
+    ) -> Any:
+        try:
+            with trio.fail_after(CHUNK_CALL_TIMEOUT_S):
+                return await self.pool.call(node.address, op, fields, payload)
+        except trio.TooSlowError:
+            raise Timeout(f"{op} on chunk store {node.node_id} took over {CHUNK_CALL_TIMEOUT_S}s") from None
 
     def choose_target(
         self, nodes: Sequence[NodeInfo], holders: set[str], used_domains: set[str],
@@ -237,6 +246,11 @@ async def _loop(
             failing = False
         except TectonicError as e:
             log.log(logging.INFO if failing else logging.WARNING, "%s round failed: %s", name, e)
+            failing = True
+        except Exception:
+            # A bug, loudly, but the other services (and this one, next round) keep going:
+            # a cluster without repair is worse than a traceback in a log.
+            log.exception("%s round failed with an internal error", name)
             failing = True
         await trio.sleep(max(0.05, interval - (time.monotonic() - started)))
 
