@@ -164,6 +164,7 @@ class LoadtestConfig:
     max_seconds: float = 600.0
     keep: bool = False
     verify_only: bool = False  # read and verify step ``steps`` of an existing run (its .metadata)
+    client_options: dict[str, Any] = field(default_factory=dict)  # open_client(**tuning)
     watch_pids: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -191,6 +192,19 @@ class LoadtestConfig:
             raise ConfigError("--max-seconds must be in (0, 86400]")
         if not 0 <= self.seed < 2**63:
             raise ConfigError("--seed must be 0 .. 2**63-1")
+        if self.client_options:
+            if self.through_mount:
+                raise ConfigError("--client-opt applies to the client library, not a mount")
+            import inspect
+
+            from tectonic_py.client import TectonicClient
+
+            known = set(inspect.signature(TectonicClient.__init__).parameters) - {
+                "self", "config", "meta", "nursery"}
+            unknown = set(self.client_options) - known
+            if unknown:
+                raise ConfigError(
+                    f"unknown --client-opt {sorted(unknown)}; known: {', '.join(sorted(known))}")
         if not self.run_dir.startswith("/") or "//" in self.run_dir or ".." in self.run_dir:
             raise ConfigError("the run directory must be an absolute path without '..'")
 
@@ -453,7 +467,7 @@ async def _worker_main(spec: dict[str, Any]) -> None:
     else:
         from tectonic_py.client import open_client
 
-        async with open_client(cfg.cluster_file) as client:
+        async with open_client(cfg.cluster_file, **cfg.client_options) as client:
             await serve(ClientBackend(client))
 
 
@@ -1048,6 +1062,24 @@ def _pids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"bad PID list {text!r}") from None
 
 
+def _client_options(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE pairs -> keyword arguments (ints and floats converted)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--client-opt {item!r}: expected KEY=VALUE")
+        parsed: Any = value
+        for conv in (int, float):
+            try:
+                parsed = conv(value)
+                break
+            except ValueError:
+                continue
+        out[key] = parsed
+    return out
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "loadtest",
@@ -1077,6 +1109,10 @@ def register(subparsers: Any) -> None:
         help="write nothing: restore and verify step --steps of the run in --dir (kept earlier)",
     )
     p.add_argument("--watch-pids", type=_pids, default=[], help="PIDs whose CPU/RSS to count")
+    p.add_argument(
+        "--client-opt", action="append", default=[], metavar="KEY=VALUE",
+        help="a tuning keyword of open_client for the workers (e.g. slow_chunk_s=60); repeatable",
+    )
     p.add_argument("--results-dir", default="loadtest-results", help="JSON + PNG go here")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -1105,6 +1141,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         max_seconds=args.max_seconds,
         keep=args.keep,
         verify_only=args.verify_only,
+        client_options=_client_options(args.client_opt),
         watch_pids=list(args.watch_pids),
     )
 

@@ -143,6 +143,13 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
     refused(through_mount=str(tmp_path), run_dir="relative")
     refused(through_mount=str(tmp_path), run_dir="/a/../b")
     refused(through_mount=str(tmp_path), max_seconds=0)
+    refused(through_mount=str(tmp_path), client_options={"slow_chunk_s": 5})
+    refused(cluster_file=str(tmp_path / "x"), client_options={"no_such_knob": 1})
+    assert loadtest._client_options(["slow_chunk_s=60", "hedge=3", "x=y"]) == {
+        "slow_chunk_s": 60, "hedge": 3, "x": "y"}
+    for bad in (["novalue"], ["=3"], ["a b=1"]):
+        with pytest.raises(ConfigError):
+            loadtest._client_options(bad)
     for text in ("", "abc", "1.5.2M", "-3", "4 XB"):
         with pytest.raises(ConfigError):
             parse_size(text)
@@ -181,7 +188,7 @@ def test_cli_json_and_plot(tmp_path):
     assert os.listdir(mnt) == []
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**63 - 1),
     step=st.integers(0, 2**31),
