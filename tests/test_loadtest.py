@@ -144,7 +144,8 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
     refused(through_mount=str(tmp_path), run_dir="/a/../b")
     refused(through_mount=str(tmp_path), max_seconds=0)
     refused(through_mount=str(tmp_path), client_options={"slow_chunk_s": 5})
-    refused(cluster_file=str(tmp_path / "x"), client_options={"no_such_knob": 1})
+    (tmp_path / "c.toml").write_text("")
+    refused(cluster_file=str(tmp_path / "c.toml"), client_options={"no_such_knob": 1})
     assert loadtest._client_options(["slow_chunk_s=60", "hedge=3", "x=y"]) == {
         "slow_chunk_s": 60, "hedge": 3, "x": "y"}
     for bad in (["novalue"], ["=3"], ["a b=1"]):
