@@ -174,10 +174,7 @@ cmd_up() {
     } > "$DIR/cluster.toml.tmp"
     mv "$DIR/cluster.toml.tmp" "$DIR/cluster.toml"
     # new files inherit the root directory's policy: make it the one asked for
-    "$PYTHON" -c 'import sys, trio
-from tectonic_py import cluster_file
-from tectonic_py.local_cluster_cli import set_root_policy
-trio.run(set_root_policy, cluster_file.load(sys.argv[1]), sys.argv[2])' "$DIR/cluster.toml" "$ec"
+    "$PYTHON" -m tectonic_py.cli mkdir "$DIR/cluster.toml" / -p --ec "$ec"
     trap - EXIT
     echo "cluster of $metadata_servers metadata server(s) and $chunkstores chunk stores is up"
     echo "cluster file: $DIR/cluster.toml"

@@ -32,12 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import trio
 
-from metadata.client import MetadataClient
 from tectonic_py import cluster_file
-from tectonic_py.aio import open_service_nursery
-from tectonic_py.cluster_file import ClusterConfig
 from tectonic_py.ec_policy import ECPolicy
 from tectonic_py.errors import ConfigError, TectonicError, Timeout
 from tectonic_py.local_cluster import LocalCluster
@@ -100,9 +96,6 @@ def _apply_existing(args: argparse.Namespace, root: Path) -> None:
     existing = None
     if (root / "cluster.toml").exists():
         existing = cluster_file.load(root / "cluster.toml")
-    # the root directory's policy is set on creation and when --ec is given again, never
-    # re-applied silently (an operator may have changed it since)
-    args.set_root_ec = existing is None or args.ec is not None
     fresh = {"chunkstores": 9, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
     if existing is not None:
         chunk_dirs = root / "chunks"  # LocalCluster's layout: chunks/N per chunk store
@@ -151,23 +144,6 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
     )
 
 
-async def set_root_policy(config: ClusterConfig, ec: str) -> None:
-    """Make ``--ec`` the root directory's policy, which new files and directories inherit.
-
-    The metadata service creates the root with its built-in default; the cluster file's
-    ``default_ec`` alone does not change what files get, so without this a cluster made with
-    ``--ec rs-4-2`` would still write rs-6-3 blocks (and fail on fewer than 9 nodes)."""
-    async with open_service_nursery() as nursery:
-        client = MetadataClient(config, nursery=nursery)
-        try:
-            root = await client.resolve("/")
-            if root.ec != ec:
-                await client.setattr(root.id, ec=ec)
-        finally:
-            with trio.CancelScope(shield=True):
-                await client.aclose()
-
-
 def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> str:
     how_to_stop = (
         f"stop it:       tectonic cluster down --dir {args.dir}"
@@ -200,9 +176,7 @@ def _run_foreground(args: argparse.Namespace, root: Path, *, detached: bool) -> 
     try:
         try:
             try:
-                config = cluster.start()
-                if args.set_root_ec:
-                    trio.run(set_root_policy, config, ECPolicy.parse(args.ec).name)
+                cluster.start()
             except TectonicError as e:
                 # the launcher appends the daemon's log tail; the CLI's error stays one
                 # line, and that line names the log to read
@@ -249,10 +223,9 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
     argv = [
         sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root),
         "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
-        "--shards", str(args.shards), "--node-timeout", str(args.node_timeout), "--supervisor",
+        "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
+        "--supervisor",
     ]  # fmt: skip
-    if args.set_root_ec:
-        argv += ["--ec", args.ec]
     if args.failure_domains is not None:
         argv += ["--failure-domains", str(args.failure_domains)]
     log_path = root / LOG_FILE
