@@ -9,7 +9,8 @@ Everything is measured in the same run, because these machines are shared and no
   page cache); and the same number of bytes written and read in 1 MiB system calls
   (``bytes``), which isolates the FUSE hop from torch's own serialisation.
 * **client**: the client library alone (no FUSE) on the same bytes: 1 MiB ``write`` calls,
-  the size the kernel hands a FUSE daemon, then sequential 1 MiB reads.
+  the size the kernel hands a FUSE daemon, then sequential 1 MiB reads; run before and after
+  the mount, the better run counts (both are in the JSON).
 * **nullfs**: the pyfuse3 + trio mount that discards writes (bench/nullfs.py): the Python FUSE
   ceiling, with the same torch.save / torch.load and bytes runs.
 * **disk**: the same on the local disk (torch.save + fsync; torch.load after dropping the
@@ -260,11 +261,20 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
 
     with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:
         daemons = c.pids()
-        keep(client_round_trip(c.cluster_file, size, daemons))
+        first = client_round_trip(c.cluster_file, size, daemons)
         mnt = workdir / "mnt"
         with tectonic_mounted(c.cluster_file, mnt, workdir / "mount.log") as pid:
             keep(torch_round_trip("mount", mnt, sd, [pid, *daemons], fsync=False))
             keep(bytes_round_trip("mount", mnt, size, [pid, *daemons], fsync=False))
+        # The client library runs before and after the mount and its better run is the
+        # ceiling: a cluster just started, or a burst of load from the machine's other
+        # users, must not flatter the mount's ratios.
+        second = client_round_trip(c.cluster_file, size, daemons)
+        for a, b in zip(first, second):
+            best = a if a["mbps"] >= b["mbps"] else b
+            best["runs_mbps"] = [a["mbps"], b["mbps"]]
+            best["runs_cpu_s_per_gib"] = [a["cpu_s_per_gib"], b["cpu_s_per_gib"]]
+            keep([best])
 
     def ratio(a: str, b: str) -> float:
         return round(results[a]["mbps"] / results[b]["mbps"], 3)
