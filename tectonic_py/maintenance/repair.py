@@ -33,6 +33,7 @@ from typing import Any
 import trio
 
 from metadata.model import BlockInfo, NodeInfo
+from tectonic_py.checksum import checksum
 from tectonic_py.codec import decode_into, encode_block
 from tectonic_py.ec_policy import ECPolicy
 from tectonic_py.errors import ChunkCorrupt, ChunkNotFound, FileNotFound, TectonicError
@@ -162,7 +163,9 @@ class Repairer:
         if len(got) < policy.k:
             log.warning("block %016x: only %d chunks readable; later", info.block_id, len(got))
             return 0
-        enc = await trio.to_thread.run_sync(_rebuild, policy, got, info.chunk_len)
+        rebuilt = await trio.to_thread.run_sync(
+            _rebuild, policy, got, info.chunk_len, health.missing
+        )
         holders = {c.node_id for c in info.chunks}
         used_domains = {
             nodes[placed[i].node_id].failure_domain for i in health.live if placed[i].node_id in nodes
@@ -171,14 +174,13 @@ class Repairer:
         restored = 0
         for index in health.missing:
             old = placed.get(index)
-            crc = enc.checksums[index]
+            data, crc = rebuilt[index]
             if old is not None and old.checksum != crc:
                 log.error(
                     "block %016x chunk %d rebuilds to crc %08x, Block layer says %08x: skipped",
                     info.block_id, index, crc, old.checksum,
                 )
                 continue
-            data = bytes(enc.chunks[index])
             target = await self._place(info.block_id, index, data, crc, order, holders, used_domains)
             if target is None:
                 log.warning("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
@@ -247,11 +249,21 @@ class Repairer:
         return None
 
 
-def _rebuild(policy: ECPolicy, chunks: dict[int, bytes], chunk_len: int) -> Any:
-    """All n chunks of a block from any k of them (worker thread: zfec releases the GIL)."""
-    out = memoryview(bytearray(policy.k * chunk_len))
-    decode_into(policy, chunks, chunk_len, out)
-    return encode_block(policy, out, chunk_len)
+def _rebuild(
+    policy: ECPolicy, chunks: dict[int, bytes], chunk_len: int, wanted: list[int]
+) -> dict[int, tuple[bytes, int]]:
+    """The ``wanted`` chunks of a block, with their CRC-32Cs, from any k of its chunks.
+
+    Worker thread (zfec and crc32c release the GIL). zfec's decode yields the data chunks;
+    parity is encoded again only when a parity chunk is wanted."""
+    k = policy.k
+    out = memoryview(bytearray(k * chunk_len))
+    decode_into(policy, chunks, chunk_len, out, in_place=frozenset())
+    if any(i >= k for i in wanted):
+        enc = encode_block(policy, out, chunk_len)
+        return {i: (bytes(enc.chunks[i]), enc.checksums[i]) for i in wanted}
+    pieces = {i: bytes(out[i * chunk_len : (i + 1) * chunk_len]) for i in wanted}
+    return {i: (p, checksum(p)) for i, p in pieces.items()}
 
 
 def _info(rec: dict[str, Any]) -> BlockInfo:
