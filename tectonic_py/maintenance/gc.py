@@ -8,7 +8,9 @@ Each round, in this order:
    made durable with fsync/flush), blocks past it are dropped, the writer token is released
    and the file stays **unsealed**, i.e. visibly incomplete, never a file that looks complete
    but is not; a file that was unlinked while being written is deleted. ``lease_grace`` is
-   generous because a writer's lease is taken at open (clients do not renew it yet).
+   generous (10 minutes) because clients renew the lease only as they flush blocks: a
+   writer that holds a file open without writing for longer than the lease plus the grace
+   is fenced (its close fails, the file stays unsealed), which is the safe side.
 2. **Orphan records**: File records of creates that crashed before their Name entry
    (``MetadataClient.collect_orphans``), after ``grace``.
 3. **The GC queue**: blocks of deleted, truncated or overwritten files (queued by the File
