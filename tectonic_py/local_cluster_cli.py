@@ -141,6 +141,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         ec=args.ec,
         failure_domains=args.failure_domains,
         node_timeout=args.node_timeout,
+        maintenance=not args.no_maintenance,
     )
 
 
@@ -226,6 +227,8 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
         "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
         "--supervisor",
     ]  # fmt: skip
+    if args.no_maintenance:
+        argv.append("--no-maintenance")
     if args.failure_domains is not None:
         argv += ["--failure-domains", str(args.failure_domains)]
     log_path = root / LOG_FILE
@@ -357,6 +360,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--node-timeout", type=float, default=10.0,
         help="seconds of heartbeat silence before a chunk store counts as down (10)",
+    )  # fmt: skip
+    up.add_argument(
+        "--no-maintenance", action="store_true",
+        help="run without the maintenance daemon (repair, GC, rebalance): a lost chunk store "
+        "then stays degraded until it comes back",
     )  # fmt: skip
     up.add_argument(
         "--detach", action="store_true",

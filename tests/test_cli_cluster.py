@@ -101,7 +101,8 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
     local.write_bytes(data)
     digest = hashlib.sha256(data).hexdigest()
     try:
-        up_detached(root, *LAYOUT, "--node-timeout", NODE_TIMEOUT)
+        # no repair, so the degraded state stays put for status to show
+        up_detached(root, *LAYOUT, "--node-timeout", NODE_TIMEOUT, "--no-maintenance")
         first = pid_file(root)
         assert len(first["daemons"]) == 8
 
@@ -151,7 +152,7 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
         assert_all_gone([first["pid"], *first["daemons"]])
 
         # the same directory, no options: the same cluster, every chunk back
-        up_detached(root, "--node-timeout", NODE_TIMEOUT)
+        up_detached(root, "--node-timeout", NODE_TIMEOUT, "--no-maintenance")
         rc, st = wait_for_status(
             cluster, lambda s: all(n["state"] == "up" for n in s["nodes"]), "all up"
         )
@@ -176,6 +177,10 @@ def test_foreground_ctrl_c_stops_everything(tmp_path: Path) -> None:
             time.sleep(0.2)
         info = pid_file(root)
         assert info["pid"] == proc.pid
+        # 1 metadata server, 3 chunk stores and the maintenance daemon (on by default)
+        commands = [" ".join(psutil.Process(pid).cmdline()) for pid in info["daemons"]]
+        assert len(commands) == 5
+        assert sum(" maintenance " in c for c in commands) == 1
         second = run_cli("cluster", "up", "--detach", "--dir", str(root))
         assert second.returncode != 0 and "already running" in second.stderr
 
