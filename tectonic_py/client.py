@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 from collections import OrderedDict, deque
@@ -289,7 +290,9 @@ class TectonicClient:
     * ``write_quorum``: chunks that must land for a block to commit (default k + 1);
     * ``hedge``: extra nodes asked for with every block, for re-sending failed chunks;
     * ``chunk_timeout``: a chunk put slower than this is re-sent elsewhere;
-    * ``slow_chunk_s``: a chunk get slower than this makes the read degraded;
+    * ``slow_chunk_s``: a chunk get slower than this fails (and is read around);
+    * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
+      parity fetches (first k good chunks win);
     * ``codec_threads``: zfec/CRC worker threads (the cores);
     * ``max_reconstructions``: degraded decodes at once.
     """
@@ -307,6 +310,7 @@ class TectonicClient:
         hedge: int = 2,
         chunk_timeout: float = 30.0,
         slow_chunk_s: float = 10.0,
+        read_hedge_s: float = 2.0,
         codec_threads: int = 2,
         max_reconstructions: int = 2,
         conns_per_node: int = 1,
@@ -326,6 +330,7 @@ class TectonicClient:
         self.hedge = max(0, hedge)
         self.chunk_timeout = chunk_timeout
         self.slow_chunk_s = slow_chunk_s
+        self.read_hedge_s = read_hedge_s
         self._reconstruct = trio.CapacityLimiter(max(1, max_reconstructions))
         self._fetching: dict[int, trio.Event] = {}
         self._addresses: dict[str, str] = {}
@@ -644,67 +649,84 @@ class TectonicClient:
             done.set()
 
     async def _fetch_block(self, info: BlockInfo) -> memoryview:
+        """Whole-block fetch: the k data chunks straight into one buffer; a chunk that fails
+        starts a parity fetch at once, and data chunks still missing after ``read_hedge_s``
+        are hedged with parity fetches too; the first k good chunks win."""
         policy = ECPolicy.parse(info.ec)
         k, cl = policy.k, info.chunk_len
         out = memoryview(self.cache.take(k * cl))
         by_index = {pl.index: pl for pl in info.chunks}
-        good: set[int] = set()
+        spares = deque(i for i in sorted(by_index) if i >= k)
+        chunks: dict[int, Buffer] = {}
+        results_send, results = trio.open_memory_channel[tuple[int, bool]](policy.n)
+        pending = 0
+        started: set[int] = set()
+        finished: set[int] = set()
 
-        async def fetch_data(i: int) -> None:
-            pl = by_index.get(i)
-            if pl is None:
-                return
+        async def fetch(i: int, into: memoryview) -> None:
+            pl = by_index[i]
+            ok = False
             try:
-                await self._get_into(info, pl, out[i * cl : (i + 1) * cl])
-                good.add(i)
+                await self._get_into(info, pl, into)
+                chunks[i] = into
+                ok = True
             except TectonicError as e:
                 self._report_bad(info, pl, e)
+            finished.add(i)
+            results_send.send_nowait((i, ok))
 
         async with open_service_nursery() as nursery:
+
+            def start(i: int) -> None:
+                nonlocal pending
+                pending += 1
+                started.add(i)
+                into = out[i * cl : (i + 1) * cl] if i < k else memoryview(bytearray(cl))
+                nursery.start_soon(fetch, i, into)
+
+            def start_spare() -> None:
+                if spares:
+                    start(spares.popleft())
+
             for i in range(k):
-                nursery.start_soon(fetch_data, i)
+                if i in by_index:
+                    start(i)
+                else:
+                    start_spare()
+            deadline = trio.current_time() + self.read_hedge_s
+            while len(chunks) < k and pending:
+                with trio.move_on_at(deadline) as scope:
+                    _i, ok = await results.receive()
+                if scope.cancelled_caught:
+                    deadline = math.inf
+                    for _ in range(min(pending, k - len(chunks))):
+                        start_spare()
+                    continue
+                pending -= 1
+                if not ok:
+                    start_spare()
+            nursery.cancel_scope.cancel()
         self.stats.blocks_read += 1
+        good = {i for i in chunks if i < k}
         if len(good) < k:
-            await self._degraded(info, policy, out, good, by_index)
-        self.stats.bytes_read += info.data_len
-        return out[: info.data_len]
-
-    async def _degraded(
-        self,
-        info: BlockInfo,
-        policy: ECPolicy,
-        out: memoryview,
-        good: set[int],
-        by_index: dict[int, ChunkPlacement],
-    ) -> None:
-        k, cl = policy.k, info.chunk_len
-        self.stats.degraded_reads += 1
-        async with self._reconstruct:
-            chunks: dict[int, Buffer] = {i: out[i * cl : (i + 1) * cl] for i in good}
-            extra = [i for i in sorted(by_index) if i >= k]
-
-            async def fetch_other(i: int) -> None:
-                pl = by_index[i]
-                buf = memoryview(bytearray(cl))
-                try:
-                    await self._get_into(info, pl, buf)
-                    chunks[i] = buf
-                except TectonicError as e:
-                    self._report_bad(info, pl, e)
-
-            async with open_service_nursery() as nursery:
-                for i in extra[: k - len(good) + 1]:
-                    nursery.start_soon(fetch_other, i)
-            if len(chunks) < k:
-                async with open_service_nursery() as nursery:
-                    for i in extra[k - len(good) + 1 :]:
-                        nursery.start_soon(fetch_other, i)
             if len(chunks) < k:
                 raise QuorumLost(
                     f"block {info.block_id:016x}: only {len(chunks)} of the {k} chunks needed "
                     "could be read"
                 )
-            await self.codec.decode_into(policy, chunks, cl, out, in_place=good)
+            self.stats.degraded_reads += 1
+            if any(i < k for i in started - finished):
+                # A cancelled data-chunk get may still be receiving into ``out``: leave that
+                # buffer to the garbage collector rather than cache or recycle it.
+                fresh = memoryview(bytearray(k * cl))
+                for i in good:
+                    fresh[i * cl : (i + 1) * cl] = out[i * cl : (i + 1) * cl]
+                    chunks[i] = fresh[i * cl : (i + 1) * cl]
+                out = fresh
+            async with self._reconstruct:
+                await self.codec.decode_into(policy, chunks, cl, out, in_place=good)
+        self.stats.bytes_read += info.data_len
+        return out[: info.data_len]
 
     async def read_range(self, info: BlockInfo, block_offset: int, out: memoryview) -> None:
         """Block bytes ``[block_offset, block_offset + len(out))`` (inside data_len) into

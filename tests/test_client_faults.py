@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import signal
 
 import psutil
 import pytest
@@ -162,3 +164,26 @@ async def _write_big(cluster: LocalCluster, window: int, proc: psutil.Process) -
         while chunk := await r.read(16 * MiB):
             h2.update(chunk)
         assert h2.digest() == h.digest()
+
+
+async def test_a_hung_chunk_store_is_read_around(local_cluster, caplog):
+    """A store that stops answering (SIGSTOP, not dead: its connections stay open) must not
+    stall a read: after read_hedge_s the missing data chunks are hedged with parity."""
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    data = _data(2 * 6 * 64 * 1024 + 77, seed=21)
+    async with open_client(local_cluster.cluster_file) as client:
+        fid = await _put(client, "/slow", data)
+        first = (await client.meta.block_list(fid))[0]
+    victim = _node_index(next(c.node_id for c in first.chunks if c.index == 0))
+    pid = local_cluster.chunkstore_pids()[victim]
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with open_client(local_cluster.cluster_file, read_hedge_s=0.5,
+                               slow_chunk_s=60.0) as fresh:
+            with trio.fail_after(30):  # a bound on the test, not a timing assertion
+                r = await fresh.open_read("/slow")
+                assert await r.read() == data
+            assert fresh.stats.degraded_reads >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
