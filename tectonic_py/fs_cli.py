@@ -85,9 +85,26 @@ def _check_mountpoint(path: str) -> str:
     return mnt
 
 
+def _check_fuse_device() -> None:
+    """Name the cause when there is no FUSE device: libfuse says only "fuse_session_mount
+    failed" (its own hint goes to stderr, which a background mount discards). A device we
+    may not open is left to fusermount3, which opens it setuid for ordinary users."""
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except PermissionError:
+        return
+    except OSError:
+        raise ConfigError(
+            "/dev/fuse is missing or has no driver: load the fuse module (modprobe fuse), "
+            "or give the container the device (--device /dev/fuse)"
+        ) from None
+    os.close(fd)
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     config = cluster_file.load(args.cluster_file)
     mnt = _check_mountpoint(args.mountpoint)
+    _check_fuse_device()
     options = mount_options(config, allow_other=args.allow_other)
     if args.foreground:
         trio.run(serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file)

@@ -8,6 +8,8 @@ would, without a cluster; tests/test_cli_cluster.py covers the commands against 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -168,3 +170,52 @@ def test_cluster_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
         for p in (stranger, daemon):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{cluster}", "/"],
+        ["put", "{cluster}", "{local}", "/x"],
+        ["get", "{cluster}", "/x", "{local}.back"],
+        ["mount", "{cluster}", "{mnt}"],
+    ],
+)
+def test_data_and_mount_commands_unreachable_servers(
+    tmp_path: Path, secret_file: Path, argv: list[str]
+) -> None:
+    cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"x" * 1000)
+    (tmp_path / "mnt").mkdir()
+    args = [a.format(cluster=cluster, local=local, mnt=tmp_path / "mnt") for a in argv]
+    assert_one_line_error(run_cli(*args), "unavailable")
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_mount_bad_mount_points(tmp_path: Path, secret_file: Path) -> None:
+    cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    assert_one_line_error(run_cli("mount", str(tmp_path / "none.toml"), "/tmp"), "not found")
+    missing = tmp_path / "no-such-dir"
+    assert_one_line_error(run_cli("mount", str(cluster), str(missing)), "not a directory")
+    # /proc is a mount point on every Linux machine: "busy"
+    assert_one_line_error(run_cli("mount", str(cluster), "/proc"), "already a mount point")
+
+
+def test_mount_without_dev_fuse(tmp_path: Path, secret_file: Path) -> None:
+    """In a private mount namespace whose /dev holds only /dev/null: no FUSE device."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to hide /dev/fuse in a mount namespace")
+    cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    (tmp_path / "mnt").mkdir()
+    script = (
+        "mount -t tmpfs tmpfs /dev && mknod -m 666 /dev/null c 1 3 && "
+        f'exec "$0" -m tectonic_py.cli mount {cluster} {tmp_path / "mnt"}'
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"mount namespaces are not permitted here: {proc.stderr.strip()}")
+    assert_one_line_error(proc, "/dev/fuse is missing", "modprobe fuse")
