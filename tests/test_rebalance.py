@@ -94,3 +94,23 @@ def test_settings_refuse_bad_values():
         MaintenanceSettings(services=("repair", "defrag"))
     with pytest.raises(ConfigError):
         MaintenanceSettings(repair_concurrency=0)
+
+
+async def test_no_ping_pong_of_a_chunk_larger_than_the_gap(tmp_path):
+    """Two stores, one small block's chunks: nothing is moved back and forth."""
+    cluster = make_cluster(tmp_path / "c", chunkstores=3, maintenance=False)
+    try:
+        cluster.start()
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/one", b"x" * 1000, ec="r2")
+        async with open_inspector(cluster) as m:
+            from tectonic_py.maintenance.rebalance import Rebalancer
+
+            r = Rebalancer(m)
+            first = await r.round()
+            assert await r.round() == 0  # settled after at most one move
+            assert first <= 1
+        async with open_fresh_client(cluster) as client:
+            assert await read(client, "/one") == b"x" * 1000
+    finally:
+        cluster.stop()

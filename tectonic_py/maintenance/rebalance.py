@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from chunkstore import layout
 from metadata.model import NodeInfo
 from tectonic_py.errors import FileNotFound, TectonicError
 from tectonic_py.maintenance.runtime import Maintenance
@@ -66,13 +67,14 @@ class Rebalancer:
             gap = src_used - dst_used * src_cap / dst_cap
             if src == dst or gap <= max(s.rebalance_tolerance * mean_used, 1):
                 break
-            size = await self._move_one(nodes, src, dst, skip)
+            size = await self._move_one(nodes, src, dst, skip, gap)
             if size is None:
                 break
             if size == 0:
                 continue
-            usage[src] = (src_used - size, src_cap)
-            usage[dst] = (dst_used + size, dst_cap)
+            on_disk = layout.file_size_for(size)
+            usage[src] = (src_used - on_disk, src_cap)
+            usage[dst] = (dst_used + on_disk, dst_cap)
             moved += 1
         if moved:
             log.info("rebalance: moved %d chunks", moved)
@@ -80,10 +82,12 @@ class Rebalancer:
         return moved
 
     async def _move_one(
-        self, nodes: dict[str, NodeInfo], src: str, dst: str, skip: set[tuple[int, int]]
+        self, nodes: dict[str, NodeInfo], src: str, dst: str, skip: set[tuple[int, int]],
+        gap: float,
     ) -> int | None:
         """Move one suitable chunk from src to dst; its size, 0 if a try failed, None if
-        src has no chunk that may go to dst."""
+        src has no chunk that may go to dst. A chunk as large as the gap is never moved: the
+        move would only swap which node is fuller (and the next round would swap it back)."""
         if src not in self._on_node:
             self._on_node[src] = await self.m.meta.blocks_on_node(src)
         for block_id, index in self._on_node[src]:
@@ -93,6 +97,8 @@ class Rebalancer:
             try:
                 info = (await self.m.meta.locate_blocks([block_id]))[0]
             except FileNotFound:
+                continue
+            if layout.file_size_for(info.chunk_len) >= gap:
                 continue
             others = [c for c in info.chunks if c.index != index]
             if any(c.node_id == dst for c in info.chunks):
