@@ -13,7 +13,11 @@ for p in "${APT_PACKAGES[@]}"; do
 done
 # python3-venv/python3-dev are only needed when the interpreter is Debian's own.
 if [ ${#need[@]} -gt 0 ]; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || { echo "install.sh: run as root to install: ${need[*]}" >&2; exit 1; }
+        SUDO="sudo"
+    fi
     echo "installing apt packages: ${need[*]}" >&2
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null

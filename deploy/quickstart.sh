@@ -47,6 +47,10 @@ else
 fi
 
 echo "== 3/4 mounting on $MNT"
+if ! stat "$MNT" >/dev/null 2>&1 && [ -e "$(dirname "$MNT")" ]; then
+    # a mount whose daemon died ("Transport endpoint is not connected"): clear it
+    fusermount3 -uz "$MNT" 2>/dev/null || true
+fi
 mkdir -p "$MNT"
 if mountpoint -q "$MNT"; then
     echo "$MNT is already mounted: reusing it"
