@@ -28,8 +28,9 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import trio
@@ -112,13 +113,12 @@ def disk_read(directory: str | os.PathLike[str], size: int = GiB, block: int = M
     buf = bytearray(block)
     view = memoryview(buf)
     total = 0
-    with _Clock() as clock:
-        with open(path, "rb", buffering=0) as f:
-            while total < size:
-                n = f.readinto(view[: min(block, size - total)])
-                if not n:
-                    break
-                total += n
+    with _Clock() as clock, open(path, "rb", buffering=0) as f:
+        while total < size:
+            n = f.readinto(view[: min(block, size - total)])
+            if not n:
+                break
+            total += n
     return _result("disk_read_cold", total, clock.seconds, clock.cpu)
 
 

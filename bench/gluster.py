@@ -88,7 +88,7 @@ def why_unavailable(install: bool = False) -> str | None:
         if p.info["name"] == "glusterd":
             return f"a glusterd we did not start is running (pid {p.pid}); refusing to touch it"
     try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None)}
     except OSError as e:
         return f"hostname {socket.gethostname()!r} does not resolve: {e}"
     local = {a.address for addrs_ in psutil.net_if_addrs().values() for a in addrs_}

@@ -25,8 +25,9 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tectonic_py.loadtest import CpuMeter
 
@@ -69,7 +70,7 @@ def _cold(path: str, remount: Callable[[], None] | None) -> None:
 def dd_workload(
     mountpoint: str,
     size: int,
-    daemon_pids: PidsFn = lambda: [],
+    daemon_pids: PidsFn = list,
     remount: Callable[[], None] | None = None,
     block: int = MiB,
 ) -> dict[str, dict[str, Any]]:
@@ -107,7 +108,7 @@ def dd_workload(
 def torch_workload(
     mountpoint: str,
     size: int,
-    daemon_pids: PidsFn = lambda: [],
+    daemon_pids: PidsFn = list,
     remount: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """torch.save (+ fsync) then a cold, verified torch.load of ``size`` bytes of tensors.

@@ -37,15 +37,16 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.mount_workloads import dd_workload, torch_workload  # noqa: E402
-from tectonic_py.loadtest import GiB, MiB  # noqa: E402
+from bench.mount_workloads import dd_workload, torch_workload
+from tectonic_py.loadtest import GiB, MiB
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
     p = plan(smoke)
     results: dict[str, Any] = {
         "smoke": smoke,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": _machine(),
         "plan": {k: v for k, v in p.items()},
     }
@@ -275,7 +276,7 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
 
         _guard(results, "peer", peer)
     results["load_after"] = os.getloadavg()
-    results["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+    results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds")
     return results
 
@@ -316,9 +317,10 @@ def _tectonic(
         bursts = []
         for ranks, shard in p["bursts"]:
             box: dict[str, Any] = {}
-            _guard(box, "r", lambda: _loadtest(
+            key = f"burst {ranks} x {_size_label(shard)}"
+            _guard(box, key, lambda ranks=ranks, shard=shard: _loadtest(
                 [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"]))
-            bursts.append(box["r"])
+            bursts.append(box[key])
         out["bursts"] = bursts
     finally:
         cluster.stop()
@@ -431,7 +433,7 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
         ("client library read, 1 stream", "read_gbps", "cpu_s_per_gib_read",
          "disk read (cold)", disk_r),
     ):
-        mbps = stream.get(key) * 1000 if isinstance(stream.get(key), (int, float)) else None
+        mbps = _mbps(stream.get(key))
         add(f"| {label} | {_fmt(mbps)} | {_fmt(stream.get(cpu_key), 2)} | {cname} | "
             f"{_fmt(cval)} | {_ratio(mbps, cval)} | - | - | - |")
     mb = tec.get("mount_burst") or {}
@@ -440,8 +442,7 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
         ("loadtest --through-mount write", "write_gbps", "cpu_s_per_gib_write", nd_w),
         ("loadtest --through-mount read", "read_gbps", "cpu_s_per_gib_read", nd_r),
     ):
-        ours = mb.get(key) * 1000 if isinstance(mb.get(key), (int, float)) else None
-        theirs = pl.get(key) * 1000 if isinstance(pl.get(key), (int, float)) else None
+        ours, theirs = _mbps(mb.get(key)), _mbps(pl.get(key))
         add(f"| {label} ({_burst_label(mb) if mb.get('ranks') else '-'}) | {_fmt(ours)} "
             f"| {_fmt(mb.get(cpu_key), 2)} | nullfs dd | {_fmt(cval)} | {_ratio(ours, cval)} "
             f"| {_fmt(theirs)} | {_fmt(pl.get(cpu_key), 2)} | {_ratio(ours, theirs)} |")
@@ -591,6 +592,10 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
     add("Raw figures: `bench/results.json`; per-burst plots and results: `bench/results/`.")
     add("")
     return "\n".join(lines)
+
+
+def _mbps(gbps: Any) -> float | None:
+    return gbps * 1000 if isinstance(gbps, (int, float)) else None
 
 
 def _mib(v: Any) -> str:

@@ -55,9 +55,10 @@ import shutil
 import struct
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import trio
 
@@ -314,8 +315,8 @@ async def _abort(writer: Any) -> None:
             with trio.CancelScope(shield=True):
                 try:
                     await fn()
-                except Exception:
-                    pass
+                except TectonicError as e:  # the write's own error is the one reported
+                    log.debug("abort after a failed write: %s", e)
             return
 
 
@@ -467,6 +468,7 @@ async def _worker_main(spec: dict[str, Any]) -> None:
     else:
         from tectonic_py.client import open_client
 
+        assert cfg.cluster_file is not None
         async with open_client(cfg.cluster_file, **cfg.client_options) as client:
             await serve(ClientBackend(client))
 
@@ -641,6 +643,7 @@ async def run_loadtest(cfg: LoadtestConfig, *, progress: bool = False) -> dict[s
         return await _coordinate(cfg, meta_backend, progress)
     from tectonic_py.client import open_client
 
+    assert cfg.cluster_file is not None
     async with open_client(cfg.cluster_file) as client:
         return await _coordinate(cfg, ClientBackend(client), progress)
 
@@ -675,6 +678,7 @@ async def _coordinate(cfg: LoadtestConfig, backend: Any, show_progress: bool) ->
                 stdout=-1,
                 env={**os.environ, "PYTHONPATH": _repo_pythonpath()},
             )
+            assert proc.stdout is not None and proc.stdin is not None
             workers.append(_Worker(i, ranks, proc, _Lines(proc.stdout)))
         for w in workers:
             msg = await w.lines.next()
