@@ -71,7 +71,9 @@ def _write_pid_file(root: Path, data: dict[str, Any]) -> None:
 
 
 def _ours(pid: int, root: Path) -> psutil.Process | None:
-    """The live process ``pid`` if its command line names ``root``, else None."""
+    """The live process ``pid`` if its command line names ``root`` or a path inside it (the
+    supervisor's ``--dir``, a daemon's ``--data-dir``), else None. Whole path components
+    only: a cluster in /x/c must never claim the processes of one in /x/c2."""
     try:
         proc = psutil.Process(pid)
         if not _alive(proc):
@@ -80,7 +82,7 @@ def _ours(pid: int, root: Path) -> psutil.Process | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     text = str(root)
-    return proc if any(text in part for part in cmdline) else None
+    return proc if any(a == text or a.startswith(text + os.sep) for a in cmdline) else None
 
 
 def _running_supervisor(root: Path) -> psutil.Process | None:
@@ -99,11 +101,9 @@ def _apply_existing(args: argparse.Namespace, root: Path) -> None:
     fresh = {"chunkstores": 9, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
     if existing is not None:
         chunk_dirs = root / "chunks"  # LocalCluster's layout: chunks/N per chunk store
+        made = [d for d in chunk_dirs.iterdir() if d.is_dir()] if chunk_dirs.is_dir() else []
         old = {
-            "chunkstores": (
-                sum(1 for d in chunk_dirs.iterdir() if d.is_dir()) if chunk_dirs.is_dir() else 0
-            )
-            or 9,
+            "chunkstores": len(made) or fresh["chunkstores"],
             "metadata_servers": len(existing.metadata_servers),
             "shards": existing.shards,
             "ec": existing.default_ec,

@@ -156,18 +156,20 @@ def test_cluster_up_refuses_a_running_cluster_and_down_stops_it(tmp_path: Path) 
 def test_cluster_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
     """After a crash the pid file may name a PID that now belongs to someone else."""
     stranger = _sleeper()  # its command line does not name the cluster directory
+    sibling = _sleeper("--dir", f"{tmp_path}2")  # another cluster's, whose path shares a prefix
     daemon = _sleeper("--data-dir", str(tmp_path / "cs0"))  # a leftover daemon: ours
     try:
         (tmp_path / "cluster.pid").write_text(
-            json.dumps({"pid": stranger.pid, "daemons": [stranger.pid, daemon.pid]})
+            json.dumps({"pid": stranger.pid, "daemons": [sibling.pid, daemon.pid]})
         )
         proc = run_cli("cluster", "down", "--dir", str(tmp_path))
         assert proc.returncode == 0, proc.stderr
         assert daemon.wait(timeout=30) is not None, "a leftover daemon must be stopped"
         assert stranger.poll() is None, "a process that is not ours must never be signalled"
+        assert sibling.poll() is None, "nor one of a cluster in /x/c2 when stopping /x/c"
         assert not (tmp_path / "cluster.pid").exists()
     finally:
-        for p in (stranger, daemon):
+        for p in (stranger, sibling, daemon):
             p.kill()
             p.wait()
 
