@@ -192,10 +192,16 @@ cmd_link() {
     ip netns exec "${prefix}-$name" ip link set eth0 "$updown"
 }
 
+# ours PID: the process still runs one of our daemons (its command line names a path in
+# DIR), so a PID reused by another process after a crash or reboot is never signalled
+ours() { tr '\0' '\n' < "/proc/$1/cmdline" 2>/dev/null | grep -qF -- "$DIR/"; }
+
 cmd_down() {
     [ -f "$STATE" ] || { echo "nothing recorded in $STATE"; return 0; }
-    local pids
-    pids=$(state_get pid)
+    local pids="" pid
+    for pid in $(state_get pid); do
+        if ours "$pid"; then pids+=" $pid"; fi
+    done
     for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
     # bounded wait for a clean exit, then SIGKILL what is left (only our own PIDs)
     for _ in $(seq 50); do
