@@ -6,8 +6,13 @@ and the blocks that are degraded: blocks with fewer than k+m chunks on live node
 are found from the Block layer's reverse index of every down node (``blocks_on_node``),
 never by scanning all blocks, so the cost grows with what is broken, not with the cluster.
 A block with fewer than k live chunks cannot be read until a node comes back, so it is
-reported as ``lost`` (the exit code says so too: 2 if any block is lost, so scripts can
-alert on it).
+reported as ``lost``. The exit code is 2 when the cluster cannot serve everything (a block
+is lost, or a metadata server is down: its shards' names and files are unreachable), so
+scripts can alert on it; 1 is an error of the command itself (one line on stderr).
+
+With a metadata server down, the degraded blocks of down chunk stores may be unknowable
+(the reverse index is spread over every shard): ``degraded_blocks`` is then null and
+``degraded_error`` says why, rather than a short list that would look complete.
 
 A chunk that is missing or corrupt on a live node is not visible here: only the chunk
 store's scrub finds those (it reports them for repair).
@@ -17,7 +22,8 @@ store's scrub finds those (it reports them for repair).
     {"cluster": str, "nodes": [{node_id, address, failure_domain, state, capacity, free,
       chunk_count, queue_depth, last_seen}],
      "metadata_servers": [{address, shards, state, error}],
-     "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id], readable}]}
+     "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id], readable}] or null,
+     "degraded_error": null or str}
 """
 
 from __future__ import annotations
@@ -112,7 +118,12 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
         client = MetadataClient(config, nursery=nursery)
         try:
             nodes = sorted(await client.nodes(), key=lambda n: n.node_id)
-            degraded = await degraded_blocks(client, nodes)
+            degraded: list[dict[str, Any]] | None = None
+            degraded_error = None
+            try:
+                degraded = await degraded_blocks(client, nodes)
+            except TectonicError as e:
+                degraded_error = str(e)
         finally:
             with trio.CancelScope(shield=True):
                 await client.aclose()
@@ -121,6 +132,7 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
         "nodes": [asdict(n) for n in nodes],
         "metadata_servers": servers,
         "degraded_blocks": degraded,
+        "degraded_error": degraded_error,
     }
 
 
@@ -174,6 +186,9 @@ def render(status: dict[str, Any]) -> None:
     console.print(meta)
 
     degraded = status["degraded_blocks"]
+    if degraded is None:
+        console.print(f"[bold red]degraded blocks unknown:[/] {status['degraded_error']}")
+        return
     if not degraded:
         console.print("no degraded blocks")
         return
@@ -207,7 +222,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         render(status)
-    return 2 if any(not b["readable"] for b in status["degraded_blocks"]) else 0
+    return 0 if healthy(status) else 2
+
+
+def healthy(status: dict[str, Any]) -> bool:
+    """Every metadata server up and every block readable (degraded is fine: m to spare)."""
+    degraded = status["degraded_blocks"]
+    return (
+        degraded is not None
+        and all(b["readable"] for b in degraded)
+        and all(s["state"] == "up" for s in status["metadata_servers"])
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -216,7 +241,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="nodes, metadata servers and degraded blocks of a cluster",
         description="Show chunk stores (up/down, failure domain, capacity, free, chunks, load), "
         "metadata servers and their shards, and blocks with fewer than k+m live chunks. "
-        "Exit code 2 if some block has fewer than k live chunks (unreadable).",
+        "Exit code 2 if a metadata server is down or some block has fewer than k live "
+        "chunks (unreadable).",
     )
     p.add_argument("cluster_file", metavar="CLUSTER_FILE", help="the cluster.toml to use")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")

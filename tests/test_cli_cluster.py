@@ -218,3 +218,45 @@ def test_detached_start_failure_is_one_line_and_leaves_nothing(tmp_path: Path) -
         assert leftovers == []
     finally:
         down(root)
+
+
+def metadata_pid(root: Path, index: int) -> int:
+    for pid in pid_file(root)["daemons"]:
+        cmdline = psutil.Process(pid).cmdline()
+        if "metadata" in cmdline and str(root / "metadata" / str(index)) in cmdline:
+            return int(pid)
+    raise AssertionError(f"no metadata server {index} in {pid_file(root)}")
+
+
+def test_status_with_metadata_servers_down(tmp_path: Path) -> None:
+    """A down metadata server is shown and makes the exit code 2; without the registry
+    status is one clear error, never a half-empty table."""
+    root = tmp_path / "cluster"
+    cluster = root / "cluster.toml"
+    layout = ["--chunkstores", "3", "--metadata-servers", "2", "--shards", "4", "--ec", "r3"]
+    try:
+        up_detached(root, *layout, "--node-timeout", NODE_TIMEOUT, "--no-maintenance")
+        os.kill(metadata_pid(root, 1), signal.SIGKILL)
+        rc, st = status(cluster)
+        assert rc == 2
+        assert [s["state"] for s in st["metadata_servers"]] == ["up", "down"]
+        assert "cannot connect" in st["metadata_servers"][1]["error"]
+        assert st["degraded_blocks"] == [] and st["degraded_error"] is None
+
+        # a chunk store down too: its blocks cannot all be looked up; say so, not "none"
+        os.kill(chunkstore_pid(root, "cs1"), signal.SIGKILL)
+        rc, st = wait_for_status(
+            cluster, lambda s: any(n["state"] == "down" for n in s["nodes"]), "cs1 down"
+        )
+        assert rc == 2
+        assert st["degraded_blocks"] is None and "unavailable" in st["degraded_error"]
+        table = run_cli("status", str(cluster))
+        assert table.returncode == 2 and "degraded blocks unknown" in table.stdout
+
+        os.kill(metadata_pid(root, 0), signal.SIGKILL)
+        proc = run_cli("status", "--json", str(cluster))
+        assert proc.returncode == 1 and proc.stdout == ""
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "cannot reach the node registry" in lines[0]
+    finally:
+        down(root)
