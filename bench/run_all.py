@@ -78,7 +78,7 @@ def plan(smoke: bool) -> dict[str, Any]:
         }
     return {
         "fuse_size": 2 * GiB,
-        "stream_size": GiB,
+        "stream_size": 512 * MiB,
         # (ranks, shard bytes): the 64-rank run at the same 1 MiB shards is the baseline of the
         # "no collapse" target; 64 x 16 MiB shows large shards
         "bursts": [(64, 16 * MiB), (64, MiB), (1024, MiB), (4096, MiB)],
@@ -385,7 +385,7 @@ def _burst_label(b: dict[str, Any]) -> str:
     return f"{b.get('ranks')} x {_size_label(int(b.get('shard_size') or 0))}"
 
 
-def render_report(results: dict[str, Any], plot_name: str) -> str:
+def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> str:
     ceil = results.get("ceilings") or {}
     null = results.get("nullfs") or {}
     tec = results.get("tectonic") or {}
@@ -529,6 +529,13 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
             f"{_fmt(b.get('cpu_s_per_gib_read'), 1)} | {_mib(b.get('worker_max_rss'))} / "
             f"{_mib(b.get('watched_max_rss'))} |")
     add("")
+    for b in bursts:
+        if b.get("error_samples"):
+            add(f"Errors of the {_burst_label(b)} burst (first of {b.get('errors')}):")
+            add("")
+            for e in b["error_samples"][:5]:
+                add(f"- `{str(e)[:300]}`")
+            add("")
 
     # metadata
     add("## Metadata creates per second")
@@ -600,6 +607,11 @@ def render_report(results: dict[str, Any], plot_name: str) -> str:
         add("")
         for k, e in failures:
             add(f"- {k}: `{str(e)[:500]}`")
+        add("")
+    if notes.strip():
+        add("## Notes")
+        add("")
+        add(notes.strip())
         add("")
     add("Raw figures: `bench/results.json`; per-burst plots and results: `bench/results/`.")
     add("")
@@ -706,8 +718,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="where REPORT.md, report.png, results.json go (default bench/; "
                              "with --smoke a tmp dir)")
     parser.add_argument("--workdir", type=Path, help="scratch directory on the disk to measure")
+    parser.add_argument("--notes", type=Path, help="a Markdown file added to the report as Notes")
+    parser.add_argument("--render-only", action="store_true",
+                        help="measure nothing: rewrite REPORT.md from --out-dir's results.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    notes = args.notes.read_text() if args.notes else ""
+    if args.render_only:
+        out_dir = args.out_dir or REPO_ROOT / "bench"
+        results = json.loads((out_dir / "results.json").read_text())
+        (out_dir / "REPORT.md").write_text(render_report(results, "report.png", notes))
+        print(f"rewrote {out_dir / 'REPORT.md'}")
+        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="bench-smoke-")) if args.smoke
                                else REPO_ROOT / "bench")
@@ -725,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     _drop_bulky(slim)
     (out_dir / "results.json").write_text(json.dumps(slim, indent=1))
     write_plot(results, out_dir / "report.png")
-    report = render_report(results, "report.png")
+    report = render_report(results, "report.png", notes)
     (out_dir / "REPORT.md").write_text(report)
     print(report)
     print(f"\nwrote {out_dir / 'REPORT.md'}, {out_dir / 'report.png'}, {out_dir / 'results.json'}")
