@@ -254,10 +254,19 @@ def loadtest_through(
     processes: int = 0,
 ) -> dict[str, Any]:
     """``tectonic loadtest --through-mount`` as a subprocess; returns its JSON object."""
+    with tempfile.TemporaryDirectory(prefix="gluster-loadtest-") as results:
+        return _loadtest_through(mountpoint, ranks, shard_size, pids, max_seconds, processes,
+                                 results)
+
+
+def _loadtest_through(
+    mountpoint: str, ranks: int, shard_size: int, pids: list[int], max_seconds: float,
+    processes: int, results_dir: str,
+) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "tectonic_py.cli", "loadtest", "--through-mount", mountpoint,
         "--ranks", str(ranks), "--shard-size", str(shard_size), "--json", "--no-progress",
-        "--no-plot", "--results-dir", tempfile.gettempdir(), "--max-seconds", str(max_seconds),
+        "--no-plot", "--results-dir", results_dir, "--max-seconds", str(max_seconds),
         "--watch-pids", ",".join(map(str, pids)),
     ]
     if processes:
