@@ -72,7 +72,7 @@ class Meter:
     def __init__(self, pids: list[int]) -> None:
         self.pids = [os.getpid(), *pids]
 
-    def __enter__(self) -> Meter:
+    def __enter__(self) -> Meter:  # noqa: PYI034
         self.c0 = _cpu(self.pids)
         self.t0 = time.perf_counter()
         return self
@@ -160,11 +160,10 @@ def bytes_round_trip(
     out = [_result(f"{name}_bytes_write", size, m)]
     drop_file_cache(path)
     buf = bytearray(IO_SIZE)
-    with Meter(pids) as m:
-        with open(path, "rb", buffering=0) as f:
-            total = 0
-            while n := f.readinto(buf):
-                total += n
+    total = 0
+    with Meter(pids) as m, open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
     out.append(_result(f"{name}_bytes_read", total, m))
     path.unlink()
     return out
@@ -226,9 +225,13 @@ def tectonic_mounted(cluster_file: Path, mountpoint: Path, log_file: Path) -> It
         yield proc.pid
     finally:
         if os.path.ismount(mountpoint):
-            r = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+            r = subprocess.run(
+                ["fusermount3", "-u", str(mountpoint)], capture_output=True, check=False
+            )
             if r.returncode:
-                subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+                subprocess.run(
+                    ["fusermount3", "-uz", str(mountpoint)], capture_output=True, check=False
+                )
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -41,7 +41,8 @@ import functools
 import logging
 import os
 import stat
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pyfuse3
 import trio
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 # --- errors: the one place domain errors become errno -------------------------------------
 
@@ -177,12 +179,12 @@ def errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def _fuse_op(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _fuse_op(fn: F) -> F:
     """Wrap a handler so that nothing but ``FUSEError`` ever leaves it."""
     op = fn.__name__
 
     @functools.wraps(fn)
-    async def handler(self: Operations, *args: Any) -> T:
+    async def handler(self: Operations, *args: Any) -> Any:
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
@@ -202,7 +204,7 @@ def _fuse_op(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
                 log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)
             raise pyfuse3.FUSEError(code) from None
 
-    return handler
+    return cast(F, handler)
 
 
 def _name(raw: bytes) -> str:
@@ -303,7 +305,7 @@ class Operations(pyfuse3.Operations):
         return entry
 
     @_fuse_op
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, count in inode_list:
             self.cache.forget(inode, count)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["cluster_fixtures"]
+pytest_plugins = ["cluster_fixtures", "fuse_fixtures"]
 
 
 @pytest.fixture

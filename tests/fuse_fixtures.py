@@ -6,9 +6,10 @@ chunks, so a few-hundred-MB checkpoint is tens of blocks, not thousands.
 crash, or our own kill -9, must not take pytest with it), waited for with
 ``os.path.ismount``; yields a ``Mount`` (``os.fspath(mount)`` is the mount point). It is
 ALWAYS unmounted in the finally (``fusermount3 -u``, lazy ``-uz`` if busy) and only its own
-PID is ever killed. At teardown the mount's log must hold no ERROR line and no traceback
-unless the test said it expects them (``mount.expect_errors = True``): a handler that hit a
-bug answers EIO and logs, so a test could pass while the mount misbehaves.
+PID is ever killed. At teardown the mount's log must hold no WARNING or ERROR line and no
+traceback unless the test said it expects them (``mount.expect_warnings``, ``expect_errors``):
+a handler that hit a bug answers EIO and logs, so a test could pass while the mount
+misbehaves.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Mount:
         self.log_file = log_file
         self.proc: subprocess.Popen[bytes] | None = None
         self.expect_errors = False
+        self.expect_warnings = False
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -64,7 +66,9 @@ class Mount:
     def start(self, *extra: str) -> None:
         """Start the mount process and wait (bounded) until the kernel shows the mount."""
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tectonic_py.cli", "-v", "mount",
@@ -123,9 +127,10 @@ class Mount:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def problems(self) -> list[str]:
+        levels = ["ERROR", "CRITICAL"] + ([] if self.expect_warnings else ["WARNING"])
         return [
             line for line in self.log_text().splitlines()
-            if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback")
+            if any(f" {level} " in line for level in levels) or line.startswith("Traceback")
         ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from tests.fuse_fixtures import REPO_ROOT, Mount, fuse_cluster, mount, shared_mount  # noqa: F401
+from fuse_fixtures import REPO_ROOT, Mount
 
 pytestmark = pytest.mark.fuse
 
@@ -186,7 +186,7 @@ def test_cp_cp_a_tar_round_trips(wdir: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     rng = np.random.default_rng(5)
-    sizes = {"empty": 0, "small": 1000, "block": 6 * MiB, "block+1": 6 * MiB + 1, "big": 13 * MiB}
+    sizes = {"empty": 0, "small": 1000, "block": 6 * MiB, "block+1": 6 * MiB + 1}
     for name, size in sizes.items():
         (src / "sub" / name).write_bytes(rng.bytes(size))
     os.chmod(src / "sub" / "small", 0o640)
@@ -335,16 +335,13 @@ def test_unlinked_open_files_stay_usable(wdir: Path) -> None:
 
 def test_rename_over_existing_while_source_open(wdir: Path) -> None:
     (wdir / "target").write_bytes(b"old")
-    reader = open(wdir / "target", "rb")
-    try:
+    with open(wdir / "target", "rb") as reader:
         with open(wdir / "tmp", "wb") as f:
             f.write(b"new" * 1000)
             os.rename(wdir / "tmp", wdir / "target")
             f.write(b"!")  # written after the rename, flushed and released under the new name
         assert (wdir / "target").read_bytes() == b"new" * 1000 + b"!"
         assert reader.read() == b"old"  # the replaced file stays readable while open
-    finally:
-        reader.close()
     assert sorted(os.listdir(wdir)) == ["target"]
 
 
@@ -452,9 +449,9 @@ def _saved(seed: int, total: int) -> dict[str, torch.Tensor]:
 def test_kill_mount_mid_save_leaves_no_fake_checkpoint(mount: Mount) -> None:
     done = _saved(1, 16 * MiB)
     torch.save(done, mount / "step_1.pt")
-    proc = _python(SAVER, str(mount / "step_2.pt"), "2", str(160 * MiB))
+    proc = _python(SAVER, str(mount / "step_2.pt"), "2", str(96 * MiB))
     try:
-        _wait_size(mount / "step_2.pt", 40 * MiB, proc)
+        _wait_size(mount / "step_2.pt", 24 * MiB, proc)
         mount.kill()  # kill -9 of the mount process mid torch.save
         rc, out = _finish(proc, timeout=60)
         assert rc != 0 and "SAVED-OK" not in out
@@ -466,16 +463,17 @@ def test_kill_mount_mid_save_leaves_no_fake_checkpoint(mount: Mount) -> None:
     assert _equal(done, torch.load(mount / "step_1.pt", weights_only=True))
     partial = mount / "step_2.pt"
     if partial.exists():
-        assert partial.stat().st_size < 160 * MiB
-        with pytest.raises(Exception):
+        assert partial.stat().st_size < 96 * MiB
+        with pytest.raises((RuntimeError, EOFError, pickle.UnpicklingError, OSError)):
             torch.load(partial, weights_only=True)
 
 
 def test_chunk_store_killed_during_save(mount: Mount) -> None:
-    total = 120 * MiB
+    mount.expect_warnings = True  # blocks committed without the dead store's chunk
+    total = 64 * MiB
     proc = _python(SAVER, str(mount / "ckpt.pt"), "3", str(total))
     try:
-        _wait_size(mount / "ckpt.pt", 20 * MiB, proc)
+        _wait_size(mount / "ckpt.pt", 12 * MiB, proc)
         mount.cluster.kill_chunkstore(4)
         rc, out = _finish(proc)
         assert rc == 0 and "SAVED-OK" in out, out[-3000:]
@@ -492,9 +490,8 @@ def test_lost_quorum_is_eio_with_a_clear_log_line(mount: Mount) -> None:
     for i in range(4):  # 5 of 9 left: fewer than the write quorum of RS(6,3)
         mount.cluster.kill_chunkstore(i)
     data = os.urandom(13 * MiB)
-    with pytest.raises(OSError) as info:
-        with open(mount / "after", "wb") as f:
-            f.write(data)
+    with pytest.raises(OSError) as info, open(mount / "after", "wb") as f:
+        f.write(data)
     assert info.value.errno in (errno.EIO, errno.ENOSPC)
     assert any("failed" in line for line in mount.problems()), mount.log_tail()
     # The mount itself lives on (the small file's data is unreadable now: 5 < k chunks left).

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pyfuse3
 import pytest
-
 from cluster_fixtures import TEST_CHUNK_SIZE
+
 from tectonic_py.client import TectonicClient, open_client
 from tectonic_py.fs import Operations
 from tectonic_py.ids import ROOT_ID
@@ -127,7 +127,7 @@ async def test_failed_write_is_sticky_and_never_sealed(
 
 
 async def test_unlinked_file_keeps_its_handles(ops: Operations) -> None:
-    fi, entry = await ops.create(ROOT_ID, b"u", 0o644, os.O_RDWR | os.O_CREAT, CTX)
+    fi, _ = await ops.create(ROOT_ID, b"u", 0o644, os.O_RDWR | os.O_CREAT, CTX)
     await ops.write(fi.fh, 0, b"hello")
     await ops.unlink(ROOT_ID, b"u", CTX)
     assert await _errno(ops.lookup(ROOT_ID, b"u", CTX)) == errno.ENOENT
@@ -186,7 +186,7 @@ async def test_no_error_logs_on_the_happy_path(
     ops: Operations, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    fi, entry = await ops.create(ROOT_ID, b"h", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    fi, _ = await ops.create(ROOT_ID, b"h", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
     await ops.write(fi.fh, 0, os.urandom(1_000_000))
     await ops.fsync(fi.fh, False)
     await ops.release(fi.fh)
