@@ -148,7 +148,7 @@ def test_cli_refuses_bad_settings_with_one_line(tmp_path, secret_file):
         args = ["--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file), *extra]
         out = subprocess.run(
             [sys.executable, "-m", "tectonic_py.cli", "metadata", *args],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
         )
         assert out.returncode == 1, out.stderr
         lines = out.stderr.strip().splitlines()
