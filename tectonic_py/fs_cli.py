@@ -172,7 +172,10 @@ async def serve_mount(
         # Fail now, with the client's one-line error, rather than mount a dead cluster.
         await client.meta.getattr(ROOT_ID)
         ops = Operations(client)
-        pyfuse3.init(ops, mountpoint, options)
+        try:
+            pyfuse3.init(ops, mountpoint, options)
+        except RuntimeError as e:  # libfuse printed its reason on stderr already
+            raise ConfigError(f"cannot mount on {mountpoint!r}: {e}") from None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signal)
