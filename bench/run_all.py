@@ -225,6 +225,11 @@ def _size_label(n: int) -> str:
     return f"{n}B"
 
 
+# (all results so far, where to save them): each finished part is saved at once, so a run
+# stopped early still leaves its figures for ``--render-only --from``
+_PARTIAL: list[Any] = []
+
+
 def _guard(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     """Run one part; a failure is recorded in the report, never ends the suite."""
     t0 = time.monotonic()
@@ -235,6 +240,9 @@ def _guard(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
         results[key] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                         "trace": traceback.format_exc()[-1500:]}
     log.warning("run_all: %s done in %.1f s", key, time.monotonic() - t0)
+    if _PARTIAL:
+        root, path = _PARTIAL
+        path.write_text(json.dumps(root, default=str))
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -249,6 +257,7 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
         "plan": {k: v for k, v in p.items()},
     }
     results["load_before"] = os.getloadavg()
+    _PARTIAL[:] = [results, results_dir / "partial-results.json"]
     flag = ["--smoke"] if smoke else []
     t = p["script_timeout"]
 
@@ -260,22 +269,8 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
             "bench.nullfs", "--measure", "--json", *flag, timeout=t))
 
     if "tectonic" not in skip:
-        _guard(results, "tectonic", lambda: _tectonic(p, smoke, skip, workdir, results_dir))
-
-    if "others" not in skip:
-        others: dict[str, Any] = {}
-        for name, full_args in OTHER_SCRIPTS.items():
-            script = REPO_ROOT / "bench" / f"{name}.py"
-            if not script.exists():
-                others[name] = {"status": "missing", "error": f"bench/{name}.py is not there yet"}
-                continue
-            if smoke and "--smoke" not in script.read_text():
-                others[name] = {"status": "skipped", "error": "the script has no --smoke mode"}
-                continue
-            extra = flag if smoke else full_args
-            _guard(others, name, lambda name=name, extra=extra: _python_module(
-                f"bench.{name}", "--json", *extra, timeout=t))
-        results["others"] = others
+        _guard(results, "tectonic",
+               lambda: _tectonic(p, smoke, skip, workdir, results_dir, results))
 
     if "peer" not in skip:
         from bench import gluster
@@ -287,6 +282,22 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
             return res
 
         _guard(results, "peer", peer)
+
+    if "others" not in skip:
+        others: dict[str, Any] = {}
+        results["others"] = others
+        for name, full_args in OTHER_SCRIPTS.items():
+            script = REPO_ROOT / "bench" / f"{name}.py"
+            if not script.exists():
+                others[name] = {"status": "missing", "error": f"bench/{name}.py is not there yet"}
+                continue
+            if smoke and "--smoke" not in script.read_text():
+                others[name] = {"status": "skipped", "error": "the script has no --smoke mode"}
+                continue
+            extra = flag if smoke else full_args
+            _guard(others, name, lambda name=name, extra=extra: _python_module(
+                f"bench.{name}", "--json", *extra, timeout=t))
+
     results["load_after"] = os.getloadavg()
     results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds")
@@ -294,11 +305,13 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
 
 
 def _tectonic(
-    p: dict[str, Any], smoke: bool, skip: set[str], workdir: Path, results_dir: Path
+    p: dict[str, Any], smoke: bool, skip: set[str], workdir: Path, results_dir: Path,
+    results: dict[str, Any],
 ) -> dict[str, Any]:
     from tectonic_py.local_cluster import LocalCluster
 
     out: dict[str, Any] = {}
+    results["tectonic"] = out  # filled part by part, saved after each
     cluster = LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, shards=64)
     cluster.start()
     try:
@@ -326,14 +339,14 @@ def _tectonic(
                     results_dir, p["loadtest_max_s"]))
             finally:
                 mount.stop()
-        bursts = []
+        bursts: list[dict[str, Any]] = []
+        out["bursts"] = bursts
         for ranks, shard in p["bursts"]:
             box: dict[str, Any] = {}
             key = f"burst {ranks} x {_size_label(shard)}"
             _guard(box, key, lambda ranks=ranks, shard=shard: _loadtest(
                 [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"]))
             bursts.append(box[key])
-        out["bursts"] = bursts
     finally:
         cluster.stop()
     return out
@@ -721,12 +734,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notes", type=Path, help="a Markdown file added to the report as Notes")
     parser.add_argument("--render-only", action="store_true",
                         help="measure nothing: rewrite REPORT.md from --out-dir's results.json")
+    parser.add_argument("--from", dest="source", type=Path,
+                        help="with --render-only: the results file (e.g. partial-results.json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     notes = args.notes.read_text() if args.notes else ""
     if args.render_only:
         out_dir = args.out_dir or REPO_ROOT / "bench"
-        results = json.loads((out_dir / "results.json").read_text())
+        source = args.source or out_dir / "results.json"
+        results = json.loads(source.read_text())
+        if args.source:  # a partial run's full results: rewrite the plot and results.json too
+            write_plot(results, out_dir / "report.png")
+            slim = json.loads(json.dumps(results, default=str))
+            _drop_bulky(slim)
+            (out_dir / "results.json").write_text(json.dumps(slim, indent=1))
         (out_dir / "REPORT.md").write_text(render_report(results, "report.png", notes))
         print(f"rewrote {out_dir / 'REPORT.md'}")
         return 0
