@@ -108,6 +108,7 @@ class ClientStats:
     cache_hits: int = 0
     cache_misses: int = 0
     buffer_waits: int = 0
+    spills: int = 0
     # (block_id, chunk_index, node_id, reason) of chunks found missing or corrupt: repair's input.
     bad_chunks: list[tuple[int, int, str, str]] = field(default_factory=list)
 
@@ -122,7 +123,15 @@ class BufferPool:
     from ``acquire`` to ``release``. Released buffers are kept for reuse (allocation of large
     buffers is costly, CEILINGS.md) but count toward the capacity too, so the pool's memory
     never exceeds it; spare buffers of other sizes are dropped to make room.
+
+    Idle writers are spilled: a writer's open block holds a buffer between writes, so a
+    program that writes many files round-robin from one thread could hold the whole window
+    in half-filled blocks while it waits for a buffer for the next file, forever. A waiter
+    that has waited ``SPILL_AFTER_S`` asks every writer idle that long to flush its open
+    block (committed as a short block; the writer reloads it when it writes again).
     """
+
+    SPILL_AFTER_S = 1.0
 
     def __init__(self, capacity: int, stats: ClientStats) -> None:
         self.capacity = capacity
@@ -131,6 +140,8 @@ class BufferPool:
         self._spare: dict[int, list[bytearray]] = {}
         self._spare_bytes = 0
         self._lot = trio.lowlevel.ParkingLot()
+        self.holders: set[FileWriter] = set()
+        self.spill: Any = None  # set by the client: starts a writer's spill task
 
     @property
     def charged(self) -> int:
@@ -141,7 +152,9 @@ class BufferPool:
         if self._charged + charge > self.capacity:
             self._stats.buffer_waits += 1
             while self._charged + charge > self.capacity:
-                await self._lot.park()
+                with trio.move_on_after(self.SPILL_AFTER_S / 2):
+                    await self._lot.park()
+                self._spill_idle()
         self._charged += charge
         spares = self._spare.get(size)
         if spares:
@@ -158,6 +171,16 @@ class BufferPool:
             self._spare.setdefault(len(buf), []).append(buf)
             self._spare_bytes += len(buf)
         self._lot.unpark_all()
+
+    def _spill_idle(self) -> None:
+        if self.spill is None:
+            return
+        now = time.monotonic()
+        for writer in list(self.holders):
+            if now - writer.last_write >= self.SPILL_AFTER_S and not writer.spilling:
+                writer.spilling = True
+                self._stats.spills += 1
+                self.spill(writer)
 
     def _drop_one_spare(self) -> None:
         for size, bufs in self._spare.items():
@@ -323,6 +346,7 @@ class TectonicClient:
         self.stats = ClientStats()
         self.pool = ChunkPool(config.secret(), nursery, conns_per_node)
         self.buffers = BufferPool(window_bytes, self.stats)
+        self.buffers.spill = lambda writer: nursery.start_soon(writer.spill_open)
         self.cache = BlockCache(cache_bytes)
         self.codec = Codec(codec_threads)
         self.readahead_blocks = max(0, readahead_blocks)
@@ -818,6 +842,8 @@ class FileWriter:
         self._closed = False
         self._final: Attrs | None = None
         self._renewed = time.monotonic()
+        self.last_write = time.monotonic()
+        self.spilling = False
 
     # --- public ------------------------------------------------------------------------------
 
@@ -861,8 +887,18 @@ class FileWriter:
 
     # --- internals ---------------------------------------------------------------------------
 
+    async def spill_open(self) -> None:
+        """Flush the open block of an idle writer to give its buffer back (BufferPool)."""
+        try:
+            async with self._lock:
+                if self._open_buf is not None and not self._closed:
+                    await self._flush_open()
+        finally:
+            self.spilling = False
+
     async def _pwrite(self, data: Buffer, offset: int) -> int:
         self._check()
+        self.last_write = time.monotonic()
         if offset < 0:
             raise InvalidArgument(f"negative write offset {offset}")
         view = memoryview(data).cast("B")
@@ -991,6 +1027,7 @@ class FileWriter:
             raise
 
     def _release_open(self) -> None:
+        self.client.buffers.holders.discard(self)
         if self._open_buf is not None:
             self.client.buffers.release(self._open_buf, self._charge)
         self._open_buf = None
@@ -1003,6 +1040,7 @@ class FileWriter:
         await self._flush_open()
         buf = await self.client.buffers.acquire(self.layout.block_size, self._charge)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
+        self.client.buffers.holders.add(self)
         valid = self.layout.block_data_len(index, self.size)
         if valid <= 0:
             return
@@ -1021,6 +1059,7 @@ class FileWriter:
         """Hand the open block to a background flush task (or drop it if clean)."""
         buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
+        self.client.buffers.holders.discard(self)
         if buf is None:
             return
         if not dirty or n == 0 or index is None:

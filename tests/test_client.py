@@ -229,3 +229,23 @@ def test_blocking_connect_with_torch(local_cluster):
         with fs.open("/ckpt/raw", "rb") as f:
             f.seek(10)
             assert f.read(20) == data[10:30]
+
+
+async def test_round_robin_writes_to_many_files_from_one_task(local_cluster):
+    """One task writing 12 files in turn, with a window of 4 blocks: idle writers' open blocks
+    are spilled so the next file gets a buffer (without spilling this would hang forever)."""
+    async with open_client(local_cluster.cluster_file, window_bytes=4 * 9 * 64 * 1024) as client:
+        writers = [await client.create(f"/rr{i}") for i in range(12)]
+        piece = 100_000
+        with trio.fail_after(120):  # a bound on a hang, not a timing assertion
+            for rnd in range(3):
+                for i, w in enumerate(writers):
+                    await w.write(_data(piece, seed=100 * rnd + i))
+            for w in writers:
+                await w.close()
+        assert client.stats.spills > 0
+        for i in range(12):
+            r = await client.open_read(f"/rr{i}")
+            expect = b"".join(_data(piece, seed=100 * rnd + i) for rnd in range(3))
+            assert await r.read() == expect
+        assert client.buffers.charged == 0
