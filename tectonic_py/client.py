@@ -120,9 +120,9 @@ class BufferPool:
     """The client-wide memory window: block buffers, reused, at most ``capacity`` bytes.
 
     A buffer is charged ``charge`` bytes (its size plus the parity zfec will allocate for it)
-    from ``acquire`` to ``release``. Released buffers are kept for reuse (allocation of large
-    buffers is costly, CEILINGS.md) but count toward the capacity too, so the pool's memory
-    never exceeds it; spare buffers of other sizes are dropped to make room.
+    from ``acquire`` to ``release``. Up to two released buffers are kept for reuse
+    (allocation of large buffers is costly, CEILINGS.md), so the pool's memory stays within
+    the capacity plus two buffers; spares of other sizes are dropped to make room.
 
     Idle writers are spilled: a writer's open block holds a buffer between writes, so a
     program that writes many files round-robin from one thread could hold the whole window
@@ -167,7 +167,10 @@ class BufferPool:
     def release(self, buf: bytearray, charge: int) -> None:
         charge = min(max(charge, len(buf)), self.capacity)
         self._charged -= charge
-        if self._charged + self._spare_bytes + len(buf) <= self.capacity:
+        # Keep at most two spare buffers: the next acquire nearly always takes one at once
+        # (a fresh 24 MiB buffer costs a memset and thousands of page faults), and memory
+        # stays within the window plus two buffers.
+        if self._spare_bytes + len(buf) <= 2 * len(buf):
             self._spare.setdefault(len(buf), []).append(buf)
             self._spare_bytes += len(buf)
         self._lot.unpark_all()
