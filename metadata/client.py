@@ -469,7 +469,12 @@ class MetadataClient:
         The writer token is checked when the block is committed, not here: a fenced writer
         can only waste an allocation, which the GC reclaims."""
         policy = ECPolicy.parse(ec)
-        r = await self._registry("node.place", count=policy.n + max(hedge, 0), minimum=policy.n)
+        # At least the default write quorum (k+1): with a node down in a cluster of exactly
+        # k+m nodes, writes still succeed (the data client commits the chunks that landed
+        # and repair restores the rest) instead of failing with NoSpace.
+        r = await self._registry(
+            "node.place", count=policy.n + max(hedge, 0), minimum=min(policy.n, policy.k + 1)
+        )
         nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
         for n in nodes:
             self._node_cache[n.node_id] = n

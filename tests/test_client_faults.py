@@ -187,3 +187,23 @@ async def test_a_hung_chunk_store_is_read_around(local_cluster, caplog):
             assert fresh.stats.degraded_reads >= 1
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+async def test_writes_continue_with_a_node_known_down(local_cluster, client, caplog):
+    """9 stores for RS(6,3) and one is down (the registry knows): a block gets 8 chunks,
+    which meets the write quorum (k+1 = 7), and reads back."""
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    local_cluster.kill_chunkstore(8)
+    for _ in range(200):  # bounded wait for the registry's node timeout (5 s in the fixture)
+        nodes = {n.node_id: n.state for n in await client.meta.nodes()}
+        if nodes.get("cs8") == "down":
+            break
+        await trio.sleep(0.1)
+    assert nodes.get("cs8") == "down"
+    data = _data(3 * 6 * 64 * 1024, seed=31)
+    fid = await _put(client, "/degraded-write", data)
+    blocks = await client.meta.block_list(fid)
+    assert all(len(b.chunks) == 8 for b in blocks)
+    async with open_client(local_cluster.cluster_file) as fresh:
+        r = await fresh.open_read("/degraded-write")
+        assert await r.read() == data
