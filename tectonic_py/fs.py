@@ -397,9 +397,8 @@ class Operations(pyfuse3.Operations):
             # here: the new writer has taken the token, so the old one is fenced anyway.
             log.warning("create of %r replaced the open writer of inode %d", name, attrs.id)
             await _abort(ofile.writer)
-        ofile.writer = writer
-        ofile.attrs = attrs
-        ofile.error = None
+        ofile.writer, ofile.attrs, ofile.error = writer, attrs, None
+        ofile.write_seq = ofile.synced_seq = 0
         # A handle that holds a writer reference is writable whatever its flags say, so
         # that its release seals the new file.
         handle = self.cache.add_handle(
@@ -526,7 +525,10 @@ class Operations(pyfuse3.Operations):
         try:
             if last_writer and ofile.writer is not None:
                 async with ofile.lock:
-                    await self._seal(ofile)
+                    # An open for writing that held the lock may have joined the writer
+                    # meanwhile (it adds its handle without a checkpoint after the lock).
+                    if ofile.write_handles == 0 and ofile.writer is not None:
+                        await self._seal(ofile)
         finally:
             if handle.reader is not None:
                 with trio.CancelScope(shield=True):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pyfuse3
 import pytest
+import trio
 from cluster_fixtures import TEST_CHUNK_SIZE
 
 from tectonic_py.client import TectonicClient, open_client
@@ -193,3 +194,35 @@ async def test_no_error_logs_on_the_happy_path(
     await ops.rename(ROOT_ID, b"h", ROOT_ID, b"h2", 0, CTX)
     await ops.unlink(ROOT_ID, b"h2", CTX)
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("release_first", [False, True])
+async def test_open_racing_the_last_release_keeps_a_working_writer(
+    ops: Operations, release_first: bool
+) -> None:
+    """An open for writing and the last release of the same inode at once: whichever wins
+    the inode's lock, the new handle ends up with a live writer and the data is sealed."""
+    name = b"race-%d" % release_first
+    fi, entry = await ops.create(ROOT_ID, name, 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, b"first")
+    await ops.flush(fi.fh)
+    opened: list[pyfuse3.FileInfo] = []
+
+    async def reopen() -> None:
+        # O_TRUNC: the open holds the inode's lock across an await (the truncate), the
+        # window in which the last release of the old handle comes in.
+        opened.append(await ops.open(entry.st_ino, os.O_WRONLY | os.O_TRUNC, CTX))
+
+    async with trio.open_nursery() as nursery:
+        if release_first:
+            nursery.start_soon(ops.release, fi.fh)
+            nursery.start_soon(reopen)
+        else:
+            nursery.start_soon(reopen)
+            nursery.start_soon(ops.release, fi.fh)
+    fh = opened[0].fh
+    assert await ops.write(fh, 0, b"second") == 6
+    await ops.flush(fh)
+    await ops.release(fh)
+    attrs = await ops.meta.getattr(entry.st_ino)
+    assert attrs.sealed and attrs.size == len(b"second")
