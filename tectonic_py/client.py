@@ -100,6 +100,7 @@ class ClientStats:
     chunks_written: int = 0
     chunk_write_failures: int = 0
     chunks_replaced: int = 0
+    hedged_puts: int = 0
     blocks_read: int = 0
     bytes_read: int = 0
     range_reads: int = 0
@@ -315,7 +316,9 @@ class TectonicClient:
     * ``readahead_blocks``: whole blocks fetched ahead of a sequential reader;
     * ``write_quorum``: chunks that must land for a block to commit (default k + 1);
     * ``hedge``: extra nodes asked for with every block, for re-sending failed chunks;
-    * ``chunk_timeout``: a chunk put slower than this is re-sent elsewhere;
+    * ``chunk_timeout``: a chunk put slower than this fails and is re-sent elsewhere;
+    * ``write_hedge_s``: a chunk put still running after this is also sent to a spare
+      (hedge) node, and the first to accept wins;
     * ``slow_chunk_s``: a chunk get slower than this fails (and is read around);
     * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
       parity fetches (first k good chunks win);
@@ -335,6 +338,7 @@ class TectonicClient:
         write_quorum: int | None = None,
         hedge: int = 2,
         chunk_timeout: float = 30.0,
+        write_hedge_s: float = 5.0,
         slow_chunk_s: float = 10.0,
         read_hedge_s: float = 2.0,
         codec_threads: int = 2,
@@ -356,6 +360,7 @@ class TectonicClient:
         self.write_quorum = write_quorum
         self.hedge = max(0, hedge)
         self.chunk_timeout = chunk_timeout
+        self.write_hedge_s = write_hedge_s
         self.slow_chunk_s = slow_chunk_s
         self.read_hedge_s = read_hedge_s
         self._reconstruct = trio.CapacityLimiter(max(1, max_reconstructions))
@@ -537,6 +542,44 @@ class TectonicClient:
                         spares.append((node, more.capability))
                 return spares.popleft() if spares else None
 
+        async def race(i: int, target: tuple[NodeInfo, bytes]) -> NodeInfo | None:
+            """Put chunk i on ``target``; if that is still running after ``write_hedge_s``
+            and a spare node is left, put it there too: the first to accept wins."""
+            cid = chunk_id(grant.block_id, i)
+            winner: NodeInfo | None = None
+            running = 0
+            settled = trio.Event()
+
+            async def run(node: NodeInfo, cap: bytes) -> None:
+                nonlocal winner, running
+                try:
+                    await self._put_chunk(node, cap, cid, enc, i)
+                    if winner is None:
+                        winner = node
+                except TectonicError as e:
+                    self.stats.chunk_write_failures += 1
+                    log.info("chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
+                             i, grant.block_id, node.node_id, e)
+                finally:
+                    running -= 1
+                    if winner is not None or running == 0:
+                        settled.set()
+
+            async with open_service_nursery() as puts:
+                running += 1
+                puts.start_soon(run, *target)
+                with trio.move_on_after(self.write_hedge_s):
+                    await settled.wait()
+                if not settled.is_set():
+                    spare = await replacement()
+                    if spare is not None:
+                        self.stats.hedged_puts += 1
+                        running += 1
+                        puts.start_soon(run, *spare)
+                    await settled.wait()
+                puts.cancel_scope.cancel()
+            return winner
+
         async def put_one(i: int, target: tuple[NodeInfo, bytes] | None) -> None:
             attempts = 0
             while attempts < 2 * n + 4:
@@ -546,15 +589,8 @@ class TectonicClient:
                     if target is None:
                         return
                     self.stats.chunks_replaced += 1
-                node, cap = target
-                try:
-                    await self._put_chunk(node, cap, chunk_id(grant.block_id, i), enc, i)
-                except TectonicError as e:
-                    self.stats.chunk_write_failures += 1
-                    log.info(
-                        "chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
-                        i, grant.block_id, node.node_id, e,
-                    )
+                node = await race(i, target)
+                if node is None:
                     target = None
                     continue
                 results[i] = ChunkPlacement(i, node.node_id, enc.checksums[i], node.address)

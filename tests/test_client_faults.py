@@ -207,3 +207,27 @@ async def test_writes_continue_with_a_node_known_down(local_cluster, client, cap
     async with open_client(local_cluster.cluster_file) as fresh:
         r = await fresh.open_read("/degraded-write")
         assert await r.read() == data
+
+
+async def test_a_hung_chunk_store_does_not_stall_a_write(local_cluster, caplog):
+    """A store that stops answering mid-burst (SIGSTOP) is hedged around: its chunks go to a
+    spare node after write_hedge_s, the write completes and reads back."""
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    local_cluster.add_chunkstore()
+    local_cluster.add_chunkstore()  # 11 stores: two spares per RS(6,3) block
+    pid = local_cluster.chunkstore_pids()[2]
+    assert pid is not None
+    data = _data(4 * 6 * 64 * 1024, seed=41)
+    async with open_client(local_cluster.cluster_file, write_hedge_s=0.5,
+                           chunk_timeout=60.0) as client:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with trio.fail_after(60):  # a bound on a hang, not a timing assertion
+                fid = await _put(client, "/hedged", data)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert client.stats.hedged_puts >= 1
+        blocks = await client.meta.block_list(fid)
+        assert all(len(b.chunks) == 9 for b in blocks)
+        r = await client.open_read("/hedged")
+        assert await r.read() == data
