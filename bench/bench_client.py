@@ -76,16 +76,30 @@ def _pattern() -> bytes:
     return hashlib.sha256(b"bench").digest() * (PIECE // 32)
 
 
-async def _write(cluster_file: Path, path: str, size: int, **tuning: Any) -> None:
+async def _write(cluster_file: Path, path: str, size: int, **tuning: Any) -> int:
+    """Write ``size`` bytes; returns the client's peak RSS growth in bytes (sampled)."""
     piece = _pattern()
+    proc = psutil.Process()
+    base = peak = proc.memory_info().rss
     async with open_client(cluster_file, **tuning) as client:
-        w = await client.create(path)
-        left = size
-        while left:
-            n = min(left, PIECE)
-            await w.write(memoryview(piece)[:n])
-            left -= n
-        await w.close()
+
+        async def sample() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, proc.memory_info().rss)
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sample)
+            w = await client.create(path)
+            left = size
+            while left:
+                n = min(left, PIECE)
+                await w.write(memoryview(piece)[:n])
+                left -= n
+            await w.close()
+            nursery.cancel_scope.cancel()
+    return peak - base
 
 
 async def _read(cluster_file: Path, path: str, **tuning: Any) -> int:
@@ -101,9 +115,10 @@ def bench_single(cluster: LocalCluster, size: int, cores: int, **tuning: Any) ->
     meter = CpuMeter(cluster.pids())
     out = []
     c0, t0 = meter.read(), time.perf_counter()
-    trio.run(lambda: _write(cluster.cluster_file, "/bench.bin", size, **tuning))
+    rss = trio.run(lambda: _write(cluster.cluster_file, "/bench.bin", size, **tuning))
     t1, c1 = time.perf_counter(), meter.read()
     out.append(_figure("write", size, t1 - t0, c1 - c0, cores))
+    out[-1]["client_rss_growth_MiB"] = round(rss / MiB, 1)
     _drop_caches(cluster)
     c0, t0 = meter.read(), time.perf_counter()
     got = trio.run(lambda: _read(cluster.cluster_file, "/bench.bin", **tuning))
@@ -255,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ceiling {c['name']:>24}: {c.get('mbps') or 0:8.1f} MB/s  "
                   f"{c.get('cpu_s_per_gib') or 0:6.2f} CPU-s/GiB")
         for f in results.get("chunk_sweep", []) + results["single"]:
+            rss = f.get("client_rss_growth_MiB")
             print(f"{f['name']:>6}: {f['MB_per_s']:8.1f} MB/s  {f['cpu_s_per_GiB']:6.2f} CPU-s/GiB"
-                  f"  core utilisation {f['core_utilisation']:.2f}")
+                  f"  core utilisation {f['core_utilisation']:.2f}"
+                  + (f"  client RSS +{rss} MiB (window {args.window_mib} MiB)" if rss else ""))
         if "burst" in results:
             b = results["burst"]
             print(f"{b['name']}: {b['MB_per_s']:.1f} MB/s {b['cpu_s_per_GiB']:.2f} CPU-s/GiB "
