@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 OTHER_SCRIPTS: dict[str, list[str]] = {
     "bench_chunkstore": ["--total-mib", "256"],
     "bench_metadata": [],
-    "bench_client": ["--size-mib", "1024"],
+    "bench_client": ["--size-mib", "1024", "--json"],
     "bench_fuse": ["--size", "1024"],
     "bench_repair": ["--size-mib", "512", "--write-mib", "128"],
 }
