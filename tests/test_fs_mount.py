@@ -497,3 +497,52 @@ def test_lost_quorum_is_eio_with_a_clear_log_line(mount: Mount) -> None:
     # The mount itself lives on (the small file's data is unreadable now: 5 < k chunks left).
     assert (mount / "before").stat().st_size == 1000
     assert sorted(os.listdir(mount.path)) in (["after", "before"], ["before"])
+
+
+def test_cli_background_mount_umount_and_sigterm(fuse_cluster, tmp_path: Path) -> None:
+    """``tectonic mount`` without --foreground returns once mounted; ``tectonic umount``
+    unmounts; a foreground mount ends cleanly on SIGTERM. Data survives each remount."""
+    import signal
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    cli = [sys.executable, "-m", "tectonic_py.cli"]
+    ready = tmp_path / "ready.json"
+    try:
+        r = subprocess.run(
+            [*cli, "mount", str(fuse_cluster.cluster_file), str(mnt), "--ready-file", str(ready),
+             "--log-file", str(tmp_path / "bg.log")],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert r.returncode == 0, r.stderr
+        assert os.path.ismount(mnt) and ready.exists()
+        (mnt / "kept").write_bytes(b"kept")
+        r = subprocess.run([*cli, "umount", str(mnt)], cwd=REPO_ROOT, env=env,
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 0, r.stderr
+        assert not os.path.ismount(mnt)
+
+        fg_log = tmp_path / "fg.log"
+        with open(fg_log, "wb") as log:
+            fg = subprocess.Popen(
+                [*cli, "-v", "mount", str(fuse_cluster.cluster_file), str(mnt), "--foreground"],
+                cwd=REPO_ROOT, env=env, stdout=log, stderr=log, start_new_session=True,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.ismount(mnt) and time.monotonic() < deadline:
+                assert fg.poll() is None, fg_log.read_text()
+                time.sleep(0.05)
+            assert (mnt / "kept").read_bytes() == b"kept"
+            fg.send_signal(signal.SIGTERM)
+            assert fg.wait(timeout=60) == 0
+            assert not os.path.ismount(mnt)
+        finally:
+            if fg.poll() is None:
+                fg.kill()
+                fg.wait()
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, check=False)
+    assert "ERROR" not in (tmp_path / "bg.log").read_text()
