@@ -626,7 +626,8 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         add("")
         add(notes.strip())
         add("")
-    add("Raw figures: `bench/results.json`; per-burst plots and results: `bench/results/`.")
+    add("Raw figures: `bench/results.json`; per-burst plots and full results (timelines, "
+        "per-rank times) go to `bench/results/`, which each run rewrites and git ignores.")
     add("")
     return "\n".join(lines)
 
