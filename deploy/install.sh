@@ -24,6 +24,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 PYTHON="${PYTHON:-python3}"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
+    echo "install.sh: needs Python 3.11 or later as $PYTHON (Debian 12 or later), or set PYTHON=" >&2
+    exit 1
+}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
