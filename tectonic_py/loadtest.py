@@ -1059,6 +1059,14 @@ def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
 # --- CLI -------------------------------------------------------------------------------------
 
 
+def _size_arg(text: str) -> int:
+    """argparse type for sizes: a bad one is a usage error (one line), not a traceback."""
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _pids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -1094,13 +1102,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--through-mount", metavar="MOUNTPOINT", help="real file I/O on a mount")
     p.add_argument("--ranks", type=int, default=64, help="ranks saving at once (default 64)")
     p.add_argument("--processes", type=int, default=0, help="worker processes (0: auto)")
-    p.add_argument("--shard-size", type=parse_size, default=16 * MiB, help="fixed shard size")
+    p.add_argument("--shard-size", type=_size_arg, default=16 * MiB,
+                   help="fixed shard size, e.g. 16MiB, 1MB (default 16MiB)")
     p.add_argument(
         "--size-dist", choices=["fixed", "uniform", "loguniform"], default="fixed",
         help="shard sizes: fixed (--shard-size) or drawn between --min-size and --max-size",
     )
-    p.add_argument("--min-size", type=parse_size, default=1_000_000)
-    p.add_argument("--max-size", type=parse_size, default=64 * MiB)
+    p.add_argument("--min-size", type=_size_arg, default=1_000_000, help="default 1MB")
+    p.add_argument("--max-size", type=_size_arg, default=64 * MiB, help="default 64MiB")
     p.add_argument("--steps", type=int, default=1, help="checkpoint steps in a row")
     p.add_argument("--keep-last", type=int, default=0, help="delete older steps (0: keep all)")
     p.add_argument("--no-restore", action="store_true", help="skip the restore (read) phase")

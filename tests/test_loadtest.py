@@ -165,6 +165,9 @@ def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
                        cwd=REPO, timeout=60)
     assert r.returncode == 1
     assert "not found" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*run, "--through-mount", str(tmp_path), "--shard-size", "abc"],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and "bad size 'abc'" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([*run, "--through-mount", str(tmp_path), "--verify-only"],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 1 and "--dir" in r.stderr and "Traceback" not in r.stderr
