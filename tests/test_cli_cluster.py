@@ -109,14 +109,17 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
         client("put", cluster, "/ckpt.bin", local)
         assert client("get", cluster, "/ckpt.bin") == digest
 
-        rc, st = status(cluster)
+        # chunk counts arrive with the next heartbeats: 3 blocks of 6 chunks
+        rc, st = wait_for_status(
+            cluster, lambda s: sum(n["chunk_count"] for n in s["nodes"]) == 3 * 6, "18 chunks"
+        )
         assert rc == 0
         assert sorted(n["node_id"] for n in st["nodes"]) == [f"cs{i}" for i in range(6)]
         for n in st["nodes"]:
             assert n["state"] == "up"
             assert {"address", "failure_domain", "capacity", "free", "chunk_count"} <= n.keys()
             assert 0 < n["free"] <= n["capacity"]
-        assert sum(n["chunk_count"] for n in st["nodes"]) == 3 * 6
+            assert n["chunk_count"] == 3, "one chunk of every block on every node"
         assert [s["state"] for s in st["metadata_servers"]] == ["up", "up"]
         assert sorted(x for s in st["metadata_servers"] for x in s["shards"]) == list(range(8))
         assert st["degraded_blocks"] == []
