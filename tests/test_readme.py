@@ -107,3 +107,26 @@ def test_quickstart_from_a_fresh_checkout(fresh_checkout: Path) -> None:
     assert stop.returncode == 0, stop.stderr
     assert not os.path.ismount(mnt)
     assert not (repo / "demo-cluster" / "cluster.pid").exists()
+
+
+def test_systemd_units_are_valid(tmp_path: Path) -> None:
+    """docs/operations.md tells operators to install these units: systemd must accept them.
+    The only complaint allowed is the missing /opt/tectonic-py install on this machine."""
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    units = []
+    for unit in sorted((REPO / "deploy" / "systemd").glob("*.service")):
+        name = unit.name.replace("@.", "@x0.")  # an instance of each template
+        shutil.copy(unit, tmp_path / name)
+        units.append(str(tmp_path / name))
+    assert len(units) == 4
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *units],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    complaints = [
+        ln
+        for ln in (proc.stdout + proc.stderr).splitlines()
+        if ln.strip() and "/opt/tectonic-py/.venv/bin/tectonic is not executable" not in ln
+    ]
+    assert complaints == []
