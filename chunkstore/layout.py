@@ -40,11 +40,12 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tectonic_py.checksum import checksum as crc32c
+from tectonic_py.checksum import combine, segment_checksums
 from tectonic_py.errors import (
     ChecksumMismatch,
     ChunkConflict,
@@ -105,11 +106,24 @@ def length_from_file_size(size: int) -> int:
     return max(body - 4 * n, 0)
 
 
-def encode_header(data: memoryview | bytes | bytearray, whole_crc: int) -> bytes:
-    """Header and segment table for ``data``, whose crc32c the caller already checked."""
+def encode_header(
+    data: memoryview | bytes | bytearray,
+    whole_crc: int,
+    segment_crcs: Sequence[int] | None = None,
+) -> bytes:
+    """Header and segment table for ``data``, whose crc32c the caller already checked.
+
+    ``segment_crcs``: the table, when the caller already has it (``write_chunk`` gets it in
+    the same pass that checks the whole CRC); computed here otherwise.
+    """
     view = memoryview(data).cast("B")
     length = len(view)
-    crcs = [crc32c(view[i : i + SEGMENT_SIZE]) for i in range(0, length, SEGMENT_SIZE)]
+    if segment_crcs is None:
+        crcs = list(segment_checksums(view, SEGMENT_SIZE)[0])
+    else:
+        crcs = list(segment_crcs)
+        if len(crcs) != segment_count(length):
+            raise InvalidArgument(f"{len(crcs)} segment CRCs for {length} bytes")
     table = struct.pack(f"!{len(crcs)}I", *crcs)
     head = HEADER.pack(VERSION, MAGIC, length, whole_crc, SEGMENT_SIZE, len(crcs), 0)
     hcrc = crc32c(table, crc32c(head[:HEADER_CRC_OFFSET]))
@@ -198,7 +212,8 @@ def write_chunk(
     The caller serialises writes of one chunk id.
     """
     view = memoryview(data).cast("B")
-    whole = crc32c(view)
+    # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
+    segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE)
     if whole != checksum:
         raise ChecksumMismatch(
             f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"
@@ -229,7 +244,7 @@ def write_chunk(
         if verify_chunk(path):
             return 0, 0
         log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
-    header = encode_header(view, whole)
+    header = encode_header(view, whole, segment_crcs)
     directory = path.parent
     tmp = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
     try:
@@ -398,9 +413,15 @@ def verify_chunk(path: Path) -> bool:
                 return False
             for lo in range(0, len(view), header.segment_size):
                 piece = view[lo : lo + header.segment_size]
-                if crc32c(piece) != header.segment_crcs[i]:
+                crc = crc32c(piece)
+                if crc != header.segment_crcs[i]:
                     return False
-                whole = crc32c(piece, whole)
+                # Full segments combine from their CRCs (no second pass); the short last one
+                # is streamed (a table per odd length would not pay).
+                if len(piece) == header.segment_size:
+                    whole = combine(whole, crc, len(piece))
+                else:
+                    whole = crc32c(piece, whole)
                 i += 1
             pos += len(view)
         return whole == header.checksum

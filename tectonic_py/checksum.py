@@ -4,13 +4,93 @@ The client computes a chunk's checksum right after encoding, the chunk store ver
 put and on every read from disk, and the Block layer records it, so a chunk is checked at
 every hop from the writer's memory to the reader's. crc32c releases the GIL on large buffers,
 so these calls run in worker threads alongside zfec.
+
+``segment_checksums`` gives the CRCs of fixed-size segments *and* the CRC of the whole in one
+pass over the bytes: the whole-buffer CRC is combined from the segment CRCs (the
+CRC of A||B is a linear function of crc(A), xor crc(B)) instead of being computed by a
+second pass. The chunk store needs both for every put, and the CRC instruction, not memory,
+bounds their speed, so a second pass would cost as much again.
 """
 
 from __future__ import annotations
 
 from crc32c import crc32c as _crc32c
 
+_MASK = 0xFFFFFFFF
+
 
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32C of ``data``, continuing from ``value`` (for streaming over pieces)."""
     return _crc32c(data, value)
+
+
+class _Shift:
+    """The linear map crc(A) -> crc(A || zeros(n)) xor crc(zeros(n)), as four byte tables.
+
+    Appending ``n`` bytes multiplies the CRC register by x^(8n) modulo the polynomial, a
+    GF(2)-linear map of the 32-bit value; the CRC's pre- and post-inversion cancel out of
+    crc(A||B) = shift_n(crc(A)) ^ crc(B) (as in zlib's crc32_combine). The map's image of
+    each of the 32 unit vectors is found with crc32c itself over n zero bytes, and the
+    tables make applying it four lookups.
+    """
+
+    def __init__(self, n: int) -> None:
+        zeros = bytes(n)
+        # The bare register update over n zero bytes: crc32c inverts on the way in and out.
+        basis = [(~_crc32c(zeros, ~(1 << i) & _MASK)) & _MASK for i in range(32)]
+        self.tables: list[list[int]] = []
+        for byte in range(4):
+            table = [0] * 256
+            for b in range(1, 256):
+                low = b & -b
+                table[b] = table[b ^ low] ^ basis[8 * byte + low.bit_length() - 1]
+            self.tables.append(table)
+
+    def __call__(self, crc: int) -> int:
+        t0, t1, t2, t3 = self.tables
+        return t0[crc & 0xFF] ^ t1[(crc >> 8) & 0xFF] ^ t2[(crc >> 16) & 0xFF] ^ t3[crc >> 24]
+
+
+_shifts: dict[int, _Shift] = {}
+
+
+def _shift(n: int) -> _Shift:
+    shift = _shifts.get(n)
+    if shift is None:
+        shift = _Shift(n)
+        if len(_shifts) < 64:  # a few fixed segment sizes in practice; never unbounded
+            _shifts[n] = shift
+    return shift
+
+
+def combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of A||B from crc(A), crc(B) and len(B), without touching the bytes.
+
+    Each distinct ``len_b`` builds (and caches) a table once, so it suits the few fixed
+    segment sizes of a chunk format, not arbitrary lengths.
+    """
+    if len_b == 0:
+        return crc_a
+    return _shift(len_b)(crc_a) ^ crc_b
+
+
+def segment_checksums(
+    data: bytes | bytearray | memoryview, segment_size: int
+) -> tuple[list[int], int]:
+    """(CRC-32C of each ``segment_size`` piece of ``data`` (the last may be shorter), CRC-32C
+    of all of ``data``), reading every byte once."""
+    view = memoryview(data).cast("B")
+    length = len(view)
+    full = length - length % segment_size
+    shift = _shift(segment_size)
+    crcs = [_crc32c(view[i : i + segment_size]) for i in range(0, full, segment_size)]
+    whole = 0
+    for c in crcs:
+        whole = shift(whole) ^ c
+    if full < length:
+        # The short tail: a second pass over < segment_size bytes beats a table for an
+        # arbitrary length.
+        tail = view[full:]
+        crcs.append(_crc32c(tail))
+        whole = _crc32c(tail, whole)
+    return crcs, whole

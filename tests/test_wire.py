@@ -281,3 +281,36 @@ def test_parse_address():
     for bad in ["nohost", ":80", "h:", "h:99999", "h:x"]:
         with pytest.raises(ConfigError):
             wire.parse_address(bad)
+
+
+async def test_payload_buffers_are_reused_but_never_while_a_view_lives(nursery, secret):
+    kept: list[memoryview] = []
+
+    async def keep(req: wire.Request):
+        kept.append(req.require_payload())
+        return {}
+
+    async def digest(req: wire.Request):
+        return {"sum": sum(req.require_payload()[:: 4096])}
+
+    server = wire.RpcServer("t", secret, {"keep": keep, "digest": digest})
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        size = 256 * 1024
+        await conn.call("digest", {}, bytes([1]) * size)
+        before = server._spares.reused
+        for i in range(4):
+            resp = await conn.call("digest", {}, bytes([i + 2]) * (size - i))
+            assert resp.fields["sum"] == (i + 2) * len(range(0, size - i, 4096))
+        assert server._spares.reused >= before + 3  # a buffer went round and came back
+        await conn.call("keep", {}, b"\x07" * size)
+        for i in range(3):
+            await conn.call("digest", {}, b"\x09" * size)
+        assert bytes(kept[0]) == b"\x07" * size  # the kept view was never handed out again
+        # echo replies with a view of its own payload: the buffer is reused only after the send.
+        echo_server = wire.RpcServer("e", secret, HANDLERS)
+        _, eport = await nursery.start(echo_server.serve, "127.0.0.1", 0)
+    async with wire.open_connection("127.0.0.1", eport, secret) as conn:
+        for i in range(3):
+            data = bytes([i]) * size
+            assert bytes((await conn.call("echo", {}, data)).payload) == data
