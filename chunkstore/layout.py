@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import secrets
 import struct
@@ -66,6 +67,7 @@ HEADER_CRC_OFFSET = 28
 TMP_PREFIX = ".tmp-"
 MAX_CHUNK_ID_LEN = 24
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
 @dataclass(frozen=True)
@@ -345,14 +347,15 @@ def read_chunk(
     chunk_id: str,
     offset: int = 0,
     length: int | None = None,
-    alloc: Callable[[int], bytearray] = bytearray,
+    alloc: Callable[[int], Buffer] = bytearray,
 ) -> tuple[ChunkHeader, memoryview, int]:
     """Read verified bytes of a chunk: (header, bytes, crc32c of those bytes).
 
     A whole read is checked against the whole-chunk CRC; a ranged read reads and checks
     only the segments it overlaps. Either way, bytes that fail raise ChunkCorrupt and are
     never returned. The bytes are a view of one buffer read straight from the file, made by
-    ``alloc`` (the daemon's allocator charges it to a memory budget).
+    ``alloc``, which may give more than it was asked for (the daemon's allocator charges
+    it to a memory budget and reuses buffers).
     """
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)
@@ -369,7 +372,7 @@ def read_chunk(
                 f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
             )
         if offset == 0 and length == header.length:
-            buf = memoryview(alloc(length))
+            buf = memoryview(alloc(length))[:length]
             _pread_into(fd, buf, header.data_offset, chunk_id)
             crc = crc32c(buf)
             if crc != header.checksum:
@@ -380,7 +383,7 @@ def read_chunk(
         last = segment_count(offset + length, seg) if length else first
         start = first * seg
         span = min(last * seg, header.length) - start
-        buf = memoryview(alloc(span))
+        buf = memoryview(alloc(span))[:span]
         _pread_into(fd, buf, header.data_offset + start, chunk_id)
         for i in range(first, last):
             lo = i * seg - start

@@ -35,8 +35,7 @@ import json
 import logging
 import os
 import socket
-import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ import trio
 from chunkstore import layout
 from chunkstore.scrub import Scrubber
 from tectonic_py import capability, wire
+from tectonic_py.wire import Buffer
 from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
 
@@ -130,20 +130,14 @@ class _ChunkLocks:
                 self._locks[chunk_id] = (lock, users - 1)
 
 
-class _ReplyBuffer(bytearray):
-    """A get reply's buffer; weak-referenceable so its memory budget is returned when the
-    wire layer drops the last view of it, after the reply is sent (or the peer is gone)."""
-
-    __slots__ = ("__weakref__",)
-
-
 class _ReplyBudget:
     """Bytes of get replies held in memory: read from disk, verified, not yet sent.
 
     Without it a restore burst (thousands of readers, or readers slower than the disk) could
     hold a chunk per request in memory. Acquired from the worker thread that reads (through
-    ``trio.from_thread``), released by a finalizer on the buffer, which may run on any thread,
-    so the release itself always hops to the event loop.
+    ``trio.from_thread``), together with a buffer from ``spares``; both are given back by the
+    wire layer once the reply is sent or dropped (the handler's third reply item), and the
+    buffer is reused for a later get (a fresh one costs a memset and page faults per get).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -152,7 +146,7 @@ class _ReplyBudget:
         self.peak = 0
         self.waiting = 0
         self._lot = trio.lowlevel.ParkingLot()
-        self._token = trio.lowlevel.current_trio_token()
+        self.spares = wire.SpareBuffers(min(capacity // 8, 32 * MiB))
 
     async def acquire(self, n: int) -> None:
         # A request larger than the whole budget still runs, alone.
@@ -165,24 +159,24 @@ class _ReplyBudget:
         self.held += n
         self.peak = max(self.peak, self.held)
 
-    def _release(self, n: int) -> None:
-        self.held -= n
-        self._lot.unpark_all()
+    async def _take(self, n: int) -> Buffer:
+        await self.acquire(n)
+        return self.spares.take(n)
 
-    def release_soon(self, n: int) -> None:
-        try:
-            self._token.run_sync_soon(self._release, n)
-        except trio.RunFinishedError:
-            pass
-
-    def alloc(self, n: int, leases: list[weakref.finalize]) -> bytearray:
-        """Called in a worker thread: wait for budget, then a buffer that returns it when
-        freed. Its lease goes into ``leases`` so a failed read returns the budget at once: a
-        traceback can keep the buffer alive until the garbage collector runs."""
-        trio.from_thread.run(self.acquire, n)
-        buf = _ReplyBuffer(n)
-        leases.append(weakref.finalize(buf, self.release_soon, n))
+    def alloc(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:
+        """Called in a worker thread: wait for budget, then a buffer of at least ``n`` bytes.
+        It goes into ``taken``; ``give_back(taken)`` (event loop) returns budget and buffers."""
+        buf = trio.from_thread.run(self._take, n)
+        taken.append((buf, n))
         return buf
+
+    def give_back(self, taken: list[tuple[Buffer, int]]) -> None:
+        """Return the budget of ``taken`` at once; keep the buffers no view refers to."""
+        while taken:
+            buf, n = taken.pop()
+            self.held -= n
+            self.spares.give_back(buf)
+        self._lot.unpark_all()
 
 
 class ChunkStoreServer:
@@ -338,7 +332,9 @@ class ChunkStoreServer:
         self.chunk_count += count
         return {}
 
-    async def _get(self, req: wire.Request) -> tuple[dict[str, Any], memoryview]:
+    async def _get(
+        self, req: wire.Request
+    ) -> tuple[dict[str, Any], memoryview, Callable[[], None]]:
         chunk_id = self._chunk_id(req)
         offset = req.int("offset", 0, hi=MAX_CHUNK)
         length = req.int("length", None, hi=MAX_CHUNK)
@@ -347,7 +343,7 @@ class ChunkStoreServer:
             async with self._reads:
                 assert self._replies is not None
                 replies = self._replies
-                leases: list[weakref.finalize] = []
+                taken: list[tuple[Buffer, int]] = []
                 try:
                     header, data, crc = await trio.to_thread.run_sync(
                         layout.read_chunk,
@@ -355,15 +351,15 @@ class ChunkStoreServer:
                         chunk_id,
                         offset,
                         length,
-                        lambda n: replies.alloc(n, leases),
+                        lambda n: replies.alloc(n, taken),
                     )
                 except BaseException:
-                    for lease in leases:
-                        lease()  # a finalizer runs at most once: never a double release
+                    replies.give_back(taken)
                     raise
         finally:
             self._outstanding -= 1
-        return {"size": header.length, "checksum": header.checksum, "range_checksum": crc}, data
+        fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
+        return fields, data, lambda: replies.give_back(taken)
 
     async def _delete(self, req: wire.Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)

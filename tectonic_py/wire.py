@@ -85,7 +85,7 @@ PROTO = 1
 PREFIX = struct.Struct("!BBHII")
 MiB = 1024 * 1024
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,7 @@ class SpareBuffers:
     A fresh 4 MiB buffer costs a memset and a thousand page faults (and an munmap when
     freed): on a chunk store that was a tenth of the CPU of a put or a get. Buffers of at
     least ``MIN_SIZE`` are anonymous mmaps (page aligned, so they also suit O_DIRECT), their
-    sizes rounded up (powers of two to 1 MiB, then whole MiB) so that chunks of nearby
-    lengths share them; the user takes a view of the first ``n`` bytes. At most ``keep``
+    sizes rounded up (``size_class``) so that chunks of nearby lengths share them; the user takes a view of the first ``n`` bytes. At most ``keep``
     bytes of spares are kept. A buffer is kept only when no view of it is alive
     (``_unshared``), so bytes a handler, a reply or a worker thread still refers to are never
     handed out again. Event-loop thread only.
@@ -207,11 +206,11 @@ class SpareBuffers:
 
     @classmethod
     def size_class(cls, n: int) -> int:
+        """``n`` rounded up to one of eight steps per power of two (at most 1/8 more)."""
         if n < cls.MIN_SIZE:
             return n
-        if n <= MiB:
-            return 1 << (n - 1).bit_length()
-        return -(-n // MiB) * MiB
+        step = max(4096, 1 << ((n - 1).bit_length() - 4))
+        return -(-n // step) * step
 
     def take(self, n: int) -> bytearray | mmap.mmap:
         """A buffer of at least ``n`` bytes (contents undefined); give it back when done."""
@@ -346,7 +345,14 @@ class Request:
         return self.payload
 
 
-Reply = Union[dict[str, Any], tuple[dict[str, Any], Buffer], None]
+# A handler's reply: fields, fields and a payload, or fields, a payload and a callback the
+# server calls once the payload is sent or dropped (so the handler can reuse its buffer).
+Reply = Union[
+    dict[str, Any],
+    tuple[dict[str, Any], Buffer],
+    tuple[dict[str, Any], Buffer, Callable[[], None]],
+    None,
+]
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
@@ -588,10 +594,13 @@ class RpcServer:
         """Answer one request; then offer its payload buffer for reuse. The answering is a
         call of its own so that every view it made of the payload (the reply, a view the
         handler returned) is gone when the buffer is checked for live views."""
+        sent: list[Callable[[], None]] = []
         try:
-            await self._answer(sock, send_lock, handler, request, rid, plen)
+            await self._answer(sock, send_lock, handler, request, rid, plen, sent)
         finally:
             inflight.release()
+            for callback in sent:
+                callback()
             if buf is not None:
                 self._spares.give_back(buf)
 
@@ -603,6 +612,7 @@ class RpcServer:
         request: Request,
         rid: int,
         plen: int,
+        sent: list[Callable[[], None]],
     ) -> None:
         self.stats.requests += 1
         self.stats.requests_in_flight += 1
@@ -613,7 +623,9 @@ class RpcServer:
                 if reply is None:
                     out_fields: dict[str, Any] = {}
                 elif isinstance(reply, tuple):
-                    out_fields, out_payload = reply
+                    out_fields, out_payload = reply[0], reply[1]
+                    if len(reply) > 2:
+                        sent.append(reply[2])  # type: ignore[misc]
                 else:
                     out_fields = reply
                 header: dict[str, Any] = {"rid": rid, "f": out_fields}

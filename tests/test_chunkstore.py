@@ -845,3 +845,23 @@ def test_advertised_address_for_wildcard_listen():
     assert _advertised_address("::1", 7200, None) == "[::1]:7200"
     assert _advertised_address("0.0.0.0", 7200, None) == "127.0.0.1:7200"
     assert _advertised_address("0.0.0.0", 7200, "127.0.0.1:7100") == "127.0.0.1:7200"
+
+
+async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, tmp_path, secret):
+    server, port = await start_store(nursery, tmp_path / "d", secret)
+    chunks = []
+    async with open_client(port, secret) as c:
+        for i in range(3):
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(MiB, i), cap)
+            chunks.append((cid, i))
+        for _ in range(3):
+            for cid, i in chunks:
+                assert bytes(await c.get(cid)) == payload(MiB, i)
+                assert bytes(await c.get(cid, 70_000, 300_000)) == payload(MiB, i)[70_000:370_000]
+    assert server._replies.spares.reused >= 10
+    for _ in range(500):  # the last reply's buffer comes back right after its send
+        if server.reply_bytes_held == 0:
+            break
+        await trio.sleep(0.01)
+    assert server.reply_bytes_held == 0
