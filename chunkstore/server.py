@@ -198,6 +198,7 @@ class ChunkStoreServer:
                 "scrub_report": self._scrub_report,
             },
             config.limits,
+            payload_room={"put": layout.put_room},
         )
         self._writes = trio.CapacityLimiter(config.max_concurrent_writes)
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
@@ -323,7 +324,7 @@ class ChunkStoreServer:
         try:
             async with self._locks.hold(chunk_id), self._writes:
                 added, count = await trio.to_thread.run_sync(
-                    layout.write_chunk, self.data_dir, chunk_id, data, checksum
+                    layout.write_chunk, self.data_dir, chunk_id, data, checksum, req.buffer
                 )
         finally:
             self._outstanding -= 1

@@ -279,15 +279,23 @@ async def _read_prefix_and_header(
 class Request:
     """One decoded request as a handler sees it: validated typed access to its fields."""
 
-    __slots__ = ("op", "fields", "payload", "peer")
+    __slots__ = ("op", "fields", "payload", "peer", "buffer")
 
     def __init__(
-        self, op: str, fields: dict[str, Any], payload: memoryview | None, peer: str
+        self,
+        op: str,
+        fields: dict[str, Any],
+        payload: memoryview | None,
+        peer: str,
+        buffer: memoryview | None = None,
     ) -> None:
         self.op = op
         self.fields = fields
         self.payload = payload
         self.peer = peer
+        # For ops with a ``payload_room``: the whole page-aligned buffer the payload was
+        # received into, at the offset the room asked for (the handler may write around it).
+        self.buffer = buffer
 
     _MISSING: Any = object()
 
@@ -416,8 +424,13 @@ class RpcServer:
         secret: bytes,
         handlers: Mapping[str, Handler],
         limits: Limits = DEFAULT_LIMITS,
+        payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
     ) -> None:
+        """``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
+        ``offset`` of a page-aligned buffer of ``size`` bytes, given to the handler as
+        ``Request.buffer`` (the chunk store receives a put where its file image needs it)."""
         self.name = name
+        self.payload_room = dict(payload_room or {})
         self._secret = secret
         self.handlers = dict(handlers)
         self.limits = limits
@@ -540,6 +553,7 @@ class RpcServer:
                             )
                         continue
                     payload: memoryview | None = None
+                    whole: memoryview | None = None
                     buf: bytearray | mmap.mmap | None = None
                     if plen:
                         if self._budget._free < plen and not self._budget.can_queue():
@@ -556,8 +570,13 @@ class RpcServer:
                             continue
                         await self._budget.acquire(plen)
                         try:
-                            buf = self._spares.take(plen)
-                            payload = memoryview(buf)[:plen]
+                            room = self.payload_room.get(op)
+                            start, size = room(plen) if room is not None else (0, plen)
+                            buf = self._spares.take(size)
+                            whole = memoryview(buf)[:size]
+                            payload = whole[start : start + plen]
+                            if room is None or not isinstance(buf, mmap.mmap):
+                                whole = None
                             await _recv_exactly(sock, payload)
                         except BaseException:
                             await self._budget.release(plen)
@@ -569,13 +588,13 @@ class RpcServer:
                         send_lock,
                         inflight,
                         handler,
-                        Request(op, fields, payload, peer),
+                        Request(op, fields, payload, peer, whole),
                         rid,
                         plen,
                         buf,
                     )
                     # Only the handler may refer to the buffer now, so that it can be reused.
-                    payload = buf = None
+                    payload = whole = buf = None
             except (_Closed, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             nursery.cancel_scope.cancel()
@@ -634,7 +653,7 @@ class RpcServer:
             except Exception as e:
                 header, out_payload = error_to_header(rid, e), None
             finally:
-                request.payload = None
+                request.payload = request.buffer = None
                 if plen:
                     await self._budget.release(plen)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes

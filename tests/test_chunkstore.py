@@ -865,3 +865,33 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
             break
         await trio.sleep(0.01)
     assert server.reply_bytes_held == 0
+
+
+@pytest.mark.parametrize("length", [1, 4095, 65536, 4 * MiB, 4 * MiB + 777])
+def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, length):
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    data = os.urandom(length)
+    offset, size = layout.put_room(length)
+    buf = wire.SpareBuffers(0).take(max(size, wire.SpareBuffers.MIN_SIZE))
+    image = memoryview(buf)[:size]
+    image[:] = b"\xee" * size  # stale bytes around the payload must not reach the file
+    image[offset : offset + length] = data
+    direct: list[bool] = []
+    real = layout._write_direct
+    monkeypatch.setattr(
+        layout, "_write_direct", lambda *a: direct.append(real(*a)) or direct[-1]
+    )
+    cid, _ = new_chunk(b"s" * 32)
+    assert layout.write_chunk(data_dir, cid, image[offset : offset + length], crc32c(data), image)
+    path = layout.chunk_path(data_dir, cid)
+    assert path.stat().st_size == layout.file_size_for(length)
+    assert layout.verify_chunk(path)
+    assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
+    assert direct in ([True], [False])  # False only where the filesystem refuses O_DIRECT
+    # An image that does not hold the payload at its place is not used: buffered write.
+    other = os.urandom(length)
+    cid2, _ = new_chunk(b"s" * 32)
+    direct.clear()
+    layout.write_chunk(data_dir, cid2, other, crc32c(other), image)
+    assert direct == [] and bytes(layout.read_chunk(data_dir, cid2)[1]) == other
