@@ -36,10 +36,16 @@ then to byte ranges of data chunks (systematic code: no decoding), verified by t
 store's CRC of the range. Sequential ``read`` fetches whole blocks (k chunks received straight
 into one buffer, each checked against the CRC-32C recorded in the Block layer) and reads ahead
 ``readahead_blocks`` in parallel into the bounded block cache. Any chunk that is missing,
-corrupt or slower than ``slow_chunk_s`` makes the read *degraded*: parity chunks are fetched
-and zfec rebuilds the data (at most ``max_reconstructions`` at once per client, so an overload
+corrupt makes the read *degraded*: parity chunks are fetched and zfec rebuilds the data (at most ``max_reconstructions`` at once per client, so an overload
 cannot become a reconstruction storm). Every bad chunk is logged at WARNING and recorded in
 ``statistics().bad_chunks`` for the repair service.
+
+Slowness is never failure. Under a burst every chunk store queues, parity chunks as much as
+data chunks; a client that gave up on slow requests would fail reads and writes whose bytes are
+all there (4,096-rank restore: 1,179 ranks got QuorumLost). So a slow get or put only *starts*
+a hedge (a parity fetch, a put to a spare node) while the original request keeps running; a
+block read or write fails only when too many requests have actually failed (an error from the
+store, or the connection lost).
 
 Error handling: every public method raises only ``tectonic_py.errors`` classes, never
 exception groups. Resource handling: background tasks (flushes, readahead, connection
@@ -316,10 +322,13 @@ class TectonicClient:
     * ``readahead_blocks``: whole blocks fetched ahead of a sequential reader;
     * ``write_quorum``: chunks that must land for a block to commit (default k + 1);
     * ``hedge``: extra nodes asked for with every block, for re-sending failed chunks;
-    * ``chunk_timeout``: a chunk put slower than this fails and is re-sent elsewhere;
     * ``write_hedge_s``: a chunk put still running after this is also sent to a spare
       (hedge) node, and the first to accept wins;
-    * ``slow_chunk_s``: a chunk get slower than this fails (and is read around);
+    * ``chunk_timeout``: a put still running this long after its last hedge is hedged again
+      (while spare nodes are left); it never fails the put;
+    * ``slow_chunk_s``: a block's chunks still missing after this get every parity chunk
+      left fetched as well, and a range read falls back to a whole-block read; the slow
+      requests keep running and never count as failed;
     * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
       parity fetches (first k good chunks win);
     * ``codec_threads``: zfec/CRC worker threads (the cores);
@@ -568,15 +577,21 @@ class TectonicClient:
             async with open_service_nursery() as puts:
                 running += 1
                 puts.start_soon(run, *target)
-                with trio.move_on_after(self.write_hedge_s):
-                    await settled.wait()
-                if not settled.is_set():
+                wait = self.write_hedge_s
+                while not settled.is_set():
+                    with trio.move_on_after(wait):
+                        await settled.wait()
+                    if settled.is_set():
+                        break
                     spare = await replacement()
-                    if spare is not None:
-                        self.stats.hedged_puts += 1
-                        running += 1
-                        puts.start_soon(run, *spare)
-                    await settled.wait()
+                    if spare is None:
+                        # No node left to hedge to: the running puts are slow, not failed.
+                        await settled.wait()
+                        break
+                    self.stats.hedged_puts += 1
+                    running += 1
+                    puts.start_soon(run, *spare)
+                    wait = self.chunk_timeout
                 puts.cancel_scope.cancel()
             return winner
 
@@ -617,23 +632,22 @@ class TectonicClient:
     async def _put_chunk(
         self, node: NodeInfo, cap: bytes, cid: str, enc: EncodedBlock, i: int
     ) -> None:
-        """One chunk to one node, retrying only what the server says is retryable."""
+        """One chunk to one node, retrying only what the server says is retryable. No time
+        limit: a slow put is hedged by ``_put_chunks``, never failed (a burst makes every
+        store slow, and failing them all would lose the write)."""
         for attempt in range(4):
-            with trio.move_on_after(self.chunk_timeout) as scope:
-                try:
-                    await self.pool.call(
-                        node.address,
-                        "put",
-                        {"chunk_id": cid, "checksum": enc.checksums[i], "cap": cap},
-                        enc.chunks[i],
-                    )
-                    return
-                except TectonicError as e:
-                    if not e.retryable or isinstance(e, Unavailable) or attempt == 3:
-                        raise
-                await trio.sleep(0.05 * (attempt + 1))
-            if scope.cancelled_caught:
-                raise Timeout(f"put of {cid} to {node.node_id} took over {self.chunk_timeout}s")
+            try:
+                await self.pool.call(
+                    node.address,
+                    "put",
+                    {"chunk_id": cid, "checksum": enc.checksums[i], "cap": cap},
+                    enc.chunks[i],
+                )
+                return
+            except TectonicError as e:
+                if not e.retryable or isinstance(e, Unavailable) or attempt == 3:
+                    raise
+            await trio.sleep(0.05 * (attempt + 1))
 
     # --- read side: blocks and ranges ----------------------------------------------------------
 
@@ -660,20 +674,27 @@ class TectonicClient:
         )
 
     async def _get_into(
-        self, info: BlockInfo, pl: ChunkPlacement, into: memoryview, offset: int = 0
+        self,
+        info: BlockInfo,
+        pl: ChunkPlacement,
+        into: memoryview,
+        offset: int = 0,
+        *,
+        limit: float = math.inf,
     ) -> None:
         """Fetch ``len(into)`` bytes of a chunk at ``offset`` straight into ``into``, verified:
         a whole chunk against the Block layer's CRC (end to end), a range against the chunk
-        store's CRC of that range."""
+        store's CRC of that range. ``limit`` is only for callers with a whole-block read to
+        fall back on (a range read); whole-block fetches hedge instead of timing out."""
         address = await self._address(pl)
         cid = chunk_id(info.block_id, pl.index)
-        with trio.move_on_after(self.slow_chunk_s) as scope:
+        with trio.move_on_after(limit) as scope:
             resp = await self.pool.call(
                 address, "get", {"chunk_id": cid, "offset": offset, "length": into.nbytes},
                 into=into,
             )
         if scope.cancelled_caught:
-            raise Timeout(f"get of {cid} from {pl.node_id} took over {self.slow_chunk_s}s")
+            raise Timeout(f"get of {cid} from {pl.node_id} took over {limit}s")
         payload = resp.payload
         if payload is None or payload.nbytes != into.nbytes:
             got = 0 if payload is None else payload.nbytes
@@ -713,8 +734,10 @@ class TectonicClient:
 
     async def _fetch_block(self, info: BlockInfo) -> memoryview:
         """Whole-block fetch: the k data chunks straight into one buffer; a chunk that fails
-        starts a parity fetch at once, and data chunks still missing after ``read_hedge_s``
-        are hedged with parity fetches too; the first k good chunks win."""
+        starts a parity fetch at once, data chunks still missing after ``read_hedge_s`` are
+        hedged with parity fetches too, and after ``slow_chunk_s`` every parity chunk left is
+        asked for; the first k good chunks win. Slow requests keep running: the fetch fails
+        only when every request has finished and fewer than k chunks came back good."""
         policy = ECPolicy.parse(info.ec)
         k, cl = policy.k, info.chunk_len
         out = memoryview(self.cache.take(k * cl))
@@ -756,14 +779,21 @@ class TectonicClient:
                     start(i)
                 else:
                     start_spare()
-            deadline = trio.current_time() + self.read_hedge_s
+            hedge_at = trio.current_time() + self.read_hedge_s
+            slow_at = trio.current_time() + self.slow_chunk_s
             while len(chunks) < k and pending:
-                with trio.move_on_at(deadline) as scope:
+                with trio.move_on_at(min(hedge_at, slow_at)) as scope:
                     _i, ok = await results.receive()
                 if scope.cancelled_caught:
-                    deadline = math.inf
-                    for _ in range(min(pending, k - len(chunks))):
-                        start_spare()
+                    now = trio.current_time()
+                    if now >= hedge_at:
+                        hedge_at = math.inf
+                        for _ in range(min(pending, k - len(chunks))):
+                            start_spare()
+                    if now >= slow_at:
+                        slow_at = math.inf
+                        while spares:
+                            start_spare()
                     continue
                 pending -= 1
                 if not ok:
@@ -813,8 +843,11 @@ class TectonicClient:
                 return
             try:
                 await self._get_into(
-                    info, pl, out[r.out_offset : r.out_offset + r.length], r.chunk_offset
+                    info, pl, out[r.out_offset : r.out_offset + r.length], r.chunk_offset,
+                    limit=self.slow_chunk_s,
                 )
+            except Timeout:
+                failed = True  # slow, not bad: read the whole block (hedged), report nothing
             except TectonicError as e:
                 self._report_bad(info, pl, e)
                 failed = True
