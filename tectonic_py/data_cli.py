@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from tectonic_py.client import TectonicClient, open_client
+from tectonic_py.ec_policy import ECPolicy
 from tectonic_py.errors import ConfigError, IsADirectory
 
 MiB = 1024 * 1024
@@ -168,6 +169,8 @@ async def _rm(client: TectonicClient, paths: list[str], recursive: bool) -> None
 
 
 def cmd_put(args: argparse.Namespace) -> int:
+    if args.ec:
+        ECPolicy.parse(args.ec)  # before a connection or a file is made
     r = trio.run(_run, args.cluster_file, _put, args.local, _remote(args.remote), args.ec,
                  args.quiet)
     if not args.quiet:
@@ -211,6 +214,9 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_mkdir(args: argparse.Namespace) -> int:
+    if args.ec:
+        ECPolicy.parse(args.ec)  # before anything is created: a typo changes nothing
+
     async def go(client: TectonicClient) -> None:
         for p in args.paths:
             attrs = await client.mkdir(_remote(p), parents=args.parents)

@@ -221,3 +221,45 @@ def test_mount_without_dev_fuse(tmp_path: Path, secret_file: Path) -> None:
     if "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
         pytest.skip(f"mount namespaces are not permitted here: {proc.stderr.strip()}")
     assert_one_line_error(proc, "/dev/fuse is missing", "modprobe fuse")
+
+
+@pytest.mark.parametrize("command", ["mkdir", "put"])
+def test_bad_ec_policy_is_refused_before_anything_is_touched(
+    tmp_path: Path, secret_file: Path, command: str
+) -> None:
+    # The servers are unreachable: if the policy were checked after connecting, the error
+    # would say "unavailable"; it must name the policy instead.
+    cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"x")
+    argv = ["mkdir", str(cluster), "/d"] if command == "mkdir" else ["put", str(cluster), str(local), "/f"]
+    assert_one_line_error(run_cli(*argv, "--ec", "bogus"), "unknown EC policy")
+
+
+def test_closed_stdout_pipe_is_not_a_traceback(tmp_path: Path) -> None:
+    """`tectonic status --json | head` closes the pipe early: exit quietly, as cat and ls do."""
+    script = tmp_path / "noisy.py"
+    script.write_text(
+        "import argparse, sys\n"
+        "import tectonic_py.cli as c\n"
+        "def noisy(args):\n"
+        "    for _ in range(100000):\n"
+        "        print('x' * 100)\n"
+        "orig = c.build_parser\n"
+        "def build():\n"
+        "    p = orig()\n"
+        "    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))\n"
+        "    sub.add_parser('noisy').set_defaults(func=noisy)\n"
+        "    return p\n"
+        "c.build_parser = build\n"
+        "sys.exit(c.main(['noisy']))\n"
+    )
+    proc = subprocess.run(
+        f"{sys.executable} {script} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout == "x" * 100 + "\n"
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
