@@ -15,6 +15,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_helpers import raw_authenticated
 
 from chunkstore import layout
 from chunkstore.client import ChunkClient
@@ -372,18 +373,6 @@ async def test_wrong_secret_is_refused_and_store_keeps_serving(store, secret):
         assert (await c.node_stats()).node_id == NODE
 
 
-async def _raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
-    sock = trio.socket.socket()
-    await sock.connect(("127.0.0.1", port))
-    hello, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-    cn = b"c" * 32
-    mac = wire._mac(secret, b"client", hello["nonce"], cn)
-    await wire._send_all(sock, wire._pack_frame({"op": "auth", "nonce": cn, "mac": mac}, 0))
-    welcome, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-    assert welcome["op"] == "welcome"
-    return sock
-
-
 async def _good_client_still_served(port: int, secret: bytes) -> None:
     cid, cap = new_chunk(secret)
     async with open_client(port, secret) as c:
@@ -434,7 +423,7 @@ async def test_truncated_and_oversized_frames(store, secret):
         wire.PREFIX.pack(1, 0, 0, 10, 0)[:6],  # prefix cut short
     ]
     for frame in frames:
-        sock = await _raw_authenticated(port, secret)
+        sock = await raw_authenticated(port, secret)
         await _send_and_drain(sock, frame, half_close=True)
         await _good_client_still_served(port, secret)
     assert server.chunk_count == len(frames)  # only the good clients' chunks
@@ -476,7 +465,7 @@ def test_garbage_never_hurts_the_store(tmp_path_factory, secret, garbage, authen
             server.rpc.limits = wire.Limits(auth_timeout=1, max_payload=64 * MiB)
             _, port = await nursery.start(server.serve)
             if authenticate:
-                sock = await _raw_authenticated(port, secret)
+                sock = await raw_authenticated(port, secret)
             else:
                 sock = trio.socket.socket()
                 await sock.connect(("127.0.0.1", port))
@@ -590,11 +579,13 @@ async def test_put_queue_full_gives_busy_and_loses_nothing(nursery, tmp_path, se
 async def test_get_replies_in_memory_are_bounded_by_the_reply_budget(nursery, tmp_path, secret):
     server, port = await start_store(nursery, tmp_path / "d", secret, reply_budget=MiB)
     cid, cap = new_chunk(secret)
-    data = os.urandom(MiB)
+    # A reply holds the chunk's whole file image (read with O_DIRECT: header and data, in
+    # whole pages), so a chunk a little under the budget is one reply's worth.
+    data = os.urandom(MiB - 64 * 1024)
     async with open_client(port, secret) as c:
         await c.put(cid, data, cap)
     # A reader that asks for 48 MiB of replies and never reads them.
-    stalled = await _raw_authenticated(port, secret)
+    stalled = await raw_authenticated(port, secret)
     frames = b"".join(
         wire._pack_frame({"op": "get", "rid": rid, "f": {"chunk_id": cid}}, 0)
         for rid in range(1, 49)
@@ -895,3 +886,32 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     direct.clear()
     layout.write_chunk(data_dir, cid2, other, crc32c(other), image)
     assert direct == [] and bytes(layout.read_chunk(data_dir, cid2)[1]) == other
+
+
+@pytest.mark.parametrize("length", [64 * 1024, 4 * MiB + 777])
+def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypatch, length):
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    data = os.urandom(length)
+    cid, _ = new_chunk(b"s" * 32)
+    layout.write_chunk(data_dir, cid, data, crc32c(data))  # buffered: dirty pages, then O_DIRECT
+    used: list[bool] = []
+    real = layout._read_whole_direct
+
+    def spy(*args):
+        view = real(*args)
+        used.append(view is not None)
+        return view
+
+    monkeypatch.setattr(layout, "_read_whole_direct", spy)
+    spares = wire.SpareBuffers(0)
+    header, out, crc = layout.read_chunk(data_dir, cid, alloc=spares.take)
+    assert bytes(out) == data and crc == crc32c(data) and header.length == length
+    assert used[0] or layout.chunk_path(data_dir, cid).stat().st_dev in layout._no_direct
+    # A flipped byte on disk is caught on the O_DIRECT path too.
+    path = layout.chunk_path(data_dir, cid)
+    with open(path, "r+b") as f:
+        f.seek(header.data_offset + length // 2)
+        f.write(bytes([data[length // 2] ^ 1]))
+    with pytest.raises(ChunkCorrupt):
+        layout.read_chunk(data_dir, cid, alloc=spares.take)

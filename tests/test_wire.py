@@ -10,6 +10,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_helpers import raw_authenticated
 
 from tectonic_py import wire
 from tectonic_py.errors import (
@@ -129,18 +130,6 @@ async def test_unreachable_server_is_unavailable(secret):
             pass
 
 
-async def _raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
-    sock = trio.socket.socket()
-    await sock.connect(("127.0.0.1", port))
-    hello, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-    cn = b"c" * 32
-    mac = wire._mac(secret, b"client", hello["nonce"], cn)
-    await wire._send_all(sock, wire._pack_frame({"op": "auth", "nonce": cn, "mac": mac}, 0))
-    welcome, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-    assert welcome["op"] == "welcome"
-    return sock
-
-
 async def _read_reply(sock):
     with trio.fail_after(5):
         try:
@@ -168,7 +157,7 @@ async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(
     nursery, secret, frame
 ):
     server, port = await start_server(nursery, secret)
-    sock = await _raw_authenticated(port, secret)
+    sock = await raw_authenticated(port, secret)
     await wire._send_all(sock, frame)
     if frame.startswith(wire.PREFIX.pack(1, 0, 0, 50, 0)):
         sock.shutdown(socket.SHUT_WR)
@@ -193,7 +182,7 @@ def test_garbage_never_hurts_the_server(secret, garbage, authenticate):
         async with trio.open_nursery() as nursery:
             _, port = await start_server(nursery, secret, wire.Limits(auth_timeout=1))
             if authenticate:
-                sock = await _raw_authenticated(port, secret)
+                sock = await raw_authenticated(port, secret)
             else:
                 sock = trio.socket.socket()
                 await sock.connect(("127.0.0.1", port))
