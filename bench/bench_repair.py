@@ -58,23 +58,10 @@ async def _write(cluster_file: Path, path: str, size: int, ec: str) -> float:
 
 
 async def _status(cluster: LocalCluster) -> dict[str, Any]:
-    from metadata.client import MetadataClient
     from tectonic_py import cluster_file
-    from tectonic_py.aio import open_service_nursery
-    from tectonic_py.maintenance.repair import repair_status
-    from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
+    from tectonic_py.maintenance_cli import fetch_repair_status
 
-    config = cluster_file.load(cluster.cluster_file)
-    async with open_service_nursery() as nursery:
-        meta = MetadataClient(config, nursery=nursery)
-        m = Maintenance(config, MaintenanceSettings(), meta, nursery)
-        try:
-            return await repair_status(m)
-        finally:
-            with trio.CancelScope(shield=True):
-                await m.pool.aclose()
-                await meta.aclose()
-            nursery.cancel_scope.cancel()
+    return await fetch_repair_status(cluster_file.load(cluster.cluster_file))
 
 
 def _wait(cluster: LocalCluster, pred: Any, timeout: float) -> dict[str, Any]:

@@ -101,7 +101,7 @@ async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | N
 
 def run_status(args: argparse.Namespace) -> int:
     config = cluster_file.load(args.cluster_file)
-    status = trio.run(_status, config)
+    status = trio.run(fetch_repair_status, config)
     if args.json:
         print(json.dumps(status, indent=2))
     else:
@@ -109,7 +109,10 @@ def run_status(args: argparse.Namespace) -> int:
     return 0 if status["lost"] == 0 else 2
 
 
-async def _status(config: Any) -> dict[str, Any]:
+async def fetch_repair_status(config: Any) -> dict[str, Any]:
+    """One ``repair_status`` read with short-lived metadata and chunk-store connections:
+    ``tectonic repair --status`` and bench/bench_repair.py poll it from outside the
+    maintenance process, which keeps no status endpoint of its own."""
     from tectonic_py.maintenance.repair import repair_status
 
     async with open_service_nursery() as nursery:
@@ -121,6 +124,7 @@ async def _status(config: Any) -> dict[str, Any]:
             with trio.CancelScope(shield=True):
                 await m.pool.aclose()
                 await meta.aclose()
+            nursery.cancel_scope.cancel()
 
 
 def format_status(s: dict[str, Any]) -> str:
