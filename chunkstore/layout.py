@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -69,6 +70,7 @@ TMP_PREFIX = ".tmp-"
 MAX_CHUNK_ID_LEN = 24
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths
+DIRECT_MIN = 64 * 1024  # smaller chunks are read buffered (not worth a page-aligned buffer)
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
@@ -431,6 +433,58 @@ def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
         offset += n
 
 
+def _aligned(view: memoryview) -> bool:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _read_whole_direct(
+    fd: int, header: ChunkHeader, alloc: Callable[[int], Buffer], name: str
+) -> memoryview | None:
+    """The chunk's data, read with the rest of its file by one O_DIRECT read into a
+    page-aligned buffer from ``alloc`` (a view at the data offset); None where the buffer
+    is not aligned or the filesystem refuses O_DIRECT (the caller reads buffered).
+
+    Why: a buffered read copies the whole chunk out of the page cache, a third of a get's
+    CPU, and a restore reads each chunk once. The kernel writes back any dirty pages of
+    the range first, so a file written buffered reads the same.
+    """
+    size = header.file_size
+    if header.length < DIRECT_MIN:
+        return None
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return None
+    if dev in _no_direct:
+        return None
+    span = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
+    buf = memoryview(alloc(span))[:span]
+    if not _aligned(buf):
+        return None
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        got = 0
+        while got < size:
+            # Whole blocks at aligned offsets; the kernel stops at the end of the file.
+            n = os.preadv(fd, [buf[got:]], got)
+            if n == 0:
+                raise ChunkCorrupt(f"chunk {name}: file ends early")
+            got += n
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _no_direct.add(dev)
+        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", dev)
+        return None
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return buf[header.data_offset : size]
+
+
 def read_chunk(
     data_dir: Path,
     chunk_id: str,
@@ -461,8 +515,10 @@ def read_chunk(
                 f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
             )
         if offset == 0 and length == header.length:
-            buf = memoryview(alloc(length))[:length]
-            _pread_into(fd, buf, header.data_offset, chunk_id)
+            buf = _read_whole_direct(fd, header, alloc, chunk_id)
+            if buf is None:
+                buf = memoryview(alloc(length))[:length]
+                _pread_into(fd, buf, header.data_offset, chunk_id)
             crc = crc32c(buf)
             if crc != header.checksum:
                 raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
