@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,22 +20,25 @@ from tectonic_py.local_cluster import LocalCluster
 TEST_CHUNK_SIZE = 64 * 1024
 
 
-@pytest.fixture
-def local_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(
-        tmp_path / "cluster",
+def suite_cluster(root: Path, *, chunk_size: int = TEST_CHUNK_SIZE, **options: Any) -> LocalCluster:
+    """The cluster shape the suite's fixtures share (2 metadata servers, 9 chunk stores, 16
+    shards, 0.5 s heartbeats), so ``local_cluster``, ``fuse_cluster`` and test_fs_ops'
+    shared cluster differ only where they say so (chunk size, node timeout)."""
+    return LocalCluster(
+        root,
         chunkstores=9,
         metadata_servers=2,
         shards=16,
-        chunk_size=TEST_CHUNK_SIZE,
+        chunk_size=chunk_size,
         heartbeat_interval=0.5,
-        node_timeout=5.0,
+        **options,
     )
-    try:
-        cluster.start()
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with suite_cluster(tmp_path / "cluster", node_timeout=5.0) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_fixtures import suite_cluster
 
 from tectonic_py.local_cluster import LocalCluster
 
@@ -135,15 +136,7 @@ class Mount:
 
 
 def _cluster(root: Path) -> LocalCluster:
-    return LocalCluster(
-        root,
-        chunkstores=9,
-        metadata_servers=2,
-        shards=16,
-        chunk_size=FUSE_CHUNK_SIZE,
-        heartbeat_interval=0.5,
-        node_timeout=5.0,
-    )
+    return suite_cluster(root, chunk_size=FUSE_CHUNK_SIZE, node_timeout=5.0)
 
 
 def _mounted(cluster: LocalCluster, base: Path) -> Iterator[Mount]:
@@ -164,12 +157,8 @@ def fuse_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     reason = fuse_skip_reason()
     if reason:
         pytest.skip(reason)
-    cluster = _cluster(tmp_path / "cluster")
-    try:
-        cluster.start()
+    with _cluster(tmp_path / "cluster") as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture
@@ -185,9 +174,5 @@ def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     if reason:
         pytest.skip(reason)
     base = tmp_path_factory.mktemp("fuse")
-    cluster = _cluster(base / "cluster")
-    try:
-        cluster.start()
+    with _cluster(base / "cluster") as cluster:
         yield from _mounted(cluster, base)
-    finally:
-        cluster.stop()

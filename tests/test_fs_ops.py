@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pyfuse3
 import pytest
 import trio
-from cluster_fixtures import TEST_CHUNK_SIZE
+from cluster_fixtures import suite_cluster
 
 from tectonic_py.client import TectonicClient, open_client
 from tectonic_py.fs import Operations
@@ -29,19 +29,8 @@ RW = os.O_RDWR
 def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One cluster for the tests that break nothing (each uses its own names): 11 daemons
     per test would cost the suite a minute."""
-    cluster = LocalCluster(
-        tmp_path_factory.mktemp("ops") / "cluster",
-        chunkstores=9,
-        metadata_servers=2,
-        shards=16,
-        chunk_size=TEST_CHUNK_SIZE,
-        heartbeat_interval=0.5,
-    )
-    try:
-        cluster.start()
+    with suite_cluster(tmp_path_factory.mktemp("ops") / "cluster") as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture
