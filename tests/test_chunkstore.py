@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tmpfs_helpers import small_tmpfs
 from wire_helpers import raw_authenticated
 
 from chunkstore import layout
@@ -501,19 +501,7 @@ async def test_capacity_limit_refuses_puts_before_writing(nursery, tmp_path, sec
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 3 MiB filesystem (tmpfs) so ENOSPC comes from the kernel."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-        capture_output=True,
-        check=False,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    yield from small_tmpfs(tmp_path, "3m")
 
 
 async def test_real_disk_full_is_a_clear_error_and_the_store_stays_up(small_fs, secret):

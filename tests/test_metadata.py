@@ -7,6 +7,7 @@ import pytest
 import trio
 import trio.lowlevel
 from metadata_fixtures import open_meta_cluster, register_nodes
+from tmpfs_helpers import small_tmpfs
 
 from metadata import name_layer
 from metadata.model import BlockInfo, ChunkPlacement
@@ -651,18 +652,7 @@ async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 4 MiB filesystem (tmpfs) so ENOSPC comes from the kernel."""
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    yield from small_tmpfs(tmp_path, "4m")
 
 
 def fill(path):
