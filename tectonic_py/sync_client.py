@@ -140,18 +140,47 @@ class BlockingClient:
         self.close()
 
 
-class _RawWriter(io.RawIOBase):
+class _RawStream(io.RawIOBase):
+    """Position bookkeeping shared by the raw writer and reader: both are positioned
+    streams over a pwrite/pread interface, so seek/tell are pure arithmetic on ``_pos``."""
+
+    def __init__(self, owner: BlockingClient) -> None:
+        self._owner = owner
+        self._pos = 0
+
+    @property
+    def _size(self) -> int:
+        raise NotImplementedError
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise OSError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def fileno(self) -> int:
+        raise OSError("a tectonic file has no file descriptor")
+
+
+class _RawWriter(_RawStream):
     """A FileWriter as a raw binary stream; seekable (pwrite) so zip writers may patch."""
 
     def __init__(self, owner: BlockingClient, writer: FileWriter) -> None:
-        self._owner = owner
+        super().__init__(owner)
         self._w = writer
-        self._pos = 0
+
+    @property
+    def _size(self) -> int:
+        return self._w.size
 
     def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
         return True
 
     def readable(self) -> bool:
@@ -163,16 +192,6 @@ class _RawWriter(io.RawIOBase):
         self._pos += n
         return n
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._w.size}[whence]
-        if base + offset < 0:
-            raise OSError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
     def truncate(self, size: int | None = None) -> int:
         size = self._pos if size is None else size
         self._owner._call(self._w.truncate, size)
@@ -180,9 +199,6 @@ class _RawWriter(io.RawIOBase):
 
     def flush(self) -> None:
         pass
-
-    def fileno(self) -> int:
-        raise OSError("a tectonic file has no file descriptor")
 
     def close(self) -> None:
         if not self.closed:
@@ -195,16 +211,16 @@ class _RawWriter(io.RawIOBase):
                 super().close()
 
 
-class _RawReader(io.RawIOBase):
+class _RawReader(_RawStream):
     def __init__(self, owner: BlockingClient, reader: FileReader) -> None:
-        self._owner = owner
+        super().__init__(owner)
         self._r = reader
-        self._pos = 0
+
+    @property
+    def _size(self) -> int:
+        return self._r.size
 
     def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
@@ -214,19 +230,6 @@ class _RawReader(io.RawIOBase):
         view[:n] = data
         self._pos += n
         return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._r.size}[whence]
-        if base + offset < 0:
-            raise OSError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def fileno(self) -> int:
-        raise OSError("a tectonic file has no file descriptor")
 
     def close(self) -> None:
         if not self.closed:
