@@ -201,7 +201,19 @@ class BufferPool:
 
 
 class BlockCache:
-    """A bounded LRU of whole blocks' data, keyed by block id (blocks are immutable).
+    """The readers' memory budget: whole blocks cached (keyed by block id, blocks are
+    immutable) *and* the buffers of block fetches in flight, at most ``capacity`` bytes.
+
+    Why fetches count: 64 readers each fetching a 16 MiB block (plus readahead) held 1 GiB
+    of buffers that the cache never saw. A fetch now ``reserve``s its buffer first; a reader
+    that gets no room reads the bytes it asked for straight from the chunk stores (a range
+    read into its own buffer) instead of a whole block.
+
+    Admission: a fetched block is *pinned* (a reader is about to consume it) until that
+    reader has read to its end (``done``) or nobody touched it for ``GRACE_S``. Reservations
+    (readahead, a reader's next block) evict only unpinned blocks, least recently used first,
+    so one reader's readahead never evicts the block another reader is in the middle of
+    (the thrash that made 64 readers through the mount 10x slower than one ``dd``).
 
     Evicted blocks' buffers are kept (a few) and handed to the next block fetch: a fresh
     24 MiB bytearray costs a memset and thousands of page faults, a measurable share of the
@@ -209,35 +221,73 @@ class BlockCache:
     view before its next ``await`` (developer note: keep it that way).
     """
 
-    KEEP_FREE = 4
+    KEEP_FREE = 2
+    GRACE_S = 5.0
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._blocks: OrderedDict[int, memoryview] = OrderedDict()
-        self._bytes = 0
+        self._pinned: dict[int, float] = {}  # block id -> last access
+        self._bytes = 0  # cached blocks' buffers plus reservations of fetches in flight
         self._free: list[bytearray] = []
+
+    @property
+    def used(self) -> int:
+        return self._bytes
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
 
     def get(self, block_id: int) -> memoryview | None:
         data = self._blocks.get(block_id)
         if data is not None:
             self._blocks.move_to_end(block_id)
+            if block_id in self._pinned:
+                self._pinned[block_id] = time.monotonic()
         return data
 
-    def put(self, block_id: int, data: memoryview) -> None:
-        if data.nbytes > self.capacity:
+    def reserve(self, size: int, *, force: bool = False) -> bool:
+        """Room for a fetch buffer of ``size`` bytes, evicting unpinned blocks (any block
+        when ``force``d, and then even over capacity: a caller that must have the whole
+        block, such as a degraded fallback). False, and nothing reserved, when no room."""
+        now = time.monotonic()
+        if self._bytes + size > self.capacity:
+            for bid in list(self._blocks):
+                if self._bytes + size <= self.capacity:
+                    break
+                touched = self._pinned.get(bid)
+                if force or touched is None or now - touched >= self.GRACE_S:
+                    self.discard(bid)
+        if self._bytes + size > self.capacity and not force:
+            return False
+        self._bytes += size
+        return True
+
+    def unreserve(self, size: int) -> None:
+        self._bytes -= size
+
+    def put(self, block_id: int, data: memoryview, *, reserved: int = 0) -> None:
+        """Cache a fetched block (pinned), turning its fetch's reservation into its entry."""
+        self._bytes -= reserved
+        size = _buffer_size(data)
+        if size > self.capacity:
             return
         self.discard(block_id)
         self._blocks[block_id] = data
-        self._bytes += data.nbytes
-        while self._bytes > self.capacity:
-            _, old = self._blocks.popitem(last=False)
-            self._bytes -= old.nbytes
-            self._recycle(old)
+        self._pinned[block_id] = time.monotonic()
+        self._bytes += size
+        while self._bytes > self.capacity and len(self._blocks) > 1:
+            self.discard(next(iter(self._blocks)))
+
+    def done(self, block_id: int) -> None:
+        """A reader has read to the end of this block: it may be evicted first."""
+        self._pinned.pop(block_id, None)
 
     def discard(self, block_id: int) -> None:
         old = self._blocks.pop(block_id, None)
+        self._pinned.pop(block_id, None)
         if old is not None:
-            self._bytes -= old.nbytes
+            self._bytes -= _buffer_size(old)
             self._recycle(old)
 
     def _recycle(self, view: memoryview) -> None:
@@ -250,7 +300,19 @@ class BlockCache:
         for i, buf in enumerate(self._free):
             if len(buf) == size:
                 return self._free.pop(i)
+        self._free.clear()  # wrong sizes: do not keep memory outside the budget
         return bytearray(size)
+
+
+def _block_buffer_size(info: BlockInfo) -> int:
+    """The fetch buffer of a block: its k data chunks."""
+    return ECPolicy.parse(info.ec).k * info.chunk_len
+
+
+def _buffer_size(view: memoryview) -> int:
+    """Bytes a cached view keeps alive: its whole underlying buffer."""
+    obj = view.obj
+    return len(obj) if isinstance(obj, bytearray) else view.nbytes
 
 
 # --- connections to chunk stores -------------------------------------------------------------
@@ -709,7 +771,9 @@ class TectonicClient:
 
     async def read_block(self, info: BlockInfo) -> memoryview:
         """The data of one committed block (``data_len`` bytes), from cache or chunk stores,
-        rebuilding it from parity when data chunks are missing, corrupt or slow."""
+        rebuilding it from parity when data chunks are missing, corrupt or slow. Always a
+        whole block, so its buffer is reserved even over the budget: readers use
+        ``read_part``, which stays inside it."""
         cached = self.cache.get(info.block_id)
         if cached is not None:
             self.stats.cache_hits += 1
@@ -722,15 +786,46 @@ class TectonicClient:
                 self.stats.cache_hits += 1
                 return cached
         self.stats.cache_misses += 1
+        size = _block_buffer_size(info)
+        self.cache.reserve(size, force=True)
+        return await self._fetch_and_cache(info, size)
+
+    async def _fetch_and_cache(self, info: BlockInfo, reserved: int) -> memoryview:
+        """Fetch a block whose buffer is already reserved in the cache, and cache it."""
         done = self._fetching.setdefault(info.block_id, trio.Event())
         try:
             data = await self._fetch_block(info)
-            self.cache.put(info.block_id, data)
-            return data
+        except BaseException:
+            self.cache.unreserve(reserved)
+            raise
         finally:
             if self._fetching.get(info.block_id) is done:
                 del self._fetching[info.block_id]
             done.set()
+        self.cache.put(info.block_id, data, reserved=reserved)
+        return data
+
+    async def read_part(self, info: BlockInfo, block_offset: int, length: int) -> bytes:
+        """Block bytes ``[block_offset, block_offset + length)`` for a reader: from the cache
+        or a fetch already running; else a whole-block fetch if the read budget has room
+        (the reader will want the rest of the block); else only these bytes, straight from
+        the chunk stores (a range read), so many readers never hold more than the budget."""
+        end = block_offset + length
+        cached = self.cache.get(info.block_id)
+        if cached is None and info.block_id in self._fetching:
+            await self._fetching[info.block_id].wait()
+            cached = self.cache.get(info.block_id)
+        if cached is not None:
+            self.stats.cache_hits += 1
+            return bytes(cached[block_offset:end])
+        size = _block_buffer_size(info)
+        if self.cache.reserve(size):
+            self.stats.cache_misses += 1
+            data = await self._fetch_and_cache(info, size)
+            return bytes(data[block_offset:end])
+        out = bytearray(length)
+        await self.read_range(info, block_offset, memoryview(out))
+        return bytes(out)
 
     async def _fetch_block(self, info: BlockInfo) -> memoryview:
         """Whole-block fetch: the k data chunks straight into one buffer; a chunk that fails
@@ -864,20 +959,19 @@ class TectonicClient:
         """Start whole-block fetches in the background (readahead); errors surface later in
         the foreground read that needs the block."""
         for info in infos:
-            if self.cache.get(info.block_id) is None and info.block_id not in self._fetching:
-                self._fetching[info.block_id] = trio.Event()
-                self._nursery.start_soon(self._prefetch_one, info)
+            if info.block_id in self.cache or info.block_id in self._fetching:
+                continue
+            size = _block_buffer_size(info)
+            if not self.cache.reserve(size):
+                return  # the budget is full of blocks readers are about to consume
+            self._fetching[info.block_id] = trio.Event()
+            self._nursery.start_soon(self._prefetch_one, info, size)
 
-    async def _prefetch_one(self, info: BlockInfo) -> None:
-        done = self._fetching[info.block_id]
+    async def _prefetch_one(self, info: BlockInfo, reserved: int) -> None:
         try:
-            self.cache.put(info.block_id, await self._fetch_block(info))
+            await self._fetch_and_cache(info, reserved)
         except TectonicError as e:
             log.info("readahead of block %016x failed: %s", info.block_id, e)
-        finally:
-            if self._fetching.get(info.block_id) is done:
-                del self._fetching[info.block_id]
-            done.set()
 
 
 # --- writers -----------------------------------------------------------------------------------
@@ -1206,7 +1300,16 @@ class FileWriter:
 
 
 class FileReader:
-    """An open file being read: its block list fetched once, readahead for sequential reads."""
+    """An open file being read: its block list fetched once, readahead for sequential reads.
+
+    Sequential detection keeps a few *streams* (the ends of recent runs of reads): a read
+    that starts within one block of a stream's end continues it. One "last end" was not
+    enough: torch.load reads the zip's tail, then jumps back, and the kernel's readahead sends
+    FUSE reads slightly out of order, and each such read dropped the reader out of
+    sequential mode into a round trip per 128 KiB.
+    """
+
+    STREAMS = 4
 
     def __init__(self, client: TectonicClient, attrs: Attrs, blocks: dict[int, BlockInfo]) -> None:
         self.client = client
@@ -1216,15 +1319,27 @@ class FileReader:
         self.layout = Layout(ECPolicy.parse(attrs.ec), attrs.chunk_size)
         self._blocks = blocks
         self._pos = 0
-        self._last_end = -1
+        # Ends of recent sequential runs, most recent last; a file is usually read from 0.
+        self._streams: list[int] = [0]
+
+    def _sequential(self, offset: int, length: int) -> bool:
+        """Whether this read continues a recent run (and record it as that run's end)."""
+        slack = self.layout.block_size
+        for i, end in enumerate(self._streams):
+            if end - slack <= offset <= end + slack:
+                del self._streams[i]
+                self._streams.append(max(end, offset + length))
+                return True
+        self._streams.append(offset + length)
+        del self._streams[: -self.STREAMS]
+        return False
 
     async def pread(self, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)``, short at EOF, zeros in holes."""
         if offset < 0 or length < 0:
             raise InvalidArgument(f"bad read range {offset}+{length}")
         length = max(0, min(length, self.size - offset))
-        sequential = offset == self._last_end
-        self._last_end = offset + length
+        sequential = self._sequential(offset, length)
         bs = self.layout.block_size
         pieces = self.layout.pieces(offset, length)
         if len(pieces) == 1 and (sequential or length >= bs // 2):
@@ -1233,8 +1348,10 @@ class FileReader:
             info = self._blocks.get(piece.block_index)
             if info is not None and piece.block_offset + piece.length <= info.data_len:
                 self._readahead(sequential, offset, length)
-                data = await self.client.read_block(info)
-                return bytes(data[piece.block_offset : piece.block_offset + piece.length])
+                data = await self.client.read_part(info, piece.block_offset, piece.length)
+                if piece.block_offset + piece.length == info.data_len:
+                    self.client.cache.done(info.block_id)
+                return data
         out = bytearray(length)
         view = memoryview(out)
         for piece in pieces:
@@ -1246,8 +1363,9 @@ class FileReader:
                 continue
             dst = view[piece.out_offset : piece.out_offset + avail]
             if sequential or avail >= bs // 2:
-                data = await self.client.read_block(info)
-                dst[:] = data[piece.block_offset : piece.block_offset + avail]
+                dst[:] = await self.client.read_part(info, piece.block_offset, avail)
+                if piece.block_offset + avail == info.data_len:
+                    self.client.cache.done(info.block_id)
             else:
                 await self.client.read_range(info, piece.block_offset, dst)
         self._readahead(sequential, offset, length)
@@ -1267,8 +1385,6 @@ class FileReader:
         """Sequential read from the current position, with readahead."""
         if n < 0:
             n = max(0, self.size - self._pos)
-        if self._pos == 0 and self._last_end == -1:
-            self._last_end = 0
         data = await self.pread(self._pos, n)
         self._pos += len(data)
         return data

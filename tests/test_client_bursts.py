@@ -92,3 +92,109 @@ async def test_slow_chunks_never_fail_a_write(local_cluster, caplog):
         assert all(len(b.chunks) == 9 for b in blocks)
         r = await client.open_read("/slow-write")
         assert await r.read() == data
+
+
+def _count_fetches(client: TectonicClient) -> dict[str, int]:
+    """Wrap the client's whole-block fetch to record how many run at once and in total (a
+    probe on the real fetch, which still runs)."""
+    seen = {"now": 0, "peak": 0, "total": 0, "peak_bytes": 0}
+    fetch = client._fetch_block
+
+    async def counted(info):  # type: ignore[no-untyped-def]
+        size = 6 * info.chunk_len
+        seen["now"] += size
+        seen["total"] += 1
+        seen["peak"] = max(seen["peak"], seen["now"])
+        try:
+            return await fetch(info)
+        finally:
+            seen["now"] -= size
+            seen["peak_bytes"] = max(seen["peak_bytes"], getattr(client.cache, "used", 0))
+
+    client._fetch_block = counted  # type: ignore[method-assign]
+    return seen
+
+
+async def test_many_readers_stay_inside_the_read_budget(local_cluster, caplog):
+    """48 readers at once with a budget of four blocks: block fetches in flight never hold
+    more than the budget (before the fix each reader fetched its whole block outside it),
+    readers that find no room read their bytes directly, and every byte is right."""
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    block = 6 * 64 * 1024
+    files = {f"/r/{i}": _data(block + 1000 * i, seed=100 + i) for i in range(48)}
+    async with open_client(local_cluster.cluster_file) as client:
+        await client.mkdir("/r")
+        for path, data in files.items():
+            w = await client.create(path)
+            await w.write(data)
+            await w.close()
+    budget = 4 * block
+    async with open_client(local_cluster.cluster_file, cache_bytes=budget) as client:
+        seen = _count_fetches(client)
+
+        async def read_one(path: str) -> None:
+            r = await client.open_read(path)
+            got = bytearray()
+            while piece := await r.read(100_000):
+                got += piece
+            assert got == files[path], path
+
+        async with trio.open_nursery() as nursery:
+            for path in files:
+                nursery.start_soon(read_one, path)
+        assert 0 < seen["peak"] <= budget
+        assert client.cache.used <= budget
+        assert client.stats.range_reads > 0  # readers without room read ranges
+
+
+async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(local_cluster,
+                                                                              caplog):
+    """8 sequential readers of 6-block files share a cache of 5 blocks: readahead may only
+    evict blocks their readers have finished, so no block is fetched twice (before, readahead
+    evicted blocks other readers were about to consume, and they were fetched again)."""
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    block = 6 * 64 * 1024
+    files = {f"/s/{i}": _data(6 * block, seed=200 + i) for i in range(8)}
+    async with open_client(local_cluster.cluster_file) as client:
+        await client.mkdir("/s")
+        for path, data in files.items():
+            w = await client.create(path)
+            await w.write(data)
+            await w.close()
+    async with open_client(local_cluster.cluster_file, cache_bytes=5 * block,
+                           readahead_blocks=3) as client:
+        seen = _count_fetches(client)
+
+        async def read_one(path: str) -> None:
+            r = await client.open_read(path)
+            got = bytearray()
+            while piece := await r.read(64 * 1024):
+                got += piece
+                await trio.lowlevel.checkpoint()
+            assert got == files[path], path
+
+        async with trio.open_nursery() as nursery:
+            for path in files:
+                nursery.start_soon(read_one, path)
+        assert seen["total"] <= 6 * len(files)
+        assert seen["peak"] <= 5 * block
+
+
+async def test_out_of_order_and_tail_reads_stay_sequential(local_cluster, caplog):
+    """The kernel's readahead sends FUSE reads a little out of order and torch.load reads the
+    zip tail first: the reader must still read whole blocks ahead, not one round trip per
+    read (before, every one of these reads was a separate range read)."""
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
+    block = 6 * 64 * 1024
+    data = _data(4 * block, seed=300)
+    async with open_client(local_cluster.cluster_file) as client:
+        w = await client.create("/t")
+        await w.write(data)
+        await w.close()
+        r = await client.open_read("/t")
+        p = 128 * 1024
+        assert await r.pread(len(data) - 100, 100) == data[-100:]  # the zip tail first
+        for i in range(0, len(data) // p, 2):  # then pairs, second piece first
+            for j in (i + 1, i):
+                assert await r.pread(j * p, p) == data[j * p : (j + 1) * p]
+        assert client.stats.range_reads <= 1
