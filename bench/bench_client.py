@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 import trio
 
+from bench.common import write_repeated
 from tectonic_py.client import open_client
 from tectonic_py.local_cluster import LocalCluster
 
@@ -91,13 +92,7 @@ async def _write(cluster_file: Path, path: str, size: int, **tuning: Any) -> int
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sample)
-            w = await client.create(path)
-            left = size
-            while left:
-                n = min(left, PIECE)
-                await w.write(memoryview(piece)[:n])
-                left -= n
-            await w.close()
+            await write_repeated(await client.create(path), piece, size)
             nursery.cancel_scope.cancel()
     return peak - base
 
@@ -165,13 +160,7 @@ def _burst_proc(cluster_file: str, proc: int, tasks: int, size: int, q: Any) -> 
             async def one(i: int) -> None:
                 nonlocal errors
                 try:
-                    w = await client.create(f"/burst{proc}/f{i}")
-                    left = size
-                    while left:
-                        n = min(left, len(piece))
-                        await w.write(memoryview(piece)[:n])
-                        left -= n
-                    await w.close()
+                    await write_repeated(await client.create(f"/burst{proc}/f{i}"), piece, size)
                 except Exception as e:  # counted and reported, never hidden
                     errors += 1
                     log.error("writer %d/%d failed: %s", proc, i, e)

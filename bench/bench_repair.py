@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from bench.common import write_repeated
 from tectonic_py.client import open_client
 from tectonic_py.ec_policy import ECPolicy
 from tectonic_py.local_cluster import LocalCluster
@@ -47,13 +48,7 @@ async def _write(cluster_file: Path, path: str, size: int, ec: str) -> float:
     piece = _piece(len(path))
     async with open_client(cluster_file, chunk_timeout=30.0) as client:
         t0 = time.perf_counter()
-        w = await client.create(path, ec=ec)
-        left = size
-        while left:
-            n = min(left, PIECE)
-            await w.write(memoryview(piece)[:n])
-            left -= n
-        await w.close()
+        await write_repeated(await client.create(path, ec=ec), piece, size)
         return time.perf_counter() - t0
 
 
