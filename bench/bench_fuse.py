@@ -27,7 +27,6 @@ and mount read >= 0.7 of the client library's wall throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import subprocess
@@ -42,6 +41,7 @@ from typing import Any
 import psutil
 
 from bench.ceilings import drop_file_cache
+from bench.common import print_results
 
 log = logging.getLogger(__name__)
 
@@ -325,11 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     size = (64 if args.smoke else args.size) * MiB
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-fuse-") as tmp:
         results = measure(size, Path(tmp))
-    if args.json:
-        json.dump(results, sys.stdout)
-        print()
-    else:
-        print(format_table(results))
+    print_results(results, args.json, format_table)
     return 0
 
 

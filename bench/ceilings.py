@@ -20,7 +20,6 @@ both. Each function is reusable (returns a dict) and bounded by its size argumen
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -36,6 +35,7 @@ import msgpack
 import trio
 import zfec
 
+from bench.common import print_results
 from tectonic_py import wire
 
 log = logging.getLogger(__name__)
@@ -400,11 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="ceilings-") as tmp:
         results = measure_all(tmp, smoke=args.smoke)
-    if args.json:
-        json.dump(results, sys.stdout)
-        print()
-    else:
-        print(format_table(results))
+    print_results(results, args.json, format_table)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tectonic_py.client import FileWriter
@@ -19,3 +22,11 @@ async def write_repeated(w: FileWriter, piece: bytes, size: int) -> None:
         left -= n
     await w.close()
 
+
+def print_results(results: Any, as_json: bool, format_table: Callable[[Any], str]) -> None:
+    """``--json``: one JSON object on a line (what run_all reads); otherwise the table."""
+    if as_json:
+        json.dump(results, sys.stdout)
+        print()
+    else:
+        print(format_table(results))
