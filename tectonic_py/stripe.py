@@ -15,6 +15,7 @@ This module is pure arithmetic (no I/O) so that hypothesis can check it exhausti
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tectonic_py.ec_policy import ECPolicy
@@ -86,16 +87,7 @@ class Layout:
         """Split the file range ``[offset, offset + length)`` at block boundaries."""
         if offset < 0 or length < 0:
             raise InvalidArgument(f"bad range: offset={offset} length={length}")
-        out: list[BlockPiece] = []
-        bs = self.block_size
-        pos, end = offset, offset + length
-        while pos < end:
-            b = pos // bs
-            inner = pos - b * bs
-            n = min(bs - inner, end - pos)
-            out.append(BlockPiece(b, inner, n, pos - offset))
-            pos += n
-        return out
+        return [BlockPiece(*piece) for piece in _split_at(self.block_size, offset, length)]
 
 
 def chunk_ranges(chunk_len: int, block_offset: int, length: int, k: int) -> list[ChunkRange]:
@@ -108,12 +100,17 @@ def chunk_ranges(chunk_len: int, block_offset: int, length: int, k: int) -> list
         raise InvalidArgument(
             f"range {block_offset}+{length} outside a block of {k} x {chunk_len} bytes"
         )
-    out: list[ChunkRange] = []
-    pos, end = block_offset, block_offset + length
+    return [ChunkRange(*piece) for piece in _split_at(chunk_len, block_offset, length)]
+
+
+def _split_at(unit: int, start: int, length: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cut ``[start, start + length)`` at multiples of ``unit``: for each piece, ``(unit
+    index, offset inside the unit, length, offset from start)``. File ranges cut at blocks
+    and block ranges cut at data chunks are the same arithmetic at two sizes."""
+    pos, end = start, start + length
     while pos < end:
-        i = pos // chunk_len
-        inner = pos - i * chunk_len
-        n = min(chunk_len - inner, end - pos)
-        out.append(ChunkRange(i, inner, n, pos - block_offset))
+        i = pos // unit
+        inner = pos - i * unit
+        n = min(unit - inner, end - pos)
+        yield i, inner, n, pos - start
         pos += n
-    return out
