@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,3 +34,24 @@ def print_results(results: Any, as_json: bool, format_table: Callable[[Any], str
         print()
     else:
         print(format_table(results))
+
+
+def drop_cache(path: str) -> None:
+    """Drop a file's cached pages so the next read reaches the filesystem (its daemon), not
+    the page cache; only that file, since other processes share this machine's cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_timed(cmd: list[str]) -> tuple[float, float]:
+    """Run ``cmd`` to completion (an error if it fails): ``(wall seconds, its CPU seconds)``,
+    user + system from RUSAGE_CHILDREN, so a dd's CPU counts beside the daemons' CPU."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True)
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.common import drop_cache, run_timed
 from tectonic_py.loadtest import CpuMeter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,15 +37,6 @@ GiB = 1024 * MiB
 TENSOR_BYTES = 64 * MiB
 
 PidsFn = Callable[[], list[int]]
-
-
-def drop_cache(path: str) -> None:
-    """Drop a file's cached pages so the next read reaches the filesystem."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _figure(name: str, nbytes: int, seconds: float, cpu_s: float, **extra: Any) -> dict[str, Any]:
@@ -88,12 +79,7 @@ def dd_workload(
             if name == "dd_read":
                 _cold(path, remount)
             meter = CpuMeter(daemon_pids())
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True)
-            seconds = time.perf_counter() - t0
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            client = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            seconds, client = run_timed(cmd)
             daemons = meter.used()
             out[name] = _figure(name, nbytes, seconds, client + daemons,
                                 client_cpu_s=round(client, 3), daemon_cpu_s=round(daemons, 3))

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import drop_cache, run_timed
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -455,8 +457,6 @@ def dd_through(mountpoint: str, size: int, block: int = MiB) -> dict[str, Any]:
 
     Used for nullfs here and for the peer's mount in bench/gluster.py.
     """
-    import resource
-
     path = os.path.join(mountpoint, "dd.bin")
     count = max(1, size // block)
     out: dict[str, Any] = {}
@@ -466,13 +466,8 @@ def dd_through(mountpoint: str, size: int, block: int = MiB) -> dict[str, Any]:
         ("dd_read", ["dd", f"if={path}", "of=/dev/null", f"bs={block}"]),
     ):
         if name == "dd_read":
-            _drop_cache(path)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True)
-        seconds = time.perf_counter() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            drop_cache(path)
+        seconds, cpu = run_timed(cmd)
         nbytes = count * block
         out[name] = {
             "name": name,
@@ -483,15 +478,6 @@ def dd_through(mountpoint: str, size: int, block: int = MiB) -> dict[str, Any]:
         }
     os.unlink(path)
     return out
-
-
-def _drop_cache(path: str) -> None:
-    """Drop a file's cached pages so the read that follows is cold (reaches the daemon)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def measure(size: int = 2 * 1024 * MiB) -> dict[str, Any]:
