@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -55,3 +56,26 @@ def run_timed(cmd: list[str]) -> tuple[float, float]:
     seconds = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def fuse_unmount(mountpoint: str | os.PathLike[str]) -> None:
+    """``fusermount3 -u`` a mount if it is one, lazily (``-uz``) if it is busy: a benchmark
+    must never leave a mount behind, even after a failed run."""
+    if os.path.ismount(mountpoint):
+        r = subprocess.run(["fusermount3", "-u", os.fspath(mountpoint)], capture_output=True)
+        if r.returncode != 0:
+            subprocess.run(["fusermount3", "-uz", os.fspath(mountpoint)], capture_output=True)
+
+
+def reap(proc: subprocess.Popen[Any], exit_s: float, term_s: float) -> None:
+    """Wait ``exit_s`` for a daemon we started to exit on its own (after its unmount), then
+    SIGTERM it and wait ``term_s``, then SIGKILL: its PID only, and always reaped."""
+    try:
+        proc.wait(timeout=exit_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=term_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import drop_cache, run_timed
+from bench.common import drop_cache, fuse_unmount, reap, run_timed
 
 log = logging.getLogger(__name__)
 
@@ -418,19 +418,8 @@ def mount_nullfs(
 def unmount(mount: NullMount, timeout: float = 15) -> None:
     """Unmount and reap the daemon. Lazy unmount if busy; SIGKILL (its PID only) as a last
     resort, so a benchmark never leaves a dead mount or a stray process behind."""
-    if os.path.ismount(mount.mountpoint):
-        r = subprocess.run(["fusermount3", "-u", mount.mountpoint], capture_output=True)
-        if r.returncode != 0:
-            subprocess.run(["fusermount3", "-uz", mount.mountpoint], capture_output=True)
-    try:
-        mount.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        mount.proc.send_signal(signal.SIGTERM)
-        try:
-            mount.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            mount.proc.kill()
-            mount.proc.wait()
+    fuse_unmount(mount.mountpoint)
+    reap(mount.proc, timeout, 5)
     if os.path.ismount(mount.mountpoint):
         subprocess.run(["fusermount3", "-uz", mount.mountpoint], capture_output=True)
     mount.final_stats = mount.stats()

@@ -31,7 +31,6 @@ import logging
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.common import fuse_unmount, reap
 from bench.mount_workloads import dd_workload, torch_workload
 from tectonic_py.loadtest import GiB, MiB
 
@@ -165,20 +165,9 @@ class TectonicMount:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if os.path.ismount(self.mountpoint):
-            r = subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
-            if r.returncode != 0:
-                subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], capture_output=True)
+        fuse_unmount(self.mountpoint)
         if self.proc is not None:
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            reap(self.proc, 30, 10)
             self.proc = None
 
     def remount(self) -> None:
