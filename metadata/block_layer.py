@@ -179,13 +179,23 @@ def replace_chunk(
         raise InvalidArgument(
             f"chunk {index} of block {block_id:016x} is on {row[0]!r}, not {old_node!r}"
         )
+    repoint_chunk(conn, block_id, index, old_node, new_node, checksum)
+
+
+def repoint_chunk(
+    conn: sqlite3.Connection, block_id: int, index: int, old_node: str, new_node: str, checksum: int
+) -> None:
+    """Write chunk ``index``'s new home in both tables (``block_chunks`` and the per-node
+    index ``node_blocks``), dropping ``old_node``'s index row ("" = the chunk had no home).
+    The callers have already checked that the chunk is where ``old_node`` says."""
+    if old_node:
+        conn.execute(
+            "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
+            (old_node, block_id, index),
+        )
     conn.execute(
-        "UPDATE block_chunks SET node_id = ?, checksum = ? WHERE block_id = ? AND idx = ?",
-        (new_node, checksum, block_id, index),
-    )
-    conn.execute(
-        "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
-        (old_node, block_id, index),
+        "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
+        (block_id, index, new_node, checksum),
     )
     conn.execute(
         "INSERT OR REPLACE INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",

@@ -43,6 +43,7 @@ from typing import Any
 
 import msgpack
 
+from metadata.block_layer import repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py import wire
 from tectonic_py.errors import FileNotFound, InvalidArgument
@@ -108,19 +109,7 @@ def set_chunk(
         )
     if cur is not None and cur[1] != checksum:
         raise InvalidArgument(f"chunk {index} of block {block_id:016x}: checksum differs")
-    if cur is not None:
-        conn.execute(
-            "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
-            (old_node, block_id, index),
-        )
-    conn.execute(
-        "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
-        (block_id, index, new_node, checksum),
-    )
-    conn.execute(
-        "INSERT OR REPLACE INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
-        (new_node, block_id, index),
-    )
+    repoint_chunk(conn, block_id, index, old_node, new_node, checksum)
 
 
 def forget_block(
