@@ -46,9 +46,9 @@ import trio
 from chunkstore import layout
 from chunkstore.scrub import Scrubber
 from tectonic_py import capability, wire
-from tectonic_py.wire import Buffer
 from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
+from tectonic_py.wire import Buffer
 
 log = logging.getLogger(__name__)
 

@@ -146,23 +146,35 @@ async def _recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
         view = view[n:]
 
 
-async def _send_all(sock: trio.socket.SocketType, data: Buffer) -> None:
+async def _send_all(
+    sock: trio.socket.SocketType, data: Buffer, sent: list[int] | None = None
+) -> None:
     view = memoryview(data).cast("B")
     while view:
         n = await sock.send(view)
+        if sent is not None:
+            sent[0] += n
         view = view[n:]
 
 
-async def _send_frame(sock: trio.socket.SocketType, frame: bytes, payload: Buffer | None) -> None:
+async def _send_frame(
+    sock: trio.socket.SocketType,
+    frame: bytes,
+    payload: Buffer | None,
+    sent: list[int] | None = None,
+) -> None:
     """A frame's prefix+header and its payload in one ``sendmsg``: one syscall and one
     trip through the event loop per message instead of two (the payload is never joined to
-    the header in a new buffer)."""
+    the header in a new buffer). ``sent[0]`` counts the bytes that went out, so a caller
+    cancelled here knows whether the stream holds half a frame."""
     if payload is None or not memoryview(payload).nbytes:
-        await _send_all(sock, frame)
+        await _send_all(sock, frame, sent)
         return
     pieces = [memoryview(frame), memoryview(payload).cast("B")]
     while pieces:
         n = await sock.sendmsg(pieces)
+        if sent is not None:
+            sent[0] += n
         while pieces and n >= pieces[0].nbytes:
             n -= pieces[0].nbytes
             pieces.pop(0)
@@ -224,7 +236,7 @@ class SpareBuffers:
             return free.pop()
         return mmap.mmap(-1, size)
 
-    def give_back(self, buf: bytearray | mmap.mmap) -> None:
+    def give_back(self, buf: Buffer) -> None:
         """Keep ``buf`` for reuse if there is room and no view of it is alive."""
         if not isinstance(buf, mmap.mmap) or self._bytes + len(buf) > self.keep:
             return
@@ -834,12 +846,17 @@ class Connection:
             async with self._send_lock:
                 if self.broken is not None:
                     raise self.broken
+                sent = [0]
                 try:
-                    await _send_frame(self._sock, frame, payload if size else None)
+                    await _send_frame(self._sock, frame, payload if size else None, sent)
                 except trio.Cancelled:
-                    # A half-sent frame poisons the stream: drop the connection.
-                    self._fail(Unavailable(f"{self.address}: send cancelled mid-frame"))
-                    self._sock.close()
+                    # A half-sent frame poisons the stream: drop the connection. A frame
+                    # not started (a trio socket call that is cancelled sent nothing) leaves
+                    # it intact: dropping it then failed every other request on it, so one
+                    # cancelled hedge or slow get became many failed chunks under a burst.
+                    if sent[0]:
+                        self._fail(Unavailable(f"{self.address}: send cancelled mid-frame"))
+                        self._sock.close()
                     raise
                 except OSError as e:
                     self._fail(Unavailable(f"{self.address}: send failed ({e!r})"))
