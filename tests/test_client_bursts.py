@@ -198,3 +198,38 @@ async def test_out_of_order_and_tail_reads_stay_sequential(local_cluster, caplog
             for j in (i + 1, i):
                 assert await r.pread(j * p, p) == data[j * p : (j + 1) * p]
         assert client.stats.range_reads <= 1
+
+
+async def _filled_socketpair() -> tuple[trio.socket.SocketType, trio.socket.SocketType]:
+    """A connected pair whose first end's send buffer is full (the peer reads nothing)."""
+    import socket as stdlib_socket
+
+    a, b = trio.socket.socketpair()
+    a.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_SNDBUF, 4096)
+    filler = b"x" * 65536
+    while True:  # bounded by the socket buffers: a send that would block is cancelled
+        with trio.move_on_after(0.2) as scope:
+            await a.send(filler)
+        if scope.cancelled_caught:
+            return a, b
+
+
+async def test_a_request_cancelled_before_its_frame_went_out_keeps_the_connection():
+    """Cancelling a request whose frame had not started (a hedge loser, a slow get) must not
+    drop the connection that every other request to that store shares; one cancelled
+    half-way through its frame must (the stream would be garbage)."""
+    from tectonic_py import wire
+
+    a, b = await _filled_socketpair()
+    conn = wire.Connection(a, "pair", wire.DEFAULT_LIMITS)
+    try:
+        with trio.move_on_after(0.2):  # cancel it while it waits to send
+            await conn.call("get", {"chunk_id": "x", "offset": 0, "length": 1})
+        assert conn.broken is None
+        await b.recv(8192)  # room for part of the next frame only
+        with trio.move_on_after(0.2):
+            await conn.call("put", {"chunk_id": "x"}, b"y" * (4 * MiB))
+        assert conn.broken is not None
+    finally:
+        a.close()
+        b.close()
