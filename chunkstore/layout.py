@@ -30,6 +30,12 @@ valid chunk id) in the same directory, is fsynced, renamed over its final name a
 directory is fsynced. A crash leaves either no file under the final name or a complete one;
 leftover temporary files are removed at startup (``recover``).
 
+CPU: a put arrives in a page-aligned buffer laid out as its own file image (``put_room``:
+room for the header in front), one pass over the bytes gives the segment table and the
+whole CRC, and the image is written with O_DIRECT, so the bytes are never copied into the
+page cache; a whole-chunk get reads the image back the same way. Filesystems that refuse
+O_DIRECT get buffered I/O, the same format and the same durability protocol.
+
 All functions here do blocking disk I/O and are meant to run in ``trio.to_thread.run_sync``.
 """
 
