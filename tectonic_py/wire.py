@@ -202,10 +202,12 @@ class SpareBuffers:
     A fresh 4 MiB buffer costs a memset and a thousand page faults (and an munmap when
     freed): on a chunk store that was a tenth of the CPU of a put or a get. Buffers of at
     least ``MIN_SIZE`` are anonymous mmaps (page aligned, so they also suit O_DIRECT), their
-    sizes rounded up (``size_class``) so that chunks of nearby lengths share them; the user takes a view of the first ``n`` bytes. At most ``keep``
-    bytes of spares are kept. A buffer is kept only when no view of it is alive
+    sizes rounded up (``size_class``) so that chunks of nearby lengths share them; the user
+    takes a view of the first ``n`` bytes. At most ``keep`` bytes of spares are kept. A buffer is handed out again only when no view of it is alive
     (``_unshared``), so bytes a handler, a reply or a worker thread still refers to are never
-    handed out again. Event-loop thread only.
+    overwritten. One given back while a view lives (a worker thread that has delivered its
+    result but not yet dropped its frame) waits in ``_pending`` and is checked again at the
+    next ``take``. Event-loop thread only.
     """
 
     MIN_SIZE = 64 * 1024
@@ -213,7 +215,8 @@ class SpareBuffers:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._free: dict[int, list[mmap.mmap]] = {}
-        self._bytes = 0
+        self._pending: list[mmap.mmap] = []
+        self._bytes = 0  # free and pending
         self.reused = 0
 
     @classmethod
@@ -228,6 +231,13 @@ class SpareBuffers:
         """A buffer of at least ``n`` bytes (contents undefined); give it back when done."""
         if n < self.MIN_SIZE:
             return bytearray(n)
+        if self._pending:
+            waiting, self._pending = self._pending, []
+            for buf in waiting:
+                if _unshared(buf):
+                    self._free.setdefault(len(buf), []).append(buf)
+                else:
+                    self._pending.append(buf)
         size = self.size_class(n)
         free = self._free.get(size)
         if free:
@@ -237,12 +247,13 @@ class SpareBuffers:
         return mmap.mmap(-1, size)
 
     def give_back(self, buf: Buffer) -> None:
-        """Keep ``buf`` for reuse if there is room and no view of it is alive."""
+        """Keep ``buf`` for reuse if there is room (reused once no view of it is alive)."""
         if not isinstance(buf, mmap.mmap) or self._bytes + len(buf) > self.keep:
             return
-        if not _unshared(buf):
-            return
-        self._free.setdefault(len(buf), []).append(buf)
+        if _unshared(buf):
+            self._free.setdefault(len(buf), []).append(buf)
+        else:
+            self._pending.append(buf)
         self._bytes += len(buf)
 
 

@@ -834,16 +834,23 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
             cid, cap = new_chunk(secret)
             await c.put(cid, payload(MiB, i), cap)
             chunks.append((cid, i))
+
+        async def returned() -> None:
+            for _ in range(500):  # a reply's buffer comes back right after its send
+                if server.reply_bytes_held == 0:
+                    return
+                await trio.sleep(0.01)
+            raise AssertionError(f"{server.reply_bytes_held} reply bytes still held")
+
         for _ in range(3):
             for cid, i in chunks:
                 assert bytes(await c.get(cid)) == payload(MiB, i)
+                await returned()
                 assert bytes(await c.get(cid, 70_000, 300_000)) == payload(MiB, i)[70_000:370_000]
-    assert server._replies.spares.reused >= 10
-    for _ in range(500):  # the last reply's buffer comes back right after its send
-        if server.reply_bytes_held == 0:
-            break
-        await trio.sleep(0.01)
-    assert server.reply_bytes_held == 0
+                await returned()
+    # 18 gets of two buffer sizes, each buffer back before the next get: all but the first
+    # of each size can reuse one (a few may find theirs still viewed by a worker thread).
+    assert server._replies.spares.reused >= 12
 
 
 @pytest.mark.parametrize("length", [1, 4095, 65536, 4 * MiB, 4 * MiB + 777])

@@ -303,3 +303,17 @@ async def test_payload_buffers_are_reused_but_never_while_a_view_lives(nursery, 
         for i in range(3):
             data = bytes([i]) * size
             assert bytes((await conn.call("echo", {}, data)).payload) == data
+
+
+def test_spare_buffer_is_not_handed_out_while_a_view_lives():
+    spares = wire.SpareBuffers(keep=8 * 1024 * 1024)
+    buf = spares.take(100_000)
+    view = memoryview(buf)[10:20]
+    view[:] = b"k" * 10
+    spares.give_back(buf)
+    other = spares.take(100_000)
+    assert other is not buf and spares.reused == 0 and bytes(view) == b"k" * 10
+    del view
+    assert spares.take(100_000) is buf and spares.reused == 1
+    spares.give_back(bytearray(100_000))  # not one of ours: never kept
+    assert spares.take(1000) == bytearray(1000)
