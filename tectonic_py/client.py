@@ -380,7 +380,8 @@ class TectonicClient:
     Tuning (keyword arguments of ``open_client``):
 
     * ``window_bytes``: memory for block buffers across all writers (backpressure bound);
-    * ``cache_bytes``: the block cache of readers (readahead lands here);
+    * ``cache_bytes``: the readers' memory budget: cached blocks and block fetches in
+      flight (readahead lands here; a reader with no room reads ranges);
     * ``readahead_blocks``: whole blocks fetched ahead of a sequential reader;
     * ``write_quorum``: chunks that must land for a block to commit (default k + 1);
     * ``hedge``: extra nodes asked for with every block, for re-sending failed chunks;
