@@ -116,6 +116,12 @@ class ClientStats:
     cache_misses: int = 0
     buffer_waits: int = 0
     spills: int = 0
+    # Requests (and connects) sent to each chunk store, by address: a dead node should cost
+    # one attempt per client, not one per block.
+    node_attempts: dict[str, int] = field(default_factory=dict)
+    # Chunks not asked for (reads) or not sent (writes) because their node was known down
+    # or backing off.
+    avoided_chunks: int = 0
     # (block_id, chunk_index, node_id, reason) of chunks found missing or corrupt: repair's input.
     bad_chunks: list[tuple[int, int, str, str]] = field(default_factory=list)
 
@@ -318,6 +324,81 @@ def _buffer_size(view: memoryview) -> int:
 # --- connections to chunk stores -------------------------------------------------------------
 
 
+class NodeView:
+    """The client's view of which chunk stores to avoid: the registry's "down" marks, and
+    nodes this client itself just failed to reach (backing off).
+
+    Why: after a host's link is cut, every block read first tried the dead node and waited
+    out a connect timeout (reading 40 MB through a cut host took 24-31 s). With this view a
+    block whose data chunk sits on a down node goes straight to a degraded read, and a node
+    that just failed costs one timeout per client, not one per block. The registry is asked
+    (``node.list``) at most every ``REFRESH_S``, and only when something suggests the view
+    is stale (a chunk request failed or went slow, a block was placed, a file opened), never
+    per request.
+    """
+
+    REFRESH_S = 1.5
+
+    def __init__(self, meta: Any, nursery: trio.Nursery, backoff_s: float) -> None:
+        self._meta = meta
+        self._nursery = nursery
+        self.backoff_s = backoff_s
+        self.down: set[str] = set()  # node ids the registry marks down
+        self._failed: dict[str, float] = {}  # address -> back off until (trio clock)
+        self._refreshed = -math.inf
+        self._refreshing = False
+
+    def backing_off(self, address: str) -> bool:
+        until = self._failed.get(address)
+        if until is None:
+            return False
+        if trio.current_time() < until:
+            return True
+        del self._failed[address]
+        return False
+
+    def avoid(self, node_id: str, address: str) -> bool:
+        """Whether a chunk on this node should be fetched or sent elsewhere if possible."""
+        return node_id in self.down or bool(address and self.backing_off(address))
+
+    def failed(self, address: str) -> None:
+        """This client could not reach ``address`` (connect refused or timed out, connection
+        lost): avoid it for ``backoff_s`` and ask the registry what it knows."""
+        if address not in self._failed:
+            log.info("chunk store %s unreachable; avoiding it for %.1fs", address, self.backoff_s)
+        self._failed[address] = trio.current_time() + self.backoff_s
+        self.refresh_soon()
+
+    def stale(self) -> bool:
+        return not self._refreshing and trio.current_time() - self._refreshed >= self.REFRESH_S
+
+    def refresh_soon(self) -> None:
+        """Refresh in the background (rate limited): callers never wait for the registry."""
+        if self.stale():
+            self._refreshing = True
+            self._nursery.start_soon(self._refresh)
+
+    async def refresh(self) -> None:
+        """Refresh now if the view is older than ``REFRESH_S`` (opening a file for reading)."""
+        if self.stale():
+            self._refreshing = True
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        try:
+            nodes = await self._meta.nodes()
+        except TectonicError as e:
+            log.info("node list unavailable (%s); keeping the last view", e)
+        else:
+            down = {n.node_id for n in nodes if n.state != "up"}
+            if down != self.down:
+                log.info("chunk stores marked down by the registry: %s", sorted(down) or "none")
+            self.down = down
+        finally:
+            self._refreshed = trio.current_time()
+            self._refreshing = False
+
+
 class ChunkPool:
     """Persistent, pooled connections to chunk stores, one (or a few) per node.
 
@@ -326,30 +407,76 @@ class ChunkPool:
     per node carries every block's chunk for that node.
     """
 
-    def __init__(self, secret: bytes, nursery: trio.Nursery, per_node: int = 1) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        nursery: trio.Nursery,
+        per_node: int = 1,
+        *,
+        view: NodeView | None = None,
+        stats: ClientStats | None = None,
+        connect_timeout: float = 3.0,
+    ) -> None:
         self._secret = secret
         self._nursery = nursery
         self._per_node = max(1, per_node)
+        self._view = view
+        self._stats = stats
+        self.connect_timeout = connect_timeout
         self._conns: dict[str, list[wire.Connection]] = {}
         self._locks: dict[str, trio.Lock] = {}
         self._rr = itertools.count()
 
+    def _check_backoff(self, address: str) -> None:
+        if self._view is not None and self._view.backing_off(address):
+            raise Unavailable(f"chunk store {address} was unreachable moments ago (backing off)")
+
+    def _attempt(self, address: str) -> None:
+        if self._stats is not None:
+            attempts = self._stats.node_attempts
+            attempts[address] = attempts.get(address, 0) + 1
+
     async def get(self, address: str) -> wire.Connection:
+        return (await self._get(address))[0]
+
+    async def _get(self, address: str) -> tuple[wire.Connection, bool]:
+        """A live connection to ``address``, and whether a connect was attempted for it.
+        Raises Unavailable at once while the address is backing off, so the tasks queued
+        behind a failed connect do not each try (and time out) again."""
         if not address:
             raise Unavailable("chunk store address unknown (node not registered)")
         conns = self._conns.setdefault(address, [])
         conns[:] = [c for c in conns if c.broken is None]
         if len(conns) >= self._per_node:
-            return conns[next(self._rr) % len(conns)]
+            return conns[next(self._rr) % len(conns)], False
+        self._check_backoff(address)
         lock = self._locks.setdefault(address, trio.Lock())
         async with lock:
             conns[:] = [c for c in conns if c.broken is None]
-            if len(conns) < self._per_node:
-                host, port = wire.parse_address(address)
-                conns.append(
-                    await wire.Connection.connect(host, port, self._secret, nursery=self._nursery)
+            if len(conns) >= self._per_node:
+                return conns[-1], False
+            self._check_backoff(address)
+            self._attempt(address)
+            conns.append(await self._connect(address))
+            return conns[-1], True
+
+    async def _connect(self, address: str) -> wire.Connection:
+        """Connect within ``connect_timeout``: a cut link blackholes SYNs (no RST comes
+        back), and the kernel's own retries would take minutes."""
+        host, port = wire.parse_address(address)
+        try:
+            with trio.move_on_after(self.connect_timeout) as scope:
+                return await wire.Connection.connect(
+                    host, port, self._secret, nursery=self._nursery
                 )
-            return conns[-1]
+            assert scope.cancelled_caught
+            raise Unavailable(
+                f"cannot connect to {address}: no answer in {self.connect_timeout}s"
+            )
+        except Unavailable:
+            if self._view is not None:
+                self._view.failed(address)
+            raise
 
     async def call(
         self,
@@ -360,8 +487,15 @@ class ChunkPool:
         *,
         into: memoryview | None = None,
     ) -> wire.Response:
-        conn = await self.get(address)
-        return await conn.call(op, fields, payload, into=into)
+        conn, connected = await self._get(address)
+        if not connected:
+            self._attempt(address)  # a connect already counted as this request's attempt
+        try:
+            return await conn.call(op, fields, payload, into=into)
+        except Unavailable:
+            if conn.broken is not None and self._view is not None:
+                self._view.failed(address)  # the connection died, not a busy store
+            raise
 
     async def aclose(self) -> None:
         for conns in self._conns.values():
@@ -395,7 +529,12 @@ class TectonicClient:
     * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
       parity fetches (first k good chunks win);
     * ``codec_threads``: zfec/CRC worker threads (the cores);
-    * ``max_reconstructions``: degraded decodes at once.
+    * ``max_reconstructions``: degraded decodes at once;
+    * ``connect_timeout``: a connect to a chunk store not answered in this long fails (a
+      cut link drops SYNs silently);
+    * ``node_backoff_s``: a chunk store this client failed to reach is avoided this long
+      (reads go degraded, puts go to other nodes), so it costs one timeout, not one per
+      block; nodes the registry marks down are avoided until it marks them up.
     """
 
     def __init__(
@@ -416,14 +555,25 @@ class TectonicClient:
         codec_threads: int = 2,
         max_reconstructions: int = 2,
         conns_per_node: int = 1,
+        connect_timeout: float = 3.0,
+        node_backoff_s: float = 10.0,
     ) -> None:
         if window_bytes < MiB:
             raise InvalidArgument("window_bytes must be at least 1 MiB")
+        if not connect_timeout > 0 or not node_backoff_s >= 0:
+            raise InvalidArgument(
+                f"connect_timeout ({connect_timeout}) must be > 0 and node_backoff_s "
+                f"({node_backoff_s}) >= 0"
+            )
         self.config = config
         self.meta = meta
         self._nursery = nursery
         self.stats = ClientStats()
-        self.pool = ChunkPool(config.secret(), nursery, conns_per_node)
+        self.node_view = NodeView(meta, nursery, node_backoff_s)
+        self.pool = ChunkPool(
+            config.secret(), nursery, conns_per_node,
+            view=self.node_view, stats=self.stats, connect_timeout=connect_timeout,
+        )
         self.buffers = BufferPool(window_bytes, self.stats)
         self.buffers.spill = lambda writer: nursery.start_soon(writer.spill_open)
         self.cache = BlockCache(cache_bytes)
@@ -545,6 +695,8 @@ class TectonicClient:
 
             raise IsADirectory(f"file id {file_id} is a directory")
         blocks = await self.meta.block_list(file_id) if attrs.size else []
+        if blocks:
+            await self.node_view.refresh()  # rate limited: plan this file's reads around down nodes
         return FileReader(self, attrs, {b.file_index: b for b in blocks})
 
     # --- write side: one block to chunk stores ----------------------------------------------
@@ -571,6 +723,7 @@ class TectonicClient:
         padded[data_len:] = bytes(k * cl - data_len)
         enc = await self.codec.encode(policy, padded, cl)
         grant = await self.meta.allocate_block(file_id, token, policy.name, hedge=self.hedge)
+        self.node_view.refresh_soon()
         placements = await self._put_chunks(grant, policy, enc)
         self.stats.blocks_written += 1
         self.stats.bytes_written += data_len
@@ -595,16 +748,29 @@ class TectonicClient:
         more_lock = trio.Lock()
         asked_more = 0
 
+        view = self.node_view
+
+        def pop_live() -> tuple[NodeInfo, bytes] | None:
+            """The next spare whose node this client does not know to be down or failing."""
+            while spares:
+                node, cap = spares.popleft()
+                if not view.avoid(node.node_id, node.address):
+                    return node, cap
+                self.stats.avoided_chunks += 1
+            return None
+
         async def replacement() -> tuple[NodeInfo, bytes] | None:
             nonlocal asked_more
             async with more_lock:
-                if spares:
-                    return spares.popleft()
+                spare = pop_live()
+                if spare is not None:
+                    return spare
                 if asked_more >= 2:
                     return None
                 asked_more += 1
+                exclude = sorted(tried | view.down)
                 try:
-                    more = await self.meta.more_nodes(grant.block_id, sorted(tried), 2)
+                    more = await self.meta.more_nodes(grant.block_id, exclude, 2)
                 except TectonicError as e:
                     log.info("no replacement nodes for block %016x: %s", grant.block_id, e)
                     return None
@@ -612,7 +778,7 @@ class TectonicClient:
                     if node.node_id not in tried:
                         tried.add(node.node_id)
                         spares.append((node, more.capability))
-                return spares.popleft() if spares else None
+                return pop_live()
 
         async def race(i: int, target: tuple[NodeInfo, bytes]) -> NodeInfo | None:
             """Put chunk i on ``target``; if that is still running after ``write_hedge_s``
@@ -678,6 +844,11 @@ class TectonicClient:
         async with open_service_nursery() as nursery:
             for i in range(n):
                 first = (grant.nodes[i], grant.capability) if i < len(grant.nodes) else None
+                if first is not None and view.avoid(first[0].node_id, first[0].address):
+                    # Placed before the registry saw it down, or this client just failed to
+                    # reach it: start on a spare (the node itself if none is left).
+                    self.stats.avoided_chunks += 1
+                    first = pop_live() or first
                 nursery.start_soon(put_one, i, first)
         quorum = self._quorum(policy)
         if len(results) < quorum:
@@ -838,7 +1009,16 @@ class TectonicClient:
         k, cl = policy.k, info.chunk_len
         out = memoryview(self.cache.take(k * cl))
         by_index = {pl.index: pl for pl in info.chunks}
-        spares = deque(i for i in sorted(by_index) if i >= k)
+        view = self.node_view
+        avoided = {
+            i for i, pl in by_index.items()
+            if view.avoid(pl.node_id, pl.address or self._addresses.get(pl.node_id, ""))
+        }
+        # Parity on live nodes first; chunks on avoided nodes only as a last resort.
+        spares = deque(i for i in sorted(by_index) if i >= k and i not in avoided)
+        spares.extend(i for i in sorted(avoided) if i >= k)
+        spares.extend(i for i in sorted(avoided) if i < k)
+        self.stats.avoided_chunks += sum(1 for i in avoided if i < k)
         chunks: dict[int, Buffer] = {}
         results_send, results = trio.open_memory_channel[tuple[int, bool]](policy.n)
         pending = 0
@@ -867,11 +1047,14 @@ class TectonicClient:
                 nursery.start_soon(fetch, i, into)
 
             def start_spare() -> None:
-                if spares:
-                    start(spares.popleft())
+                while spares:
+                    i = spares.popleft()
+                    if i not in started:
+                        start(i)
+                        return
 
             for i in range(k):
-                if i in by_index:
+                if i in by_index and i not in avoided:
                     start(i)
                 else:
                     start_spare()
@@ -881,6 +1064,7 @@ class TectonicClient:
                 with trio.move_on_at(min(hedge_at, slow_at)) as scope:
                     _i, ok = await results.receive()
                 if scope.cancelled_caught:
+                    view.refresh_soon()  # a slow node may be one the registry marks down
                     now = trio.current_time()
                     if now >= hedge_at:
                         hedge_at = math.inf
@@ -893,6 +1077,7 @@ class TectonicClient:
                     continue
                 pending -= 1
                 if not ok:
+                    view.refresh_soon()
                     start_spare()
             nursery.cancel_scope.cancel()
         self.stats.blocks_read += 1
@@ -929,6 +1114,16 @@ class TectonicClient:
         policy = ECPolicy.parse(info.ec)
         by_index = {pl.index: pl for pl in info.chunks}
         ranges = chunk_ranges(info.chunk_len, block_offset, out.nbytes, policy.k)
+        view = self.node_view
+        for r in ranges:
+            pl = by_index.get(r.chunk_index)
+            if pl is not None and view.avoid(
+                pl.node_id, pl.address or self._addresses.get(pl.node_id, "")
+            ):
+                # A range on a down node: straight to the (degraded) whole-block read.
+                data = await self.read_block(info)
+                out[:] = data[block_offset : block_offset + out.nbytes]
+                return
         failed = False
 
         async def fetch(r: Any) -> None:

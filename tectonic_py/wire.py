@@ -749,6 +749,9 @@ class Connection:
         except OSError as e:
             sock.close()
             raise Unavailable(f"cannot connect to {address}: {e.strerror or e}") from None
+        except BaseException:
+            sock.close()  # cancelled mid-connect (a caller's connect timeout): no leaked socket
+            raise
         conn = cls(sock, address, limits)
         try:
             with trio.fail_after(limits.auth_timeout):
