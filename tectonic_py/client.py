@@ -40,6 +40,13 @@ corrupt makes the read *degraded*: parity chunks are fetched and zfec rebuilds t
 cannot become a reconstruction storm). Every bad chunk is logged at WARNING and recorded in
 ``statistics().bad_chunks`` for the repair service.
 
+Down nodes are planned around, not timed out on. ``NodeView`` keeps the registry's "down"
+marks (``node.list``, asked at most every 1.5 s and only when a request failed or went slow, a
+block was placed or a file opened) and the stores this client just failed to reach (avoided
+for ``node_backoff_s``): a data chunk on such a node is replaced by a parity fetch from the
+start, and puts and hedges go to other nodes, so a dead store costs one timeout per client
+rather than one per block (a cut host made every block of a read wait for it).
+
 Slowness is never failure. Under a burst every chunk store queues, parity chunks as much as
 data chunks; a client that gave up on slow requests would fail reads and writes whose bytes are
 all there (4,096-rank restore: 1,179 ranks got QuorumLost). So a slow get or put only *starts*
