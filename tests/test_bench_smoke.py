@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,9 +98,34 @@ def test_nullfs_bad_mountpoint_is_a_clear_error(tmp_path):
     assert str(target) not in _mounts()
 
 
+def _reap_gluster_under(root) -> None:
+    """If bench.gluster was killed (timeout) its own teardown never ran: glusterd runs in a
+    session of its own and would outlive the test. Every gluster process of that run names
+    ``root`` (or a volume whose bricks are under it) in its command line: end those only."""
+    gluster = [
+        (p, " ".join(p.info["cmdline"] or []))
+        for p in psutil.process_iter(["name", "cmdline"])
+        if (p.info["name"] or "").startswith("gluster")
+    ]
+    # The self-heal daemon names only the volume ("shd/tbenchNNN"), learnt from the bricks.
+    marks = {str(root)} | {
+        m for _, cmd in gluster if str(root) in cmd for m in re.findall(r"tbench\d+", cmd)
+    }
+    ours = [p for p, cmd in gluster if any(m in cmd for m in marks)]
+    for p in ours:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(ours, timeout=10)
+
+
 def test_gluster_smoke_runs_or_says_why(tmp_path):
     """The peer: built, measured and torn down; or one clear reason it cannot run here."""
-    r = _run("bench.gluster", "--smoke", "--json", "--root", str(tmp_path), timeout=600)
+    try:
+        r = _run("bench.gluster", "--smoke", "--json", "--root", str(tmp_path), timeout=600)
+    finally:
+        _reap_gluster_under(tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if not out["available"]:
