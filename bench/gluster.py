@@ -183,11 +183,11 @@ class GlusterVolume:
         # the FUSE client process exits after the unmount; wait for it so a remount's
         # figures never include a dying process
         for p in self._our_processes():
-            if "--process-name fuse" in " ".join(p.cmdline()) or "fuse" in p.name():
-                try:
+            try:  # a process may exit (or be a zombie) between listing and asking
+                if "--process-name fuse" in " ".join(p.cmdline()) or "fuse" in p.name():
                     p.wait(timeout=10)
-                except psutil.Error:
-                    pass
+            except psutil.Error:
+                pass
 
     def remount(self) -> None:
         """Unmount and mount again: nothing of the volume is cached client-side after it."""

@@ -225,7 +225,10 @@ def test_detached_start_failure_is_one_line_and_leaves_nothing(tmp_path: Path) -
 
 def metadata_pid(root: Path, index: int) -> int:
     for pid in pid_file(root)["daemons"]:
-        cmdline = psutil.Process(pid).cmdline()
+        try:
+            cmdline = psutil.Process(pid).cmdline()
+        except psutil.NoSuchProcess:  # includes ZombieProcess: one killed earlier in the test
+            continue
         if "metadata" in cmdline and str(root / "metadata" / str(index)) in cmdline:
             return int(pid)
     raise AssertionError(f"no metadata server {index} in {pid_file(root)}")

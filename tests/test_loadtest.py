@@ -26,10 +26,15 @@ MiB = 1024 * KiB
 
 
 def _no_workers_left() -> bool:
-    me = psutil.Process()
-    return not [
-        p for p in me.children(recursive=True) if "tectonic_py.loadtest" in " ".join(p.cmdline())
-    ]
+    """No live loadtest worker below this process (a zombie or one gone meanwhile is not live)."""
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "tectonic_py.loadtest" in " ".join(p.cmdline()):
+                left.append(p)
+        except psutil.NoSuchProcess:  # includes ZombieProcess
+            pass
+    return not left
 
 
 async def test_client_burst_every_byte_verified(local_cluster):
