@@ -146,7 +146,7 @@ class _ReplyBudget:
         self.peak = 0
         self.waiting = 0
         self._lot = trio.lowlevel.ParkingLot()
-        self.spares = wire.SpareBuffers(min(capacity // 8, 32 * MiB))
+        self.spares = wire.SpareBuffers(min(capacity // 4, 80 * MiB))
 
     async def acquire(self, n: int) -> None:
         # A request larger than the whole budget still runs, alone.

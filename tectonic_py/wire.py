@@ -203,11 +203,15 @@ class SpareBuffers:
     freed): on a chunk store that was a tenth of the CPU of a put or a get. Buffers of at
     least ``MIN_SIZE`` are anonymous mmaps (page aligned, so they also suit O_DIRECT), their
     sizes rounded up (``size_class``) so that chunks of nearby lengths share them; the user
-    takes a view of the first ``n`` bytes. At most ``keep`` bytes of spares are kept. A buffer is handed out again only when no view of it is alive
-    (``_unshared``), so bytes a handler, a reply or a worker thread still refers to are never
-    overwritten. One given back while a view lives (a worker thread that has delivered its
-    result but not yet dropped its frame) waits in ``_pending`` and is checked again at the
-    next ``take``. Event-loop thread only.
+    takes a view of the first ``n`` bytes. At most ``keep`` bytes of spares are kept; when a
+    buffer comes back to a full pool, spares of other sizes are dropped (the longest unused
+    first) to make room, because the sizes in use change with the workload (1 MiB chunks
+    after 4 MiB ones): a pool full of the old size would make every new request pay for a
+    fresh buffer, which measured as twice the daemon CPU per byte. A buffer is handed out
+    again only when no view of it is alive (``_unshared``), so bytes a handler, a reply or a
+    worker thread still refers to are never overwritten. One given back while a view lives (a
+    worker thread that has delivered its result but not yet dropped its frame) waits in
+    ``_pending`` and is checked again at the next ``take``. Event-loop thread only.
     """
 
     MIN_SIZE = 64 * 1024
@@ -248,13 +252,34 @@ class SpareBuffers:
 
     def give_back(self, buf: Buffer) -> None:
         """Keep ``buf`` for reuse if there is room (reused once no view of it is alive)."""
-        if not isinstance(buf, mmap.mmap) or self._bytes + len(buf) > self.keep:
+        if not isinstance(buf, mmap.mmap) or len(buf) > self.keep:
             return
+        if self._bytes + len(buf) > self.keep:
+            self._drop_other_sizes(len(buf), self._bytes + len(buf) - self.keep)
+            if self._bytes + len(buf) > self.keep:
+                return
         if _unshared(buf):
-            self._free.setdefault(len(buf), []).append(buf)
+            bufs = self._free.pop(len(buf), [])
+            bufs.append(buf)
+            self._free[len(buf)] = bufs  # to the end: this size was used last
         else:
             self._pending.append(buf)
         self._bytes += len(buf)
+
+    def _drop_other_sizes(self, size: int, need: int) -> None:
+        """Free at least ``need`` bytes of idle spares whose size is not ``size``, the size
+        class given back least recently first (dict order: a size's list is re-inserted at
+        the end whenever a buffer of it is kept)."""
+        for other in [s for s in self._free if s != size]:
+            bufs = self._free[other]
+            while bufs and need > 0:
+                bufs.pop().close()
+                self._bytes -= other
+                need -= other
+            if not bufs:
+                del self._free[other]
+            if need <= 0:
+                return
 
 
 # Drained bytes are thrown away, so every drain in the process shares this one buffer (all
@@ -459,7 +484,7 @@ class RpcServer:
         self.limits = limits
         self.stats = ServerStats()
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
-        self._spares = SpareBuffers(min(limits.payload_budget // 8, 32 * MiB))
+        self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB))
 
     async def serve(
         self,

@@ -317,3 +317,21 @@ def test_spare_buffer_is_not_handed_out_while_a_view_lives():
     assert spares.take(100_000) is buf and spares.reused == 1
     spares.give_back(bytearray(100_000))  # not one of ours: never kept
     assert spares.take(1000) == bytearray(1000)
+
+
+def test_spare_buffers_make_room_for_a_new_size():
+    """A pool full of one size must not refuse every buffer of the next size (1 MiB chunks
+    after 4 MiB ones): spares of the size used least recently are dropped instead."""
+    MiB = 1024 * 1024
+    spares = wire.SpareBuffers(keep=8 * MiB)
+    big = [spares.take(4 * MiB) for _ in range(2)]
+    for buf in big:
+        spares.give_back(buf)
+    small = [spares.take(1 * MiB) for _ in range(4)]
+    for buf in small:
+        spares.give_back(buf)
+    before = spares.reused
+    again = [spares.take(1 * MiB) for _ in range(4)]
+    assert spares.reused == before + 4 and {id(b) for b in again} == {id(b) for b in small}
+    assert spares._bytes <= spares.keep
+    assert any(b.closed for b in big)
