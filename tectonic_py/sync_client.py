@@ -224,10 +224,7 @@ class _RawReader(_RawStream):
         return True
 
     def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        data = self._owner._call(self._r.pread, self._pos, view.nbytes)
-        n = len(data)
-        view[:n] = data
+        n = self._owner._call(self._r.pread_into, self._pos, memoryview(b))
         self._pos += n
         return n
 

@@ -99,6 +99,14 @@ async def test_pwrite_holes_truncate_and_read_your_writes(client):
     assert await w.close() == attrs  # idempotent
     r = await client.open_read("/f")
     assert await r.read() == bytes(expect)
+    # pread_into (what BufferedReader.readinto uses): into a dirty buffer, across the block
+    # boundary and past EOF; the hole must come back as zeros, not as the buffer's old bytes.
+    for offset, room in ((0, len(expect) + 50), (block - 3, 30), (block + 5, 40), (10, 0)):
+        dest = bytearray(b"\xee" * room)
+        n = await r.pread_into(offset, memoryview(dest))
+        assert n == max(0, min(room, len(expect) - offset))
+        assert dest[:n] == expect[offset : offset + n] and dest[n:] == b"\xee" * (room - n)
+    assert await r.pread_view(block + 1, 19) == expect[block + 1 : block + 20]
 
 
 async def test_fsync_of_a_short_block_then_append(client):
