@@ -52,7 +52,9 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+from chunkstore import syscalls
 from tectonic_py.checksum import checksum as crc32c
 from tectonic_py.checksum import combine, segment_checksums
 from tectonic_py.errors import (
@@ -201,11 +203,11 @@ def chunk_path(data_dir: Path, chunk_id: str) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = syscalls.open_existing(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
-        os.close(fd)
+        syscalls.close(fd)
 
 
 # --- write ----------------------------------------------------------------------------------
@@ -233,31 +235,50 @@ def _same_memory(a: memoryview, b: memoryview) -> bool:
 
 # Devices (st_dev) where O_DIRECT was refused (EINVAL: e.g. an older tmpfs): buffered there.
 _no_direct: set[int] = set()
+# The device of each data directory, looked up once: a put should not pay a stat for it.
+_devices: dict[Path, int] = {}
 
 
-def _write_direct(tmp: Path, image: memoryview, size: int) -> bool:
-    """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to a new file ``tmp`` with
-    O_DIRECT, cut it to ``size`` bytes and fsync it. False (and no file left) if the
-    filesystem refuses O_DIRECT; OSError for real failures (ENOSPC) after removing ``tmp``.
+def _device(data_dir: Path) -> int:
+    dev = _devices.get(data_dir)
+    if dev is None:
+        dev = _devices[data_dir] = os.stat(data_dir).st_dev
+    return dev
+
+
+def _open_target(target: Path, flags: int, create: bool) -> int:
+    """Open the file a put writes: a new temporary file, or an existing spare (no
+    O_CREAT, and no O_TRUNC either: the write and the ``ftruncate`` after it replace the
+    contents, and the spare's blocks stay allocated for the write to reuse)."""
+    flags |= os.O_WRONLY | os.O_CLOEXEC
+    if create:
+        return os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    return syscalls.open_existing(target, flags)
+
+
+def _write_direct(
+    target: Path, image: memoryview, size: int, create: bool, dev: int, old_size: int | None
+) -> bool:
+    """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to ``target`` with
+    O_DIRECT, cut it to ``size`` bytes and fsync it. False (and the file as it was) if the
+    filesystem refuses O_DIRECT; OSError for real failures (ENOSPC). ``old_size``: the
+    target's size before (0 for a new file, None if unknown).
 
     Why: a buffered write copies every byte into the page cache, the largest single CPU
     cost of a put (a chunk is not read again soon: it is a checkpoint's). fsync is still
     needed for the file's size and extents and the device's write cache.
     """
-    try:
-        dev = os.stat(tmp.parent).st_dev
-    except OSError:
-        return False
     if dev in _no_direct:
         return False
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = _open_target(target, os.O_DIRECT, create)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         _no_direct.add(dev)
-        log.info("%s: no O_DIRECT on this filesystem; chunk writes are buffered", tmp.parent)
+        log.info("%s: no O_DIRECT on this filesystem; chunk writes are buffered", target.parent)
+        if create:  # the kernel may have made the file before refusing the flag
+            _remove_quietly(target)
         return False
     try:
         try:
@@ -266,17 +287,26 @@ def _write_direct(tmp: Path, image: memoryview, size: int) -> bool:
             if e.errno != errno.EINVAL:
                 raise
             _no_direct.add(dev)
-            log.info("%s: O_DIRECT write refused; chunk writes are buffered", tmp.parent)
-            os.close(fd)
-            fd = -1
-            _remove_quietly(tmp)
+            log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
+            if create:
+                _remove_quietly(target)
             return False
-        os.ftruncate(fd, size)
+        if old_size is not None and old_size <= len(image):
+            syscalls.ftruncate_small(fd, size)  # cuts within the last block: frees nothing
+        else:
+            os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        syscalls.close(fd)
     return True
+
+
+class Stored(NamedTuple):
+    """What ``write_chunk`` changed on disk."""
+
+    added_bytes: int  # file bytes added (the file's size, less a replaced file's)
+    added_chunks: int  # 1 for a new chunk id, 0 for a no-op or a replaced corrupt file
+    spare_used: bool  # the spare was written and renamed (False: it was not touched)
 
 
 def write_chunk(
@@ -285,33 +315,58 @@ def write_chunk(
     data: memoryview | bytes | bytearray,
     checksum: int,
     image: memoryview | None = None,
-) -> tuple[int, int]:
-    """Store a chunk durably and atomically; returns (bytes added, chunks added) on disk.
+    spare: Path | None = None,
+    spare_size: int | None = None,
+) -> Stored:
+    """Store a chunk durably and atomically.
 
     ``image``: optionally, a page-aligned buffer laid out by ``put_room`` whose bytes from
     the header size on are ``data``; the header is written into its front and the whole
     is written with O_DIRECT (buffered when the filesystem refuses it).
 
-    (0, 0) when the chunk was already there.
+    ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
+    instead of creating a temporary file; it is overwritten, cut to size, fsynced and
+    renamed to the chunk's name (``spare_size``: its size, if known). If this raises, the spare has been removed (whatever
+    state it was left in, it must not be reused blindly); if it returns, ``spare_used``
+    says whether it was renamed (False: the chunk was already stored, the spare untouched).
+
     Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
-    on the way). The same chunk again is a no-op; different contents under the same id raise
-    ChunkConflict. An existing file that fails its own checks is replaced, so a retried put
-    heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary file.
-    The caller serialises writes of one chunk id.
+    on the way). The same chunk again is a no-op (0, 0); different contents under the same id
+    raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
+    put heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary
+    file. The caller serialises writes of one chunk id.
     """
+    try:
+        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
+    except BaseException:
+        if spare is not None:
+            _remove_quietly(spare)
+        raise
+
+
+def _write_chunk(
+    data_dir: Path,
+    chunk_id: str,
+    data: memoryview | bytes | bytearray,
+    checksum: int,
+    image: memoryview | None,
+    spare: Path | None,
+    spare_size: int | None,
+) -> Stored:
     view = memoryview(data).cast("B")
     # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
-    segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE)
+    segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE, keep_gil=True)
     if whole != checksum:
         raise ChecksumMismatch(
             f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"
         )
     path = chunk_path(data_dir, chunk_id)
-    old_size: int | None
-    try:
-        old_size = path.stat().st_size
-    except FileNotFoundError:
-        old_size = None
+    old_size: int | None = None
+    if syscalls.exists(path):  # (the common answer, no, without a stat or a GIL round trip)
+        try:
+            old_size = os.stat(path).st_size
+        except FileNotFoundError:
+            pass
     existing: ChunkHeader | None = None
     if old_size is not None:
         try:
@@ -330,11 +385,14 @@ def write_chunk(
                 f" put has length {len(view)} crc {whole:08x}"
             )
         if verify_chunk(path):
-            return 0, 0
+            return Stored(0, 0, False)
         log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
     header = encode_header(view, whole, segment_crcs)
     directory = path.parent
-    tmp = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
+    if spare is not None:
+        target = spare
+    else:
+        target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
     size = len(header) + len(view)
     if image is not None:
         image = memoryview(image).cast("B")
@@ -345,25 +403,53 @@ def write_chunk(
         else:
             image[: len(header)] = header
             image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
+    create = spare is None
+    before = 0 if create else spare_size
     try:
-        if not directory.is_dir():  # recover() makes them all; this only heals a removed one
-            directory.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(directory.parent)
-        if image is None or not _write_direct(tmp, image, size):
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            direct = image is not None and _write_direct(
+                target, image, size, create, _device(data_dir), before
+            )
+        except FileNotFoundError:
+            if not create:
+                raise
+            _heal_shard_dir(directory)  # recover() makes them all; this heals a removed one
+            direct = image is not None and _write_direct(
+                target, image, size, create, _device(data_dir), before
+            )
+        if not direct:
+            try:
+                fd = _open_target(target, 0, create)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                _heal_shard_dir(directory)
+                fd = _open_target(target, 0, create)
             try:
                 _write_all(fd, [header, view])
+                os.ftruncate(fd, size)  # a spare may have been longer
                 os.fsync(fd)
             finally:
-                os.close(fd)
-        os.rename(tmp, path)
+                syscalls.close(fd)
+        try:
+            syscalls.rename(target, path)
+        except FileNotFoundError:
+            if not target.exists():
+                raise
+            _heal_shard_dir(directory)
+            syscalls.rename(target, path)
         _fsync_dir(directory)
     except OSError as e:
-        _remove_quietly(tmp)
+        _remove_quietly(target)
         if e.errno in _NOSPACE:
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
-    return len(header) + len(view) - (old_size or 0), 1 if old_size is None else 0
+    return Stored(size - (old_size or 0), 1 if old_size is None else 0, spare is not None)
+
+
+def _heal_shard_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    _fsync_dir(directory.parent)
 
 
 def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
@@ -386,12 +472,26 @@ def _remove_quietly(path: Path) -> None:
         log.warning("could not remove %s: %s", path, e)
 
 
-def delete_chunk(data_dir: Path, chunk_id: str) -> int | None:
-    """Remove a chunk durably; its file size if it existed, else None."""
+def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> int | None:
+    """Remove a chunk durably; its file size if it existed, else None.
+
+    ``spare``: a new name in the spares directory (``chunkstore.spares``) to rename the
+    chunk's file to instead of unlinking it, so that a later put reuses the inode and its
+    blocks. Either way the chunk's name is gone, durably, when this returns.
+    """
     path = chunk_path(data_dir, chunk_id)
     try:
-        size = path.stat().st_size
-        os.unlink(path)
+        size = os.stat(path).st_size
+        if spare is None:
+            os.unlink(path)
+        else:
+            try:
+                syscalls.rename(path, spare)
+            except FileNotFoundError:
+                if not os.path.exists(path):
+                    raise
+                spare.parent.mkdir(parents=True, exist_ok=True)  # heal a removed spares dir
+                syscalls.rename(path, spare)
     except FileNotFoundError:
         return None
     _fsync_dir(path.parent)
@@ -403,13 +503,14 @@ def delete_chunk(data_dir: Path, chunk_id: str) -> int | None:
 
 def _open(path: Path) -> int:
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return syscalls.open_existing(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ChunkNotFound(f"no chunk {path.name}") from None
 
 
-def _read_header_fd(fd: int, name: str) -> ChunkHeader:
-    size = os.fstat(fd).st_size
+def _read_header_fd(fd: int, name: str, size: int | None = None) -> ChunkHeader:
+    if size is None:
+        size = os.fstat(fd).st_size
     buf = os.pread(fd, 4096, 0)
     if len(buf) >= HEADER.size:
         nseg = struct.unpack_from("!I", buf, 24)[0]
@@ -423,11 +524,40 @@ def _read_header_fd(fd: int, name: str) -> ChunkHeader:
 
 
 def read_header(path: Path) -> ChunkHeader:
+    return stat_chunk(path)[0]
+
+
+def stat_chunk(path: Path) -> tuple[ChunkHeader, os.stat_result]:
+    """The header of the chunk file at ``path`` and the file's stat."""
     fd = _open(path)
     try:
-        return _read_header_fd(fd, path.name)
+        st = os.fstat(fd)
+        try:
+            header = _read_header_fd(fd, path.name, st.st_size)
+        except ChunkCorrupt:
+            _still_named(path, st)
+            raise
+        _still_named(path, st)
+        return header, st
     finally:
-        os.close(fd)
+        syscalls.close(fd)
+
+
+def _still_named(path: Path, st: os.stat_result) -> None:
+    """ChunkNotFound unless ``path`` still names the file ``st`` describes, unchanged.
+
+    Why: a delete may rename a chunk's file into the spares (``chunkstore.spares``) while a
+    reader has it open, and a put may then overwrite it with another chunk, header and all,
+    whose bytes would pass every check. So a reader checks, after reading, that the chunk's
+    name still leads to the same inode with the same ctime (a rename or a write changes it);
+    then what it read was this chunk's file all along.
+    """
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        raise ChunkNotFound(f"chunk {path.name} was deleted while being read") from None
+    if (now.st_ino, now.st_dev, now.st_ctime_ns) != (st.st_ino, st.st_dev, st.st_ctime_ns):
+        raise ChunkNotFound(f"chunk {path.name} was deleted or replaced while being read")
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
@@ -509,78 +639,102 @@ def read_chunk(
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)
     try:
-        header = _read_header_fd(fd, chunk_id)
-        if offset > header.length:
-            raise InvalidArgument(
-                f"offset {offset} past the end of chunk {chunk_id} ({header.length})"
-            )
-        if length is None:
-            length = header.length - offset
-        if offset + length > header.length:
-            raise InvalidArgument(
-                f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
-            )
-        if offset == 0 and length == header.length:
-            buf = _read_whole_direct(fd, header, alloc, chunk_id)
-            if buf is None:
-                buf = memoryview(alloc(length))[:length]
-                _pread_into(fd, buf, header.data_offset, chunk_id)
-            crc = crc32c(buf)
-            if crc != header.checksum:
-                raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
-            return header, buf, crc
-        seg = header.segment_size
-        first = offset // seg
-        last = segment_count(offset + length, seg) if length else first
-        start = first * seg
-        span = min(last * seg, header.length) - start
-        buf = memoryview(alloc(span))[:span]
-        _pread_into(fd, buf, header.data_offset + start, chunk_id)
-        for i in range(first, last):
-            lo = i * seg - start
-            if crc32c(buf[lo : lo + seg]) != header.segment_crcs[i]:
-                raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum in segment {i}")
-        out = buf[offset - start : offset - start + length]
-        return header, out, crc32c(out)
+        st = os.fstat(fd)
+        try:
+            result = _read_open_chunk(fd, st.st_size, chunk_id, offset, length, alloc)
+        except ChunkCorrupt:
+            _still_named(path, st)  # bad bytes of a file that is no longer this chunk's
+            raise
+        _still_named(path, st)
+        return result
     finally:
-        os.close(fd)
+        syscalls.close(fd)
+
+
+def _read_open_chunk(
+    fd: int,
+    size: int,
+    chunk_id: str,
+    offset: int,
+    length: int | None,
+    alloc: Callable[[int], Buffer],
+) -> tuple[ChunkHeader, memoryview, int]:
+    header = _read_header_fd(fd, chunk_id, size)
+    if offset > header.length:
+        raise InvalidArgument(f"offset {offset} past the end of chunk {chunk_id} ({header.length})")
+    if length is None:
+        length = header.length - offset
+    if offset + length > header.length:
+        raise InvalidArgument(
+            f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
+        )
+    if offset == 0 and length == header.length:
+        buf = _read_whole_direct(fd, header, alloc, chunk_id)
+        if buf is None:
+            buf = memoryview(alloc(length))[:length]
+            _pread_into(fd, buf, header.data_offset, chunk_id)
+        crc = crc32c(buf)
+        if crc != header.checksum:
+            raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
+        return header, buf, crc
+    seg = header.segment_size
+    first = offset // seg
+    last = segment_count(offset + length, seg) if length else first
+    start = first * seg
+    span = min(last * seg, header.length) - start
+    buf = memoryview(alloc(span))[:span]
+    _pread_into(fd, buf, header.data_offset + start, chunk_id)
+    for i in range(first, last):
+        lo = i * seg - start
+        if crc32c(buf[lo : lo + seg]) != header.segment_crcs[i]:
+            raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum in segment {i}")
+    out = buf[offset - start : offset - start + length]
+    return header, out, crc32c(out)
 
 
 def verify_chunk(path: Path) -> bool:
     """True if the chunk file at ``path`` is whole: header, every segment and the chunk CRC.
 
-    The reusable check for scrub. A missing file is ChunkNotFound, not False.
+    The reusable check for scrub. A missing file is ChunkNotFound, not False, and so is a
+    file deleted (and perhaps reused) while it was being checked.
     """
     fd = _open(path)
     try:
+        st = os.fstat(fd)
+        whole = _verify_open_chunk(fd, st.st_size, path.name)
+        _still_named(path, st)
+        return whole
+    finally:
+        syscalls.close(fd)
+
+
+def _verify_open_chunk(fd: int, size: int, name: str) -> bool:
+    try:
+        header = _read_header_fd(fd, name, size)
+    except ChunkCorrupt:
+        return False
+    buf = memoryview(bytearray(min(header.length, 16 * header.segment_size)))
+    pos, whole, i = 0, 0, 0
+    while pos < header.length:
+        view = buf[: min(len(buf), header.length - pos)]
         try:
-            header = _read_header_fd(fd, path.name)
+            _pread_into(fd, view, header.data_offset + pos, name)
         except ChunkCorrupt:
             return False
-        buf = memoryview(bytearray(min(header.length, 16 * header.segment_size)))
-        pos, whole, i = 0, 0, 0
-        while pos < header.length:
-            view = buf[: min(len(buf), header.length - pos)]
-            try:
-                _pread_into(fd, view, header.data_offset + pos, path.name)
-            except ChunkCorrupt:
+        for lo in range(0, len(view), header.segment_size):
+            piece = view[lo : lo + header.segment_size]
+            crc = crc32c(piece)
+            if crc != header.segment_crcs[i]:
                 return False
-            for lo in range(0, len(view), header.segment_size):
-                piece = view[lo : lo + header.segment_size]
-                crc = crc32c(piece)
-                if crc != header.segment_crcs[i]:
-                    return False
-                # Full segments combine from their CRCs (no second pass); the short last one
-                # is streamed (a table per odd length would not pay).
-                if len(piece) == header.segment_size:
-                    whole = combine(whole, crc, len(piece))
-                else:
-                    whole = crc32c(piece, whole)
-                i += 1
-            pos += len(view)
-        return whole == header.checksum
-    finally:
-        os.close(fd)
+            # Full segments combine from their CRCs (no second pass); the short last one
+            # is streamed (a table per odd length would not pay).
+            if len(piece) == header.segment_size:
+                whole = combine(whole, crc, len(piece))
+            else:
+                whole = crc32c(piece, whole)
+            i += 1
+        pos += len(view)
+    return whole == header.checksum
 
 
 # --- listing and recovery -------------------------------------------------------------------

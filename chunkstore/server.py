@@ -45,6 +45,7 @@ import trio
 
 from chunkstore import layout
 from chunkstore.scrub import Scrubber
+from chunkstore.spares import SpareFiles
 from tectonic_py import capability, wire
 from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
@@ -78,6 +79,9 @@ class StoreConfig:
     reply_budget: int = 256 * MiB
     scrub_rate: float = 0.0  # bytes/s re-verified by scrub (chunkstore/scrub.py); 0: off
     scrub_interval: float = 3600.0  # seconds between the starts of two scrub passes
+    spare_files: int = 1024  # deleted chunk files kept for puts to reuse (chunkstore/spares.py)
+    spare_bytes: int = 1024 * MiB  # and their bytes at most
+    spare_min: int = 32  # empty spares made in idle time, so a fresh store has some
     limits: wire.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,8 @@ class StoreConfig:
             raise ConfigError("reply budget must be at least 1 MiB")
         if self.max_payload_waiters < 0:
             raise ConfigError("max payload waiters must be >= 0")
+        if min(self.spare_files, self.spare_bytes, self.spare_min) < 0:
+            raise ConfigError("spare files, bytes and minimum must be >= 0")
         if self.registry is not None:
             wire.parse_address(self.registry)
         self.limits = wire.Limits(
@@ -212,6 +218,10 @@ class ChunkStoreServer:
         self._lock_fd: int | None = None
         self._replies: _ReplyBudget | None = None
         self.scrubber = Scrubber(self.data_dir, config.scrub_rate, config.scrub_interval)
+        self.spares = SpareFiles(
+            self.data_dir, config.spare_files, config.spare_bytes, config.spare_min
+        )
+        self._puts_in_flight = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -222,6 +232,9 @@ class ChunkStoreServer:
         self._replies = _ReplyBudget(self.config.reply_budget)
         await trio.to_thread.run_sync(self._open_data_dir)
         try:
+            cap = self.config.capacity
+            if cap is not None and self.used + self.spares.bytes > cap:
+                await self.spares.trim(self.used + self.spares.bytes - cap)
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
                 self.address = _advertised_address(host, port, self.config.registry)
@@ -232,6 +245,7 @@ class ChunkStoreServer:
                     self.address,
                 )
                 nursery.start_soon(self.scrubber.run)
+                nursery.start_soon(self.spares.run, lambda: self._puts_in_flight == 0)
                 if self.config.registry is not None:
                     nursery.start_soon(self._heartbeat_loop)
                 elif self.config.ready_file is not None:
@@ -256,12 +270,15 @@ class ChunkStoreServer:
         self._lock_fd = fd
         scan = layout.recover(self.data_dir)
         self.chunk_count, self.used = scan.chunk_count, scan.used_bytes
+        removed = self.spares.scan()
         log.info(
-            "%s: %d chunks, %d bytes; %d partial files removed",
+            "%s: %d chunks, %d bytes; %d partial files removed; %d spare files (%d bytes)",
             self.data_dir,
             scan.chunk_count,
             scan.used_bytes,
-            scan.temp_files_removed,
+            scan.temp_files_removed + removed,
+            self.spares.count,
+            self.spares.bytes,
         )
 
     def _write_ready_file(self) -> None:
@@ -278,21 +295,30 @@ class ChunkStoreServer:
 
     def _disk(self) -> tuple[int, int]:
         """(capacity, free) as the registry should see them: the configured capacity bounds
-        both, and the filesystem's own free space bounds free."""
+        both, and the filesystem's own free space bounds free. Spare files count as free:
+        any put can have them (chunkstore/spares.py)."""
         st = os.statvfs(self.data_dir)
         fs_total, fs_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        fs_free += self.spares.bytes - self._reserved
         if self.config.capacity is None:
-            return fs_total, max(fs_free - self._reserved, 0)
+            return fs_total, max(fs_free, 0)
         free = self.config.capacity - self.used - self._reserved
-        return self.config.capacity, max(min(free, fs_free - self._reserved), 0)
+        return self.config.capacity, max(min(free, fs_free), 0)
 
-    def _reserve(self, chunk_id: str, need: int) -> None:
+    async def _reserve(self, chunk_id: str, need: int) -> None:
+        """Hold ``need`` bytes of the configured capacity for a put, or DiskFull before any
+        byte is written. Chunks, spares and puts in flight together stay within capacity;
+        spares are unlinked to make room before a put is refused."""
         cap = self.config.capacity
-        if cap is not None and self.used + self._reserved + need > cap:
-            raise DiskFull(
-                f"{self.config.node_id}: no room for chunk {chunk_id} ({need} bytes;"
-                f" {cap - self.used - self._reserved} of {cap} free)"
-            )
+        if cap is not None:
+            over = self.used + self.spares.bytes + self._reserved + need - cap
+            if over > 0 and self.spares.count:
+                await self.spares.trim(over)
+            if self.used + self.spares.bytes + self._reserved + need > cap:
+                raise DiskFull(
+                    f"{self.config.node_id}: no room for chunk {chunk_id} ({need} bytes;"
+                    f" {cap - self.used - self._reserved} of {cap} free)"
+                )
         self._reserved += need
 
     @property
@@ -319,19 +345,59 @@ class ChunkStoreServer:
         # A zero-length chunk is legal (a short block's padding); the wire sends no payload.
         data = req.payload if req.payload is not None else memoryview(b"")
         need = layout.file_size_for(len(data))
-        self._reserve(chunk_id, need)
+        await self._reserve(chunk_id, need)
         self._outstanding += 1
+        self._puts_in_flight += 1
         try:
             async with self._locks.hold(chunk_id), self._writes:
-                added, count = await trio.to_thread.run_sync(
-                    layout.write_chunk, self.data_dir, chunk_id, data, checksum, req.buffer
-                )
+                stored = await self._write(chunk_id, data, checksum, req.buffer, need)
         finally:
             self._outstanding -= 1
+            self._puts_in_flight -= 1
             self._reserved -= need
-        self.used += added
-        self.chunk_count += count
+        self.used += stored.added_bytes
+        self.chunk_count += stored.added_chunks
         return {}
+
+    async def _write(
+        self,
+        chunk_id: str,
+        data: memoryview,
+        checksum: int,
+        image: memoryview | None,
+        need: int,
+    ) -> layout.Stored:
+        """``layout.write_chunk`` into a spare file when there is one. A spare larger than
+        the chunk holds its extra bytes in ``_reserved`` until the write has cut it. On a
+        real ENOSPC the spares are unlinked and the write is tried once more: their blocks
+        are the disk's last free space."""
+        for attempt in range(2):
+            spare = self.spares.take(need)
+            extra = max(spare.size - need, 0) if spare is not None else 0
+            self._reserved += extra
+            try:
+                stored = await trio.to_thread.run_sync(
+                    layout.write_chunk,
+                    self.data_dir,
+                    chunk_id,
+                    data,
+                    checksum,
+                    image,
+                    None if spare is None else spare.path,
+                    None if spare is None else spare.size,
+                )
+            except DiskFull:
+                if attempt or (spare is None and not self.spares.count):
+                    raise
+                log.info("%s: disk full; unlinking spare files and retrying", self.data_dir)
+                await self.spares.trim()
+                continue
+            finally:
+                self._reserved -= extra
+            if spare is not None and not stored.spare_used:
+                self.spares.give_back(spare)
+            return stored
+        raise AssertionError("unreachable")
 
     async def _get(
         self, req: wire.Request
@@ -367,12 +433,18 @@ class ChunkStoreServer:
         self._outstanding += 1
         try:
             async with self._locks.hold(chunk_id), self._writes:
-                size = await trio.to_thread.run_sync(layout.delete_chunk, self.data_dir, chunk_id)
+                spare = self.spares.new_path() if self.spares.has_room() else None
+                size = await trio.to_thread.run_sync(
+                    layout.delete_chunk, self.data_dir, chunk_id, spare
+                )
+                if size is not None:
+                    self.used -= size
+                    self.chunk_count -= 1
+                    if spare is not None:
+                        self.spares.kept(spare, size)
+                        await self.spares.trim_to_bounds()
         finally:
             self._outstanding -= 1
-        if size is not None:
-            self.used -= size
-            self.chunk_count -= 1
         self.scrubber.forget(chunk_id)
         return {"existed": size is not None}
 
@@ -383,13 +455,8 @@ class ChunkStoreServer:
         chunk_id = self._chunk_id(req)
 
         def stat() -> dict[str, Any]:
-            path = layout.chunk_path(self.data_dir, chunk_id)
-            header = layout.read_header(path)
-            return {
-                "size": header.length,
-                "checksum": header.checksum,
-                "mtime": path.stat().st_mtime,
-            }
+            header, st = layout.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
+            return {"size": header.length, "checksum": header.checksum, "mtime": st.st_mtime}
 
         async with self._reads:
             return await trio.to_thread.run_sync(stat)
@@ -418,6 +485,7 @@ class ChunkStoreServer:
             "queue_depth": self.queue_depth,
             "bytes_in": self.rpc.stats.bytes_in,
             "bytes_out": self.rpc.stats.bytes_out,
+            **self.spares.stats(),
         }
 
     # --- membership --------------------------------------------------------------------------

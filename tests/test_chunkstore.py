@@ -294,7 +294,13 @@ BAD_IDS = [
 
 async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_path):
     server, port = store
-    before = sorted(p for p in tmp_path.rglob("*"))
+    spares = server.spares.directory
+
+    def files() -> set[Path]:
+        # Spare files come and go in the background (chunkstore/spares.py); never chunks.
+        return {p for p in tmp_path.rglob("*") if spares not in (p, *p.parents)}
+
+    before = files()
     cap = capability.issue(secret, 0x0123456789ABCDEF, [NODE])
     async with open_client(port, secret) as c:
         for bad in BAD_IDS:
@@ -313,8 +319,7 @@ async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_p
         cid, good_cap = new_chunk(secret)
         await c.put(cid, b"fine", good_cap)
         assert bytes(await c.get(cid)) == b"fine"
-    after = sorted(p for p in tmp_path.rglob("*"))
-    assert set(after) - set(before) <= {chunk_file(server, cid).parent, chunk_file(server, cid)}
+    assert files() - before <= {chunk_file(server, cid).parent, chunk_file(server, cid)}
 
 
 async def test_bad_ranges_are_refused(store, secret):
@@ -645,6 +650,9 @@ def test_config_is_validated(tmp_path, secret):
         dict(payload_budget=10),
         dict(reply_budget=10),
         dict(max_concurrent_writes=0),
+        dict(spare_files=-1),
+        dict(spare_bytes=-1),
+        dict(spare_min=-1),
     ]:
         base = dict(data_dir=tmp_path, node_id=NODE, failure_domain="r", secret=secret)
         base.update(kw)
@@ -865,9 +873,7 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     image[offset : offset + length] = data
     direct: list[bool] = []
     real = layout._write_direct
-    monkeypatch.setattr(
-        layout, "_write_direct", lambda *a: direct.append(real(*a)) or direct[-1]
-    )
+    monkeypatch.setattr(layout, "_write_direct", lambda *a: direct.append(real(*a)) or direct[-1])
     cid, _ = new_chunk(b"s" * 32)
     assert layout.write_chunk(data_dir, cid, image[offset : offset + length], crc32c(data), image)
     path = layout.chunk_path(data_dir, cid)
@@ -910,3 +916,239 @@ def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypat
         f.write(bytes([data[length // 2] ^ 1]))
     with pytest.raises(ChunkCorrupt):
         layout.read_chunk(data_dir, cid, alloc=spares.take)
+
+
+# --- spare files: deletes keep their inodes for later puts (chunkstore/spares.py) -----------
+
+
+async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp_path, secret):
+    server, port = await start_store(nursery, tmp_path / "d", secret, spare_min=0)
+    async with open_client(port, secret) as c:
+        a, cap_a = new_chunk(secret)
+        await c.put(a, payload(MiB, 1), cap_a)
+        inode = chunk_file(server, a).stat().st_ino
+        assert await c.delete(a)
+        assert server.spares.count == 1 and server.used == 0 and server.chunk_count == 0
+        (spare,) = server.spares.directory.iterdir()
+        assert spare.stat().st_ino == inode and not chunk_file(server, a).exists()
+        for op in (c.get, c.stat):
+            with pytest.raises(ChunkNotFound):  # deleted means gone under its id
+                await op(a)
+        assert a not in dict(await c.list_all())
+        stats = (await c.node_stats()).free
+        b, cap_b = new_chunk(secret)
+        await c.put(b, payload(MiB, 2), cap_b)  # same size: the spare's inode and blocks
+        assert chunk_file(server, b).stat().st_ino == inode
+        assert server.spares.count == 0 and not list(server.spares.directory.iterdir())
+        assert bytes(await c.get(b)) == payload(MiB, 2)
+        assert (await c.node_stats()).free <= stats
+        # Smaller and larger chunks reuse a spare too: it is cut or grown to size.
+        for size in (1000, 3 * MiB + 5):
+            assert await c.delete(b)
+            b, cap_b = new_chunk(secret)
+            await c.put(b, payload(size, size), cap_b)
+            assert chunk_file(server, b).stat().st_ino == inode
+            assert chunk_file(server, b).stat().st_size == layout.file_size_for(size)
+            assert bytes(await c.get(b)) == payload(size, size)
+        with pytest.raises(ChunkNotFound):
+            await c.get(a)
+    assert server.spares.reused == 3 and server.spares.recycled == 3
+
+
+async def test_spares_are_bounded_in_files_and_bytes(nursery, tmp_path, secret):
+    server, port = await start_store(
+        nursery, tmp_path / "d", secret, spare_min=0, spare_files=3, spare_bytes=5 * 100_000
+    )
+    async with open_client(port, secret) as c:
+        cids = []
+        for i in range(6):
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(100_000 + 1000 * i, i), cap)
+            cids.append(cid)
+        async with trio.open_nursery() as n:  # at once: each may think one more fits
+            for cid in cids:
+                n.start_soon(c.delete, cid)
+        files = list(server.spares.directory.iterdir())
+        assert len(files) == server.spares.count <= 3
+        assert sum(f.stat().st_size for f in files) == server.spares.bytes <= 5 * 100_000
+        assert server.used == 0 and server.chunk_count == 0
+    # spare_files=0: a delete unlinks, as without spares.
+    server2, port2 = await start_store(nursery, tmp_path / "d2", secret, spare_min=0, spare_files=0)
+    async with open_client(port2, secret) as c:
+        cid, cap = new_chunk(secret)
+        await c.put(cid, b"x" * 5000, cap)
+        await c.delete(cid)
+        assert not list(server2.spares.directory.iterdir())
+
+
+async def test_restart_keeps_spares_within_bounds_and_removes_strays(tmp_path, secret):
+    data_dir = tmp_path / "d"
+    async with trio.open_nursery() as nursery:
+        server, port = await start_store(nursery, data_dir, secret, spare_min=0)
+        async with open_client(port, secret) as c:
+            cids = []
+            for i in range(4):
+                cid, cap = new_chunk(secret)
+                await c.put(cid, payload(1000 * (i + 1), i), cap)
+                cids.append(cid)
+            for cid in cids:
+                await c.delete(cid)
+        nursery.cancel_scope.cancel()
+    spares_dir = server.spares.directory
+    (spares_dir / "not-a-spare").write_bytes(b"junk")
+    async with trio.open_nursery() as nursery:
+        server, port = await start_store(nursery, data_dir, secret, spare_min=0, spare_files=3)
+        names = sorted(p.name for p in spares_dir.iterdir())
+        assert len(names) == server.spares.count == 3 and "not-a-spare" not in names
+        assert server.spares.bytes == sum((spares_dir / n).stat().st_size for n in names)
+        assert server.chunk_count == 0 and server.used == 0
+        async with open_client(port, secret) as c:
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(2000, 9), cap)  # an exact-size spare from before
+            assert bytes(await c.get(cid)) == payload(2000, 9)
+            assert server.spares.count == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_idle_store_keeps_empty_spares_ready(nursery, tmp_path, secret):
+    server, port = await start_store(nursery, tmp_path / "d", secret, spare_min=5)
+    with trio.fail_after(30):
+        while server.spares.count < 5:
+            await trio.sleep(0.01)
+    files = list(server.spares.directory.iterdir())
+    assert len(files) == 5 and all(f.stat().st_size == 0 for f in files)
+    async with open_client(port, secret) as c:
+        cid, cap = new_chunk(secret)
+        await c.put(cid, payload(70_000, 3), cap)
+        assert bytes(await c.get(cid)) == payload(70_000, 3)
+    assert server.spares.reused == 1
+    with trio.fail_after(30):  # topped up again once the store is idle
+        while server.spares.count < 5:
+            await trio.sleep(0.01)
+    assert server.spares.created == 6
+
+
+def _reuse_for_another_chunk(data_dir: Path, deleted: str, other: str, data: bytes) -> None:
+    """What a delete of ``deleted`` and a put of ``other`` into its spare file do (once)."""
+    if not layout.chunk_path(data_dir, deleted).exists():
+        return
+    spare = data_dir / "spares" / "spare-test"
+    spare.parent.mkdir(exist_ok=True)
+    assert layout.delete_chunk(data_dir, deleted, spare)
+    stored = layout.write_chunk(data_dir, other, data, crc32c(data), spare=spare)
+    assert stored.spare_used
+
+
+@pytest.mark.parametrize("when", ["before_header", "before_data"])
+def test_a_read_racing_delete_and_reuse_never_returns_another_chunks_bytes(
+    tmp_path, monkeypatch, when
+):
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    a, _ = new_chunk(b"s" * 32)
+    b, _ = new_chunk(b"s" * 32)
+    data_a, data_b = payload(200_000, 1), payload(200_000, 2)
+    layout.write_chunk(data_dir, a, data_a, crc32c(data_a))
+    if when == "before_header":
+        # The reader has opened a's file; then it is deleted, reused for b, and read: b's
+        # header and b's bytes, which pass every checksum.
+        real = layout._read_open_chunk
+
+        def racing(fd, *args):
+            _reuse_for_another_chunk(data_dir, a, b, data_b)
+            return real(fd, *args)
+
+        monkeypatch.setattr(layout, "_read_open_chunk", racing)
+        alloc = bytearray
+    else:
+        # a's header was read; the data read finds b's bytes (a checksum failure, which must
+        # say "not found", not "corrupt": nothing is wrong with any stored chunk).
+        def alloc(n):
+            _reuse_for_another_chunk(data_dir, a, b, data_b)
+            return bytearray(n)
+
+    with pytest.raises(ChunkNotFound):
+        layout.read_chunk(data_dir, a, alloc=alloc)
+    with pytest.raises(ChunkNotFound):
+        layout.read_chunk(data_dir, a)
+    assert bytes(layout.read_chunk(data_dir, b)[1]) == data_b
+
+
+def test_verify_of_a_chunk_deleted_meanwhile_is_not_found(tmp_path, monkeypatch):
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    a, _ = new_chunk(b"s" * 32)
+    b, _ = new_chunk(b"s" * 32)
+    data = payload(100_000, 4)
+    layout.write_chunk(data_dir, a, data, crc32c(data))
+    real = layout._verify_open_chunk
+
+    def racing(fd, *args):
+        _reuse_for_another_chunk(data_dir, a, b, payload(100_000, 5))
+        return real(fd, *args)
+
+    monkeypatch.setattr(layout, "_verify_open_chunk", racing)
+    with pytest.raises(ChunkNotFound):  # scrub then forgets it instead of reporting it bad
+        layout.verify_chunk(layout.chunk_path(data_dir, a))
+
+
+async def test_capacity_counts_spares_and_trims_them_to_make_room(nursery, tmp_path, secret):
+    cap_bytes = 3 * MiB + 64 * KiB
+    server, port = await start_store(
+        nursery, tmp_path / "d", secret, capacity=cap_bytes, spare_min=0
+    )
+    async with open_client(port, secret) as c:
+        stored = []
+        for i in range(3):
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(MiB, i), cap)
+            stored.append(cid)
+        full = await c.node_stats()
+        for cid in stored[:2]:
+            await c.delete(cid)
+        assert server.spares.count == 2
+        stats = await c.node_stats()
+        # Spares are free space to the cluster: any put may have them.
+        assert stats.free == full.free + 2 * layout.file_size_for(MiB)
+        # A put that needs more than the spares' neighbours leave: spares are unlinked.
+        big, cap = new_chunk(secret)
+        await c.put(big, payload(2 * MiB, 7), cap)
+        assert server.used + server.spares.bytes <= cap_bytes
+        assert len(list(server.spares.directory.iterdir())) == server.spares.count
+        assert bytes(await c.get(big)) == payload(2 * MiB, 7)
+        with pytest.raises(DiskFull):
+            cid, cap = new_chunk(secret)
+            await c.put(cid, payload(MiB, 8), cap)
+        assert server.used + server.spares.bytes <= cap_bytes
+
+
+@pytest.fixture
+def small_fs_4m(tmp_path):
+    yield from small_tmpfs(tmp_path, "4m")
+
+
+async def test_real_disk_full_unlinks_spares_and_retries(small_fs_4m, secret):
+    async with trio.open_nursery() as nursery:
+        server, port = await start_store(nursery, small_fs_4m / "data", secret, spare_min=0)
+        async with open_client(port, secret) as c:
+            cids = []
+            for i in range(3):
+                cid, cap = new_chunk(secret)
+                await c.put(cid, payload(MiB, i), cap)
+                cids.append(cid)
+            for cid in cids[:2]:
+                await c.delete(cid)
+            assert server.spares.count == 2
+            # 2.5 MiB fits only once both spares are gone: the first write (into a grown
+            # spare) hits ENOSPC, the spares are unlinked and the put is tried again.
+            big, cap = new_chunk(secret)
+            await c.put(big, payload(5 * MiB // 2, 5), cap)
+            assert bytes(await c.get(big)) == payload(5 * MiB // 2, 5)
+            assert bytes(await c.get(cids[2])) == payload(MiB, 2)
+            assert server.spares.count == 0 and not list(server.spares.directory.iterdir())
+            assert not list(small_fs_4m.rglob(".tmp-*"))
+            with pytest.raises(DiskFull):
+                cid, cap = new_chunk(secret)
+                await c.put(cid, payload(MiB, 6), cap)
+            assert (await c.node_stats()).chunk_count == 2
+        nursery.cancel_scope.cancel()
