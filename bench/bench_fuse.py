@@ -10,7 +10,14 @@ Everything is measured in the same run, because these machines are shared and no
   (``bytes``), which isolates the FUSE hop from torch's own serialisation.
 * **client**: the client library alone (no FUSE) on the same bytes: 1 MiB ``write`` calls,
   the size the kernel hands a FUSE daemon, then sequential 1 MiB reads; run before and after
-  the mount, the better run counts (both are in the JSON).
+  the mount, the better run counts (both are in the JSON). And torch.save / torch.load of the
+  same state dict through ``tectonic_py.connect`` (``client_torch_*``): the same workload as
+  the mount's without FUSE, so ``mount_torch_load / client_torch_load`` is what the FUSE hop
+  costs a torch.load (torch.load allocates and faults in fresh tensor memory, which 1 MiB
+  reads into one reused buffer never pay, so ``mount_torch_load / client_read`` mixes torch's
+  own cost into the ratio; both are printed).
+* torch runs with one OpenMP thread everywhere (``torch.set_num_threads(1)``), as in
+  bench.mount_workloads: on 2 cores its spinning pool takes the FUSE daemon's core.
 * **nullfs**: the pyfuse3 + trio mount that discards writes (bench/nullfs.py): the Python FUSE
   ceiling, with the same torch.save / torch.load and bytes runs.
 * **disk**: the same on the local disk (torch.save + fsync; torch.load after dropping the
@@ -169,6 +176,32 @@ def bytes_round_trip(
     return out
 
 
+def client_torch_round_trip(
+    cluster_file: Path, sd: dict[str, Any], pids: list[int]
+) -> list[dict[str, Any]]:
+    """torch.save and a cold torch.load through ``tectonic_py.connect`` (the client library,
+    no FUSE): the same workload as the mount's, so their ratio is what FUSE costs torch."""
+    import torch
+
+    import tectonic_py
+
+    path = "/client-ckpt.pt"
+    with tectonic_py.connect(cluster_file) as fs:
+        with Meter(pids) as m, fs.open(path, "wb") as f:
+            torch.save(sd, f)
+        size = fs.stat(path).size
+    out = [_result("client_torch_save", size, m)]
+    with tectonic_py.connect(cluster_file) as fs:  # a new client: nothing cached
+        with Meter(pids) as m, fs.open(path, "rb") as f:
+            back = torch.load(f, weights_only=True)
+        out.append(_result("client_torch_load", size, m))
+        if not all(torch.equal(sd[k], back[k]) for k in sd):
+            raise AssertionError("client: torch.load did not return what torch.save wrote")
+        del back
+        fs.unlink(path)
+    return out
+
+
 def client_round_trip(cluster_file: Path, size: int, pids: list[int]) -> list[dict[str, Any]]:
     """The client library alone: the same bytes in 1 MiB writes and 1 MiB sequential reads."""
     import trio
@@ -240,9 +273,14 @@ def tectonic_mounted(cluster_file: Path, mountpoint: Path, log_file: Path) -> It
 
 
 def measure(size: int, workdir: Path) -> dict[str, Any]:
+    import torch
+
     from bench.nullfs import nullfs_mounted
     from tectonic_py.local_cluster import LocalCluster
 
+    # One OpenMP thread, as bench.mount_workloads does for every mount: on 2 cores torch's
+    # spinning pool takes the core the FUSE daemon needs (see that module's docstring).
+    torch.set_num_threads(1)
     sd = state_dict(size)
     results: dict[str, Any] = {}
 
@@ -265,6 +303,7 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
     with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:
         daemons = c.pids()
         first = client_round_trip(c.cluster_file, size, daemons)
+        keep(client_torch_round_trip(c.cluster_file, sd, daemons))
         mnt = workdir / "mnt"
         with tectonic_mounted(c.cluster_file, mnt, workdir / "mount.log") as pid:
             keep(torch_round_trip("mount", mnt, sd, [pid, *daemons], fsync=False))
@@ -289,6 +328,10 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
         "mount_write_vs_client (bytes, target >= 0.8)": ratio("mount_bytes_write", "client_write"),
         "mount_read_vs_client (bytes, target >= 0.7)": ratio("mount_bytes_read", "client_read"),
         "mount_torch_save_vs_client_write": ratio("mount_torch_save", "client_write"),
+        "mount_torch_load_vs_client_torch_load (target >= 0.7)": ratio(
+            "mount_torch_load", "client_torch_load"
+        ),
+        "mount_torch_save_vs_client_torch_save": ratio("mount_torch_save", "client_torch_save"),
         "mount_torch_load_vs_client_read": ratio("mount_torch_load", "client_read"),
         "mount_extra_cpu_s_per_gib_write (target <= 1.0)": extra(
             "mount_bytes_write", "client_write"

@@ -7,6 +7,13 @@ The same functions measure every mount so the figures are comparable:
   pause ends when the checkpoint is durable), then a cold ``torch.load`` whose tensors are
   checked against what was saved.
 
+The torch process runs with one OpenMP thread (``OMP_NUM_THREADS=1``), on every mount alike.
+Why: on this 2-core machine torch's thread pool spins between tensors and takes the core the
+FUSE daemon needs; measured through our mount (2 GiB, cold): torch.load 302-398 MB/s with
+the default pool, 431-495 MB/s with one thread, the mount's own CPU per GiB 1.15-1.25 vs
+0.69. A GPU node has dozens of idle cores, so one thread is the closer model of a trainer's
+restore, and it measures the filesystem rather than the scheduler.
+
 "Cold" means the mount's caches hold nothing of the file: the caller passes ``remount`` (the
 peer is unmounted and mounted again, which empties its client-side caches too) or the
 file's kernel pages are dropped with POSIX_FADV_DONTNEED.
@@ -37,6 +44,9 @@ GiB = 1024 * MiB
 TENSOR_BYTES = 64 * MiB
 
 PidsFn = Callable[[], list[int]]
+
+# One OpenMP thread for the torch worker, on every mount alike (module docstring).
+TORCH_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def _figure(name: str, nbytes: int, seconds: float, cpu_s: float, **extra: Any) -> dict[str, Any]:
@@ -112,7 +122,7 @@ def torch_workload(
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.mount_workloads", verb, path, str(size)],
                 cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True,
+                stderr=subprocess.PIPE, text=True, env=TORCH_ENV,
             )
             assert proc.stdout is not None and proc.stdin is not None
             ready = proc.stdout.readline()  # the state dict is built; start measuring
