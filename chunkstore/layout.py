@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -77,6 +76,7 @@ HEADER_CRC_OFFSET = 28
 TMP_PREFIX = ".tmp-"
 MAX_CHUNK_ID_LEN = 24
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+MiB = 1024 * 1024
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths
 DIRECT_MIN = 64 * 1024  # smaller chunks are read buffered (not worth a page-aligned buffer)
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -256,13 +256,10 @@ def _open_target(target: Path, flags: int, create: bool) -> int:
     return syscalls.open_existing(target, flags)
 
 
-def _write_direct(
-    target: Path, image: memoryview, size: int, create: bool, dev: int, old_size: int | None
-) -> bool:
+def _write_direct(target: Path, image: memoryview, size: int, create: bool, dev: int) -> bool:
     """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to ``target`` with
     O_DIRECT, cut it to ``size`` bytes and fsync it. False (and the file as it was) if the
-    filesystem refuses O_DIRECT; OSError for real failures (ENOSPC). ``old_size``: the
-    target's size before (0 for a new file, None if unknown).
+    filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
 
     Why: a buffered write copies every byte into the page cache, the largest single CPU
     cost of a put (a chunk is not read again soon: it is a checkpoint's). fsync is still
@@ -291,10 +288,9 @@ def _write_direct(
             if create:
                 _remove_quietly(target)
             return False
-        if old_size is not None and old_size <= len(image):
-            syscalls.ftruncate_small(fd, size)  # cuts within the last block: frees nothing
-        else:
-            os.ftruncate(fd, size)
+        # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
+        # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
+        os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
         syscalls.close(fd)
@@ -316,7 +312,6 @@ def write_chunk(
     checksum: int,
     image: memoryview | None = None,
     spare: Path | None = None,
-    spare_size: int | None = None,
 ) -> Stored:
     """Store a chunk durably and atomically.
 
@@ -326,7 +321,7 @@ def write_chunk(
 
     ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
     instead of creating a temporary file; it is overwritten, cut to size, fsynced and
-    renamed to the chunk's name (``spare_size``: its size, if known). If this raises, the spare has been removed (whatever
+    renamed to the chunk's name. If this raises, the spare has been removed (whatever
     state it was left in, it must not be reused blindly); if it returns, ``spare_used``
     says whether it was renamed (False: the chunk was already stored, the spare untouched).
 
@@ -337,7 +332,7 @@ def write_chunk(
     file. The caller serialises writes of one chunk id.
     """
     try:
-        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
+        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare)
     except BaseException:
         if spare is not None:
             _remove_quietly(spare)
@@ -351,7 +346,6 @@ def _write_chunk(
     checksum: int,
     image: memoryview | None,
     spare: Path | None,
-    spare_size: int | None,
 ) -> Stored:
     view = memoryview(data).cast("B")
     # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
@@ -404,18 +398,17 @@ def _write_chunk(
             image[: len(header)] = header
             image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
     create = spare is None
-    before = 0 if create else spare_size
     try:
         try:
             direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir), before
+                target, image, size, create, _device(data_dir)
             )
         except FileNotFoundError:
             if not create:
                 raise
             _heal_shard_dir(directory)  # recover() makes them all; this heals a removed one
             direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir), before
+                target, image, size, create, _device(data_dir)
             )
         if not direct:
             try:
@@ -500,6 +493,10 @@ def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> in
 
 # --- read and verify ------------------------------------------------------------------------
 
+# A whole chunk up to this size has its CRC computed without releasing the GIL (about 50
+# microseconds per MiB; a hand-off of the GIL costs the other threads more).
+CRC_KEEP_GIL_MAX = MiB + 64 * 1024
+
 
 def _open(path: Path) -> int:
     try:
@@ -510,7 +507,7 @@ def _open(path: Path) -> int:
 
 def _read_header_fd(fd: int, name: str, size: int | None = None) -> ChunkHeader:
     if size is None:
-        size = os.fstat(fd).st_size
+        size = syscalls.fstat(fd).size
     buf = os.pread(fd, 4096, 0)
     if len(buf) >= HEADER.size:
         nseg = struct.unpack_from("!I", buf, 24)[0]
@@ -527,13 +524,13 @@ def read_header(path: Path) -> ChunkHeader:
     return stat_chunk(path)[0]
 
 
-def stat_chunk(path: Path) -> tuple[ChunkHeader, os.stat_result]:
+def stat_chunk(path: Path) -> tuple[ChunkHeader, syscalls.Stat]:
     """The header of the chunk file at ``path`` and the file's stat."""
     fd = _open(path)
     try:
-        st = os.fstat(fd)
+        st = syscalls.fstat(fd)
         try:
-            header = _read_header_fd(fd, path.name, st.st_size)
+            header = _read_header_fd(fd, path.name, st.size)
         except ChunkCorrupt:
             _still_named(path, st)
             raise
@@ -543,7 +540,7 @@ def stat_chunk(path: Path) -> tuple[ChunkHeader, os.stat_result]:
         syscalls.close(fd)
 
 
-def _still_named(path: Path, st: os.stat_result) -> None:
+def _still_named(path: Path, st: syscalls.Stat) -> None:
     """ChunkNotFound unless ``path`` still names the file ``st`` describes, unchanged.
 
     Why: a delete may rename a chunk's file into the spares (``chunkstore.spares``) while a
@@ -553,10 +550,10 @@ def _still_named(path: Path, st: os.stat_result) -> None:
     then what it read was this chunk's file all along.
     """
     try:
-        now = os.stat(path)
+        now = syscalls.stat(path)
     except FileNotFoundError:
         raise ChunkNotFound(f"chunk {path.name} was deleted while being read") from None
-    if (now.st_ino, now.st_dev, now.st_ctime_ns) != (st.st_ino, st.st_dev, st.st_ctime_ns):
+    if (now.ino, now.dev, now.ctime_ns) != (st.ino, st.dev, st.ctime_ns):
         raise ChunkNotFound(f"chunk {path.name} was deleted or replaced while being read")
 
 
@@ -577,32 +574,28 @@ def _aligned(view: memoryview) -> bool:
 
 
 def _read_whole_direct(
-    fd: int, header: ChunkHeader, alloc: Callable[[int], Buffer], name: str
-) -> memoryview | None:
-    """The chunk's data, read with the rest of its file by one O_DIRECT read into a
-    page-aligned buffer from ``alloc`` (a view at the data offset); None where the buffer
-    is not aligned or the filesystem refuses O_DIRECT (the caller reads buffered).
+    fd: int, st: syscalls.Stat, alloc: Callable[[int], Buffer], name: str
+) -> tuple[ChunkHeader, memoryview, int] | None:
+    """A whole chunk read, header and all, by one O_DIRECT read of its file into a
+    page-aligned buffer from ``alloc``: (header, data (a view of the buffer), crc). None
+    where the chunk is small, the buffer is not aligned or the filesystem refuses O_DIRECT
+    (the caller reads buffered); the fd is as it was then.
 
     Why: a buffered read copies the whole chunk out of the page cache, a third of a get's
-    CPU, and a restore reads each chunk once. The kernel writes back any dirty pages of
-    the range first, so a file written buffered reads the same.
+    CPU, and a restore reads each chunk once. Reading the header from the same buffer
+    leaves one system call that waits for the disk, the only one that releases the GIL.
+    The kernel writes back any dirty pages of the range first, so a file written buffered
+    reads the same.
     """
-    size = header.file_size
-    if header.length < DIRECT_MIN:
-        return None
-    try:
-        dev = os.fstat(fd).st_dev
-    except OSError:
-        return None
-    if dev in _no_direct:
+    size = st.size
+    if size < HEADER.size + DIRECT_MIN or st.dev in _no_direct:
         return None
     span = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
     buf = memoryview(alloc(span))[:span]
     if not _aligned(buf):
         return None
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        syscalls.set_direct(fd, True)
         got = 0
         while got < size:
             # Whole blocks at aligned offsets; the kernel stops at the end of the file.
@@ -613,12 +606,20 @@ def _read_whole_direct(
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        _no_direct.add(dev)
-        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", dev)
+        _no_direct.add(st.dev)
+        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", st.dev)
+        syscalls.set_direct(fd, False)
         return None
-    finally:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-    return buf[header.data_offset : size]
+    nseg = struct.unpack_from("!I", buf, 24)[0]
+    try:
+        header = decode_header(bytes(buf[: min(HEADER.size + 4 * nseg, size)]), size)
+    except ChunkCorrupt as e:
+        raise ChunkCorrupt(f"chunk {name}: {e}") from None
+    data = buf[header.data_offset : size]
+    crc = crc32c(data, keep_gil=len(data) <= CRC_KEEP_GIL_MAX)
+    if crc != header.checksum:
+        raise ChunkCorrupt(f"chunk {name} failed its checksum")
+    return header, data, crc
 
 
 def read_chunk(
@@ -639,9 +640,13 @@ def read_chunk(
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)
     try:
-        st = os.fstat(fd)
+        st = syscalls.fstat(fd)
         try:
-            result = _read_open_chunk(fd, st.st_size, chunk_id, offset, length, alloc)
+            result = None
+            if offset == 0 and length in (None, length_from_file_size(st.size)):
+                result = _read_whole_direct(fd, st, alloc, chunk_id)
+            if result is None:
+                result = _read_open_chunk(fd, st.size, chunk_id, offset, length, alloc)
         except ChunkCorrupt:
             _still_named(path, st)  # bad bytes of a file that is no longer this chunk's
             raise
@@ -669,10 +674,8 @@ def _read_open_chunk(
             f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
         )
     if offset == 0 and length == header.length:
-        buf = _read_whole_direct(fd, header, alloc, chunk_id)
-        if buf is None:
-            buf = memoryview(alloc(length))[:length]
-            _pread_into(fd, buf, header.data_offset, chunk_id)
+        buf = memoryview(alloc(length))[:length]
+        _pread_into(fd, buf, header.data_offset, chunk_id)
         crc = crc32c(buf)
         if crc != header.checksum:
             raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
@@ -700,8 +703,8 @@ def verify_chunk(path: Path) -> bool:
     """
     fd = _open(path)
     try:
-        st = os.fstat(fd)
-        whole = _verify_open_chunk(fd, st.st_size, path.name)
+        st = syscalls.fstat(fd)
+        whole = _verify_open_chunk(fd, st.size, path.name)
         _still_named(path, st)
         return whole
     finally:

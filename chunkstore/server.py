@@ -165,16 +165,17 @@ class _ReplyBudget:
         self.held += n
         self.peak = max(self.peak, self.held)
 
-    async def _take(self, n: int) -> Buffer:
+    async def take(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:
+        """Event loop: wait for budget, then a buffer of at least ``n`` bytes. It goes into
+        ``taken``; ``give_back(taken)`` returns budget and buffers."""
         await self.acquire(n)
-        return self.spares.take(n)
-
-    def alloc(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:
-        """Called in a worker thread: wait for budget, then a buffer of at least ``n`` bytes.
-        It goes into ``taken``; ``give_back(taken)`` (event loop) returns budget and buffers."""
-        buf = trio.from_thread.run(self._take, n)
+        buf = self.spares.take(n)
         taken.append((buf, n))
         return buf
+
+    def alloc(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:
+        """``take`` from a worker thread."""
+        return trio.from_thread.run(self.take, n, taken)
 
     def give_back(self, taken: list[tuple[Buffer, int]]) -> None:
         """Return the budget of ``taken`` at once; keep the buffers no view refers to."""
@@ -222,6 +223,7 @@ class ChunkStoreServer:
             self.data_dir, config.spare_files, config.spare_bytes, config.spare_min
         )
         self._puts_in_flight = 0
+        self._whole_span = 0  # buffer size of the last whole get (``_get``)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -384,7 +386,6 @@ class ChunkStoreServer:
                     checksum,
                     image,
                     None if spare is None else spare.path,
-                    None if spare is None else spare.size,
                 )
             except DiskFull:
                 if attempt or (spare is None and not self.spares.count):
@@ -411,18 +412,33 @@ class ChunkStoreServer:
                 assert self._replies is not None
                 replies = self._replies
                 taken: list[tuple[Buffer, int]] = []
+                if offset:
+                    guess = 0
+                elif length is None:
+                    guess = self._whole_span
+                else:  # what a whole read of a chunk of ``length`` bytes takes, at most
+                    guess = _direct_span(layout.file_size_for(length))
+                ready: list[Buffer] = []
                 try:
+                    if guess:
+                        # The buffer the read will ask for, most likely, taken here: the
+                        # worker thread then does not come back to the event loop for it
+                        # (a trip that cost as much as the rest of the get's hand-offs).
+                        ready.append(await replies.take(guess, taken))
+
+                    def alloc(n: int) -> Buffer:
+                        if ready and n <= guess:
+                            return ready.pop()
+                        return replies.alloc(n, taken)
+
                     header, data, crc = await trio.to_thread.run_sync(
-                        layout.read_chunk,
-                        self.data_dir,
-                        chunk_id,
-                        offset,
-                        length,
-                        lambda n: replies.alloc(n, taken),
+                        layout.read_chunk, self.data_dir, chunk_id, offset, length, alloc
                     )
                 except BaseException:
                     replies.give_back(taken)
                     raise
+                if length is None and not offset:
+                    self._whole_span = _direct_span(header.file_size)
         finally:
             self._outstanding -= 1
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
@@ -456,7 +472,7 @@ class ChunkStoreServer:
 
         def stat() -> dict[str, Any]:
             header, st = layout.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
-            return {"size": header.length, "checksum": header.checksum, "mtime": st.st_mtime}
+            return {"size": header.length, "checksum": header.checksum, "mtime": st.mtime}
 
         async with self._reads:
             return await trio.to_thread.run_sync(stat)
@@ -549,6 +565,11 @@ class ChunkStoreServer:
                     if self.heartbeats_accepted == 1 and self.config.ready_file is not None:
                         await trio.to_thread.run_sync(self._write_ready_file)
                 await trio.sleep(self.config.heartbeat_interval)
+
+
+def _direct_span(file_size: int) -> int:
+    """The buffer a whole-file O_DIRECT read of a chunk file needs (``layout.read_chunk``)."""
+    return -(-file_size // layout.DIRECT_ALIGN) * layout.DIRECT_ALIGN
 
 
 def _advertised_address(host: str, port: int, registry: str | None) -> str:

@@ -19,8 +19,14 @@ from crc32c import crc32c as _crc32c
 _MASK = 0xFFFFFFFF
 
 
-def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32C of ``data``, continuing from ``value`` (for streaming over pieces)."""
+def checksum(
+    data: bytes | bytearray | memoryview, value: int = 0, *, keep_gil: bool = False
+) -> int:
+    """CRC-32C of ``data``, continuing from ``value`` (for streaming over pieces).
+
+    ``keep_gil``: do not release the GIL even for a large buffer (see ``segment_checksums``)."""
+    if keep_gil:
+        return _crc32c(data, value, gil_release_mode=0)
     return _crc32c(data, value)
 
 
