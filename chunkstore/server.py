@@ -19,6 +19,11 @@ crashing the node:
 * a put is refused with ``DiskFull`` before any byte is written when it would take the node
   past ``--capacity``; a real ENOSPC gives the same error and the daemon keeps serving.
 
+Spare files (``chunkstore.spares``): a delete keeps the chunk's file for a later put to
+overwrite, so puts create no inodes (on ext4 the largest CPU cost of a put after deletes).
+Chunks, spares and puts in flight together stay within ``--capacity``: spares are unlinked
+to make room before a put is refused, and all of them before a retry after a real ENOSPC.
+
 Puts of one chunk id are serialised (``_ChunkLocks``), which makes the exists-check and the
 rename of ``layout.write_chunk`` one step as far as this process can see; a lock file in the
 data directory keeps a second daemon off the same directory.

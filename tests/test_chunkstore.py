@@ -1152,3 +1152,59 @@ async def test_real_disk_full_unlinks_spares_and_retries(small_fs_4m, secret):
                 await c.put(cid, payload(MiB, 6), cap)
             assert (await c.node_stats()).chunk_count == 2
         nursery.cancel_scope.cancel()
+
+
+# --- directory fsync group commit -----------------------------------------------------------
+
+
+def _run_dir_syncs(monkeypatch, tmp_path, fail_first: bool) -> tuple[list, list]:
+    """8 threads call _DirSync.sync on one directory; fsyncs are slow and recorded."""
+    import threading
+    import time
+
+    syncs: list[tuple[float, float, bool]] = []  # (start, end, ok) of each real fsync
+    calls: list[tuple[float, float, BaseException | None]] = []
+    lock = threading.Lock()
+
+    def slow_fsync(path):
+        start = time.monotonic()
+        time.sleep(0.02)
+        with lock:
+            ok = not (fail_first and not syncs)
+            syncs.append((start, time.monotonic(), ok))
+        if not ok:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(layout, "_fsync_dir", slow_fsync)
+    group = layout._DirSync()
+
+    def caller(i):
+        time.sleep(0.005 * i)
+        t = time.monotonic()
+        err = None
+        try:
+            group.sync(tmp_path)
+        except OSError as e:
+            err = e
+        with lock:
+            calls.append((t, time.monotonic(), err))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return syncs, calls
+
+
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_directory_fsyncs_are_shared_and_never_cover_a_later_rename(
+    monkeypatch, tmp_path, fail_first
+):
+    syncs, calls = _run_dir_syncs(monkeypatch, tmp_path, fail_first)
+    assert len(calls) == 8 and len(syncs) < 8  # shared
+    failed = [c for c in calls if c[2] is not None]
+    assert len(failed) == (1 if fail_first else 0)  # only the thread whose fsync failed
+    for called, returned, err in calls:
+        if err is None:  # covered by a successful fsync that started after the call
+            assert any(ok and s >= called and e <= returned for s, e, ok in syncs)
