@@ -443,36 +443,40 @@ class ServerStats:
 
 
 class _PayloadBudget:
-    """Bounded bytes of request payloads held in memory across all connections."""
+    """Bounded bytes of request payloads held in memory across all connections.
+
+    Taking free budget does not yield (the request loop checkpoints once per request
+    anyway): every pass through trio's scheduler costs the chunk store's event loop thread
+    CPU and an epoll_wait that hands the GIL to its worker threads.
+    """
 
     def __init__(self, capacity: int, max_waiters: int, stats: ServerStats) -> None:
         self.capacity = capacity
         self.max_waiters = max_waiters
         self.stats = stats
         self._free = capacity
-        self._changed = trio.Condition()
+        self._lot = trio.lowlevel.ParkingLot()
 
     def can_queue(self) -> bool:
         return self.stats.payload_waiters < self.max_waiters
 
     async def acquire(self, n: int) -> None:
         n = min(n, self.capacity)
-        async with self._changed:
+        if self._free < n:
             self.stats.payload_waiters += 1
             try:
                 while self._free < n:
-                    await self._changed.wait()
+                    await self._lot.park()
             finally:
                 self.stats.payload_waiters -= 1
-            self._free -= n
-            self.stats.payload_bytes_held += n
+        self._free -= n
+        self.stats.payload_bytes_held += n
 
-    async def release(self, n: int) -> None:
+    def release(self, n: int) -> None:
         n = min(n, self.capacity)
-        async with self._changed:
-            self._free += n
-            self.stats.payload_bytes_held -= n
-            self._changed.notify_all()
+        self._free += n
+        self.stats.payload_bytes_held -= n
+        self._lot.unpark_all()
 
 
 class RpcServer:
@@ -643,7 +647,7 @@ class RpcServer:
                                 whole = None
                             await _recv_exactly(sock, payload)
                         except BaseException:
-                            await self._budget.release(plen)
+                            self._budget.release(plen)
                             raise
                     await inflight.acquire()
                     nursery.start_soon(
@@ -719,11 +723,17 @@ class RpcServer:
             finally:
                 request.payload = request.buffer = None
                 if plen:
-                    await self._budget.release(plen)
+                    self._budget.release(plen)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes
             frame = _pack_frame(header, size)
-            async with send_lock:
+            if send_lock.locked():
+                await send_lock.acquire()
+            else:
+                send_lock.acquire_nowait()  # no pass through the scheduler (see _PayloadBudget)
+            try:
                 await _send_frame(sock, frame, out_payload)
+            finally:
+                send_lock.release()
             self.stats.bytes_out += len(frame) + size
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
