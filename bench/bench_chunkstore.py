@@ -10,7 +10,10 @@ What it does, in one run on one disk:
    on the same disk, so the daemon and this client each have their own interpreter;
 3. for 1 MiB and 4 MiB chunks: puts ``--total-mib`` of chunks with 16 requests in flight
    (each put is acknowledged only after fsync of the chunk and its directory), drops the
-   chunk files' pages, then gets them all back (verified, cold) with 16 in flight.
+   chunk files' pages, then gets them all back (verified, cold) with 16 in flight, and
+   deletes them. The store keeps deleted chunks' files as spares (``chunkstore/spares.py``)
+   and later puts overwrite them, as on a store that rotates checkpoints: round 0's 1 MiB
+   puts create most of their files, later cases and rounds reuse the spares.
 
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon,
