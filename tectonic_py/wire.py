@@ -165,12 +165,7 @@ async def _recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
 async def _send_all(
     sock: trio.socket.SocketType, data: Buffer, sent: list[int] | None = None
 ) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = await sock.send(view)
-        if sent is not None:
-            sent[0] += n
-        view = view[n:]
+    await _send_pieces(sock, [memoryview(data).cast("B")], sent)
 
 
 async def _send_frame(
@@ -179,16 +174,32 @@ async def _send_frame(
     payload: Buffer | None,
     sent: list[int] | None = None,
 ) -> None:
-    """A frame's prefix+header and its payload in one ``sendmsg``: one syscall and one
-    trip through the event loop per message instead of two (the payload is never joined to
-    the header in a new buffer). ``sent[0]`` counts the bytes that went out, so a caller
-    cancelled here knows whether the stream holds half a frame."""
-    if payload is None or not memoryview(payload).nbytes:
-        await _send_all(sock, frame, sent)
-        return
-    pieces = [memoryview(frame), memoryview(payload).cast("B")]
+    """A frame's prefix+header and its payload in one ``writev``: one syscall per message
+    instead of two (the payload is never joined to the header in a new buffer). ``sent[0]``
+    counts the bytes that went out, so a caller cancelled here knows whether the stream
+    holds half a frame."""
+    pieces = [memoryview(frame)]
+    if payload is not None and memoryview(payload).nbytes:
+        pieces.append(memoryview(payload).cast("B"))
+    await _send_pieces(sock, pieces, sent)
+
+
+async def _send_pieces(
+    sock: trio.socket.SocketType, pieces: list[memoryview], sent: list[int] | None
+) -> None:
+    """Write ``pieces`` to the socket, waiting (``wait_writable``) only when it is full.
+
+    Why not ``sock.sendmsg``: trio makes every successful send a checkpoint, one more pass
+    through the scheduler per reply on a busy chunk store (see ``_recv_exactly``). A send
+    cancelled while it waits has sent nothing in that wait; ``sent`` says what went before.
+    """
+    fd = sock.fileno()
     while pieces:
-        n = await sock.sendmsg(pieces)
+        try:
+            n = os.writev(fd, pieces)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
         if sent is not None:
             sent[0] += n
         while pieces and n >= pieces[0].nbytes:
