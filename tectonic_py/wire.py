@@ -17,8 +17,8 @@ Headers:
 * response: ``{"rid": int, "f": {fields}}``
 * error:    ``{"rid": int, "err": code, "msg": str}`` (``rid`` 0 for connection-level errors)
 
-A chunk payload travels after its header and is received with ``recv_into`` straight into
-a buffer the receiver owns, so a 4 MiB chunk is never copied through msgpack and never
+A chunk payload travels after its header and is received (``os.readv`` on the socket's fd,
+``_recv_exactly``) straight into a buffer the receiver owns, so a 4 MiB chunk is never copied through msgpack and never
 assembled from many small ``bytes`` objects (nearly 2x on loopback, see CEILINGS.md).
 
 Handshake (mutual, over the cluster secret; before any request):
@@ -42,8 +42,9 @@ all connections are bounded by ``payload_budget``; when more than ``max_payload_
 requests wait for budget, new ones are refused with the retryable ``Busy`` (their payload is
 drained off the socket first, so the connection stays usable).
 
-TLS: the frame layer needs only a byte stream with ``recv_into``/``send``; an untrusted
-network would wrap the socket in TLS below this layer (kTLS keeps ``recv_into``).
+TLS: the frame layer needs only a byte stream it can read and write by file descriptor; an
+untrusted network would wrap the socket in TLS below this layer (kTLS keeps plain reads and
+writes on the fd).
 """
 
 from __future__ import annotations
