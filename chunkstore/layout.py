@@ -5,16 +5,25 @@ Integers are big-endian; the version field comes first so a later format can be 
 by reading two bytes::
 
     offset    size  field
-    0         2     version        (1)
+    0         2     version        1 (packed) or 2 (aligned)
     2         6     magic          b"TCHUNK"
     8         8     length         L, bytes of chunk data
     16        4     checksum       crc32c of the whole chunk (what the client sent and the
                                    Block layer records)
-    20        4     segment_size   S (65536 in version 1)
+    20        4     segment_size   S (65536)
     24        4     segments       N = ceil(L / S)
     28        4     header_crc     crc32c of bytes 0..27 followed by the segment table
     32        4*N   segment table  crc32c of each S-byte segment (the last may be shorter)
-    32+4N     L     data
+    32+4N     P     padding        zeros: none in version 1; up to the next multiple of
+                                   4096 in version 2
+    D         L     data           D = 32+4N+P (the data offset)
+
+Version 2 is written for chunks whose length is a multiple of 4096 (every full chunk of a
+block): the file is then a whole number of 4 KiB blocks, so a put writes it with one
+O_DIRECT write and no ``ftruncate``, whose cut inside the last block made ext4 read that
+block back from disk (a synchronous read per put) and dirty it for the fsync to write
+again; it takes the same number of disk blocks as version 1. Other lengths get version 1.
+Readers take both; the padding must be zeros.
 
 Why segments: a ranged get of 4 KiB must not read and checksum a whole 4 MiB chunk, yet must
 never return unverified bytes; it reads and verifies only the segments it touches. A whole
@@ -78,7 +87,9 @@ from tectonic_py.ids import parse_chunk_id
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION_PACKED = 1
+VERSION_ALIGNED = 2
+VERSIONS = (VERSION_PACKED, VERSION_ALIGNED)
 MAGIC = b"TCHUNK"
 SEGMENT_SIZE = 64 * 1024
 HEADER = struct.Struct("!H6sQIIII")
@@ -100,27 +111,45 @@ class ChunkHeader:
     checksum: int
     segment_size: int
     segment_crcs: tuple[int, ...]
+    version: int = VERSION_PACKED
 
     @property
     def data_offset(self) -> int:
-        return HEADER.size + 4 * len(self.segment_crcs)
+        return _data_offset(self.version, len(self.segment_crcs))
 
     @property
     def file_size(self) -> int:
         return self.data_offset + self.length
 
 
+def _data_offset(version: int, nseg: int) -> int:
+    table_end = HEADER.size + 4 * nseg
+    if version == VERSION_ALIGNED:
+        return -(-table_end // DIRECT_ALIGN) * DIRECT_ALIGN
+    return table_end
+
+
 def segment_count(length: int, segment_size: int = SEGMENT_SIZE) -> int:
     return -(-length // segment_size)
 
 
+def version_for(length: int) -> int:
+    """The format a chunk of ``length`` bytes is written in (module docstring)."""
+    return VERSION_ALIGNED if length and length % DIRECT_ALIGN == 0 else VERSION_PACKED
+
+
+def data_offset_for(length: int) -> int:
+    return _data_offset(version_for(length), segment_count(length))
+
+
 def file_size_for(length: int) -> int:
     """Bytes a chunk of ``length`` bytes takes on disk (before filesystem rounding)."""
-    return HEADER.size + 4 * segment_count(length) + length
+    return data_offset_for(length) + length
 
 
 def length_from_file_size(size: int) -> int:
-    """Invert ``file_size_for`` (for listings and startup scans that only stat files).
+    """The length of a version-1 chunk file of ``size`` bytes (a listing's estimate for a
+    file whose header cannot be read).
 
     With n segments the file holds 32 + 4n + L bytes, L in ((n-1)S, nS], so
     n = ceil((size - 32) / (S + 4)) exactly.
@@ -134,11 +163,14 @@ def encode_header(
     data: memoryview | bytes | bytearray,
     whole_crc: int,
     segment_crcs: Sequence[int] | None = None,
+    version: int | None = None,
 ) -> bytes:
-    """Header and segment table for ``data``, whose crc32c the caller already checked.
+    """Everything in front of ``data`` in its chunk file (header, segment table, padding:
+    ``data_offset_for(len(data))`` bytes), for data whose crc32c the caller already checked.
 
     ``segment_crcs``: the table, when the caller already has it (``write_chunk`` gets it in
-    the same pass that checks the whole CRC); computed here otherwise.
+    the same pass that checks the whole CRC); computed here otherwise. ``version``: the
+    format (``version_for`` the length if None).
     """
     view = memoryview(data).cast("B")
     length = len(view)
@@ -148,21 +180,25 @@ def encode_header(
         crcs = list(segment_crcs)
         if len(crcs) != segment_count(length):
             raise InvalidArgument(f"{len(crcs)} segment CRCs for {length} bytes")
+    if version is None:
+        version = version_for(length)
     table = struct.pack(f"!{len(crcs)}I", *crcs)
-    head = HEADER.pack(VERSION, MAGIC, length, whole_crc, SEGMENT_SIZE, len(crcs), 0)
+    head = HEADER.pack(version, MAGIC, length, whole_crc, SEGMENT_SIZE, len(crcs), 0)
     hcrc = crc32c(table, crc32c(head[:HEADER_CRC_OFFSET]))
-    return head[:HEADER_CRC_OFFSET] + struct.pack("!I", hcrc) + table
+    prefix = head[:HEADER_CRC_OFFSET] + struct.pack("!I", hcrc) + table
+    return prefix + bytes(_data_offset(version, len(crcs)) - len(prefix))
 
 
 def decode_header(buf: bytes, file_size: int | None = None) -> ChunkHeader:
-    """Parse and check a header; ``buf`` must start at offset 0 and hold the whole table.
+    """Parse and check a header; ``buf`` must start at offset 0 and hold everything up to
+    the data (``header_bytes_needed``).
 
-    Raises ChunkCorrupt for anything that is not a well-formed version-1 header.
+    Raises ChunkCorrupt for anything that is not a well-formed version-1 or 2 header.
     """
     if len(buf) < HEADER.size:
         raise ChunkCorrupt("chunk file shorter than its header")
     version, magic, length, whole, seg_size, nseg, hcrc = HEADER.unpack_from(buf)
-    if version != VERSION or magic != MAGIC:
+    if version not in VERSIONS or magic != MAGIC:
         raise ChunkCorrupt(f"not a chunk file (version {version}, magic {magic!r})")
     if seg_size != SEGMENT_SIZE or nseg != segment_count(length, seg_size):
         raise ChunkCorrupt("chunk header has an inconsistent segment table")
@@ -172,10 +208,28 @@ def decode_header(buf: bytes, file_size: int | None = None) -> ChunkHeader:
     table = buf[HEADER.size : end]
     if crc32c(table, crc32c(buf[:HEADER_CRC_OFFSET])) != hcrc:
         raise ChunkCorrupt("chunk header failed its checksum")
-    header = ChunkHeader(length, whole, seg_size, struct.unpack(f"!{nseg}I", table))
+    header = ChunkHeader(length, whole, seg_size, struct.unpack(f"!{nseg}I", table), version)
+    data_offset = header.data_offset
+    if data_offset > end:
+        if len(buf) < data_offset:
+            raise ChunkCorrupt("chunk file shorter than its header's padding")
+        if buf[end:data_offset] != _ZEROS[: data_offset - end]:
+            raise ChunkCorrupt("chunk header padding is not zeros")
     if file_size is not None and file_size != header.file_size:
         raise ChunkCorrupt(f"chunk file is {file_size} bytes, header says {header.file_size}")
     return header
+
+
+def header_bytes_needed(prefix: bytes | memoryview) -> int:
+    """How many bytes from offset 0 ``decode_header`` needs, from the first 32 (or fewer,
+    then 32: the caller finds the file too short)."""
+    if len(prefix) < HEADER.size:
+        return HEADER.size
+    version, nseg = struct.unpack_from("!H", prefix)[0], struct.unpack_from("!I", prefix, 24)[0]
+    return _data_offset(version if version in VERSIONS else VERSION_PACKED, nseg)
+
+
+_ZEROS = bytes(2 * DIRECT_ALIGN)
 
 
 # --- paths ----------------------------------------------------------------------------------
@@ -278,7 +332,7 @@ def put_room(length: int) -> tuple[int, int]:
     buffer size = file size rounded up to ``DIRECT_ALIGN``). The RPC server receives a put
     into such a buffer (``wire.RpcServer(payload_room=...)``) and ``write_chunk`` writes
     it with O_DIRECT, so the bytes never pass through the page cache."""
-    offset = HEADER.size + 4 * segment_count(length)
+    offset = data_offset_for(length)
     return offset, -(-(offset + length) // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
@@ -315,10 +369,13 @@ def _open_target(target: Path, flags: int, create: bool) -> int:
     return syscalls.open_existing(target, flags)
 
 
-def _write_direct(target: Path, image: memoryview, size: int, create: bool, dev: int) -> bool:
+def _write_direct(
+    target: Path, image: memoryview, size: int, create: bool, dev: int, old_size: int | None
+) -> bool:
     """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to ``target`` with
-    O_DIRECT, cut it to ``size`` bytes and fsync it. False (and the file as it was) if the
-    filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
+    O_DIRECT, cut it to ``size`` bytes if needed and fdatasync it. False (and the file as it
+    was) if the filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
+    ``old_size``: the target's size before (0 for a new file; None if unknown).
 
     Why: a buffered write copies every byte into the page cache, the largest single CPU
     cost of a put (a chunk is not read again soon: it is a checkpoint's). fsync is still
@@ -347,10 +404,13 @@ def _write_direct(target: Path, image: memoryview, size: int, create: bool, dev:
             if create:
                 _remove_quietly(target)
             return False
-        # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
-        # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
-        os.ftruncate(fd, size)
-        os.fsync(fd)
+        if size != len(image) or old_size is None or old_size > size:
+            # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
+            # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
+            os.ftruncate(fd, size)
+        # The data and what finds it (size, block map); a timestamp alone is not worth a
+        # write of the inode per put.
+        os.fdatasync(fd)
     finally:
         syscalls.close(fd)
     return True
@@ -371,6 +431,7 @@ def write_chunk(
     checksum: int,
     image: memoryview | None = None,
     spare: Path | None = None,
+    spare_size: int | None = None,
 ) -> Stored:
     """Store a chunk durably and atomically.
 
@@ -380,7 +441,7 @@ def write_chunk(
 
     ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
     instead of creating a temporary file; it is overwritten, cut to size, fsynced and
-    renamed to the chunk's name. If this raises, the spare has been removed (whatever
+    renamed to the chunk's name (``spare_size``: its size, if known). If this raises, the spare has been removed (whatever
     state it was left in, it must not be reused blindly); if it returns, ``spare_used``
     says whether it was renamed (False: the chunk was already stored, the spare untouched).
 
@@ -391,7 +452,7 @@ def write_chunk(
     file. The caller serialises writes of one chunk id.
     """
     try:
-        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare)
+        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
     except BaseException:
         if spare is not None:
             _remove_quietly(spare)
@@ -405,6 +466,7 @@ def _write_chunk(
     checksum: int,
     image: memoryview | None,
     spare: Path | None,
+    spare_size: int | None,
 ) -> Stored:
     view = memoryview(data).cast("B")
     # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
@@ -457,17 +519,18 @@ def _write_chunk(
             image[: len(header)] = header
             image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
     create = spare is None
+    before = 0 if create else spare_size
     try:
         try:
             direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir)
+                target, image, size, create, _device(data_dir), before
             )
         except FileNotFoundError:
             if not create:
                 raise
             _heal_shard_dir(directory)  # recover() makes them all; this heals a removed one
             direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir)
+                target, image, size, create, _device(data_dir), before
             )
         if not direct:
             try:
@@ -480,7 +543,7 @@ def _write_chunk(
             try:
                 _write_all(fd, [header, view])
                 os.ftruncate(fd, size)  # a spare may have been longer
-                os.fsync(fd)
+                os.fdatasync(fd)
             finally:
                 syscalls.close(fd)
         try:
@@ -567,12 +630,10 @@ def _open(path: Path) -> int:
 def _read_header_fd(fd: int, name: str, size: int | None = None) -> ChunkHeader:
     if size is None:
         size = syscalls.fstat(fd).size
-    buf = os.pread(fd, 4096, 0)
-    if len(buf) >= HEADER.size:
-        nseg = struct.unpack_from("!I", buf, 24)[0]
-        need = HEADER.size + 4 * nseg
-        if len(buf) < need <= size:
-            buf = os.pread(fd, need, 0)
+    buf = os.pread(fd, DIRECT_ALIGN, 0)
+    need = header_bytes_needed(buf)
+    if len(buf) < need <= size:
+        buf = os.pread(fd, need, 0)
     try:
         return decode_header(buf, size)
     except ChunkCorrupt as e:
@@ -669,9 +730,8 @@ def _read_whole_direct(
         log.info("no O_DIRECT reads on device %d; chunk reads are buffered", st.dev)
         syscalls.set_direct(fd, False)
         return None
-    nseg = struct.unpack_from("!I", buf, 24)[0]
     try:
-        header = decode_header(bytes(buf[: min(HEADER.size + 4 * nseg, size)]), size)
+        header = decode_header(bytes(buf[: min(header_bytes_needed(buf), size)]), size)
     except ChunkCorrupt as e:
         raise ChunkCorrupt(f"chunk {name}: {e}") from None
     data = buf[header.data_offset : size]
@@ -806,7 +866,8 @@ def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str,
     """Chunk ids greater than ``after`` in order, with their lengths, at most ``limit``.
 
     Walks the shard directories in order from ``after``'s, so a page costs a directory or
-    two, not a scan of the whole store. ``next`` is the last id returned when more may follow.
+    two, not a scan of the whole store, and a 32-byte read per chunk for its length.
+    ``next`` is the last id returned when more may follow.
     """
     root = chunks_root(data_dir)
     try:
@@ -825,13 +886,31 @@ def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str,
             continue
         for name, entry in entries:
             try:
-                size = entry.stat().st_size
+                length = _listed_length(Path(entry.path))
             except FileNotFoundError:
                 continue
-            out.append((name, length_from_file_size(size)))
+            out.append((name, length))
             if len(out) >= limit:
                 return out, name
     return out, None
+
+
+def _listed_length(path: Path) -> int:
+    """A chunk's length from its header (the file size alone cannot tell the version), or
+    an estimate from its size when the header is unreadable (scrub will report it)."""
+    try:
+        fd = _open(path)
+    except ChunkNotFound:
+        raise FileNotFoundError(path) from None
+    try:
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) == HEADER.size:
+            version, magic, length = struct.unpack_from("!H6sQ", head)
+            if version in VERSIONS and magic == MAGIC:
+                return int(length)
+        return length_from_file_size(syscalls.fstat(fd).size)
+    finally:
+        syscalls.close(fd)
 
 
 def _is_chunk(name: str) -> bool:

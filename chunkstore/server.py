@@ -408,6 +408,7 @@ class ChunkStoreServer:
                     checksum,
                     image,
                     None if spare is None else spare.path,
+                    None if spare is None else spare.size,
                 )
             except DiskFull:
                 if attempt or (spare is None and not self.spares.count):

@@ -734,24 +734,62 @@ async def test_heartbeat_survives_registry_down(nursery, tmp_path, secret):
         assert (await c.node_stats()).node_id == NODE
 
 
-def test_layout_header_round_trip_and_size_inversion():
-    for n in [0, 1, 65535, 65536, 65537, 4 * MiB, 4 * MiB + 1, 64 * MiB]:
-        assert layout.length_from_file_size(layout.file_size_for(n)) == n
-    data = os.urandom(200_000)
-    head = layout.encode_header(data, crc32c(data))
-    h = layout.decode_header(head, len(head) + len(data))
-    assert (h.length, h.checksum, len(h.segment_crcs)) == (200_000, crc32c(data), 4)
-    assert struct.unpack_from("!H", head)[0] == layout.VERSION
-    with pytest.raises(ChunkCorrupt):
-        layout.decode_header(head, len(head) + len(data) + 1)
-    with pytest.raises(ChunkCorrupt):
-        layout.decode_header(b"\x00\x02" + head[2:])
+def _packed_size(n: int) -> int:
+    return layout.HEADER.size + 4 * layout.segment_count(n) + n
+
+
+def test_layout_header_round_trip_both_versions():
+    for n in [0, 1, 4095, 4096, 65536, 65537, 200_000, 4 * MiB, 4 * MiB + 1, 64 * MiB]:
+        data = memoryview(bytearray(n))
+        head = layout.encode_header(data, crc32c(data))
+        version = struct.unpack_from("!H", head)[0]
+        assert version == (2 if n and n % 4096 == 0 else 1) == layout.version_for(n)
+        assert len(head) == layout.data_offset_for(n) == layout.file_size_for(n) - n
+        h = layout.decode_header(head, len(head) + n)
+        assert (h.length, h.version, h.data_offset) == (n, version, len(head))
+        if version == 2:  # whole 4 KiB blocks, and no more of them than version 1 takes
+            assert layout.file_size_for(n) % 4096 == 0
+            assert layout.file_size_for(n) // 4096 == -(-_packed_size(n) // 4096)
+        else:
+            assert layout.file_size_for(n) == _packed_size(n)
+            assert layout.length_from_file_size(layout.file_size_for(n)) == n
+        with pytest.raises(ChunkCorrupt):
+            layout.decode_header(head, len(head) + n + 1)
+        with pytest.raises(ChunkCorrupt):
+            layout.decode_header(b"\x00\x03" + head[2:])
+    # Either version decodes whatever the length (readers take both).
+    data = os.urandom(8192)
+    packed = layout.encode_header(data, crc32c(data), version=1)
+    assert layout.decode_header(packed, len(packed) + 8192).data_offset == 32 + 4
+    # Padding of version 2 must be zeros, and must be there.
+    aligned = layout.encode_header(data, crc32c(data))
+    with pytest.raises(ChunkCorrupt, match="padding"):
+        layout.decode_header(aligned[:100] + b"\x01" + aligned[101:])
+    with pytest.raises(ChunkCorrupt, match="padding"):
+        layout.decode_header(aligned[:100])
 
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 70 * MiB))
 def test_file_size_inversion_property(n):
-    assert layout.length_from_file_size(layout.file_size_for(n)) == n
+    """A version-1 file's size gives its length (the listing's estimate for a bad header)."""
+    assert layout.length_from_file_size(_packed_size(n)) == n
+
+
+def test_listing_reports_lengths_of_both_versions(tmp_path):
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    lengths = {}
+    for n in [1, 4096, 8192, 65536, 100_000, MiB]:
+        cid, _ = new_chunk(b"s" * 32)
+        data = payload(n, n)
+        layout.write_chunk(data_dir, cid, data, crc32c(data))
+        lengths[cid] = n
+        path = layout.chunk_path(data_dir, cid)
+        assert path.stat().st_size == layout.file_size_for(n)
+        assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
+    listed, nxt = layout.list_chunks(data_dir, "", 100)
+    assert dict(listed) == lengths and nxt is None
 
 
 async def test_heartbeat_registers_with_the_real_metadata_registry(tmp_path, secret_file):
