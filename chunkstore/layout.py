@@ -393,27 +393,53 @@ def _write_direct(
         if create:  # the kernel may have made the file before refusing the flag
             _remove_quietly(target)
         return False
+    global _dsync_writes
+    cut = size != len(image) or old_size is None or old_size > size
     try:
         try:
-            _write_all(fd, [image])
+            if cut or not _dsync_writes:
+                _write_all(fd, [image])
+                synced = False
+            else:
+                # Durable when it returns (RWF_DSYNC: an fdatasync of the range within the
+                # same call): one system call that waits for the disk instead of two, and so
+                # one hand-off of the GIL fewer per put.
+                _pwrite_all(fd, image, os.RWF_DSYNC)
+                synced = True
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno == errno.EOPNOTSUPP and not cut and _dsync_writes:
+                _dsync_writes = False  # an older kernel: write, then fdatasync
+                _write_all(fd, [image])
+                synced = False
+            elif e.errno != errno.EINVAL:
                 raise
-            _no_direct.add(dev)
-            log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
-            if create:
-                _remove_quietly(target)
-            return False
-        if size != len(image) or old_size is None or old_size > size:
+            else:
+                _no_direct.add(dev)
+                log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
+                if create:
+                    _remove_quietly(target)
+                return False
+        if cut:
             # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
             # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
             os.ftruncate(fd, size)
-        # The data and what finds it (size, block map); a timestamp alone is not worth a
-        # write of the inode per put.
-        os.fdatasync(fd)
+        if not synced:
+            # The data and what finds it (size, block map); a timestamp alone is not worth
+            # a write of the inode per put.
+            os.fdatasync(fd)
     finally:
         syscalls.close(fd)
     return True
+
+
+# pwritev2(RWF_DSYNC) works (Linux 4.7+); cleared the first time the kernel says otherwise.
+_dsync_writes = hasattr(os, "RWF_DSYNC")
+
+
+def _pwrite_all(fd: int, view: memoryview, flags: int) -> None:
+    offset = 0
+    while offset < len(view):
+        offset += os.pwritev(fd, [view[offset:]], offset, flags)
 
 
 class Stored(NamedTuple):
