@@ -37,8 +37,9 @@ entries, and a listing in chunk-id order can walk the shard directories in order
 Durability protocol of a write: the chunk is written to a file that is not a chunk, either
 a spare file (``<data_dir>/spares/``, a deleted chunk's file kept for reuse, see
 ``chunkstore.spares``) or a new temporary name (``.tmp-...``, never a valid chunk id) in the
-chunk's directory; it is cut to size and fsynced, renamed to its final name, and the chunk's
-directory is fsynced. A crash leaves either no file under the final name or a complete one;
+chunk's directory; it is made durable (one O_DIRECT ``pwritev2(RWF_DSYNC)`` when the file
+is whole blocks and needs no cut, else a write, a cut to size and an fdatasync), renamed to
+its final name, and the chunk's directory is fsynced. A crash leaves either no file under the final name or a complete one;
 leftover temporary files are removed at startup (``recover``), spares are kept. A delete
 unlinks the chunk or renames it into the spares, then fsyncs its directory. Directory fsyncs
 are group-committed (``_DirSync``): renames in one directory while another thread's fsync
