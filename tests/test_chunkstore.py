@@ -927,8 +927,11 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     assert direct == [] and bytes(layout.read_chunk(data_dir, cid2)[1]) == other
 
 
-@pytest.mark.parametrize("length", [64 * 1024, 4 * MiB + 777])
-def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypatch, length):
+@pytest.mark.parametrize("asked", ["none", "exact"])
+@pytest.mark.parametrize("length", [64 * 1024, 4 * MiB, 4 * MiB + 777])
+def test_whole_get_read_with_o_direct_into_an_aligned_buffer(
+    tmp_path, monkeypatch, length, asked
+):
     data_dir = tmp_path / "d"
     layout.recover(data_dir)
     data = os.urandom(length)
@@ -944,7 +947,9 @@ def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypat
 
     monkeypatch.setattr(layout, "_read_whole_direct", spy)
     spares = wire.SpareBuffers(0)
-    header, out, crc = layout.read_chunk(data_dir, cid, alloc=spares.take)
+    # The cluster client always sends the length (version 2 chunks too: 4 MiB).
+    want = None if asked == "none" else length
+    header, out, crc = layout.read_chunk(data_dir, cid, 0, want, alloc=spares.take)
     assert bytes(out) == data and crc == crc32c(data) and header.length == length
     assert used[0] or layout.chunk_path(data_dir, cid).stat().st_dev in layout._no_direct
     # A flipped byte on disk is caught on the O_DIRECT path too.
@@ -954,6 +959,27 @@ def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypat
         f.write(bytes([data[length // 2] ^ 1]))
     with pytest.raises(ChunkCorrupt):
         layout.read_chunk(data_dir, cid, alloc=spares.take)
+
+
+def test_a_file_size_both_formats_fit_is_read_as_what_its_header_says(tmp_path):
+    """8192 bytes is a version-2 chunk of 4096 or a version-1 chunk of 8156: a get at 0 of
+    the other format's length is a ranged read (or past the end), never the whole chunk."""
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    assert set(layout.lengths_from_file_size(8192)) == {4096, 8156}
+    v2, _ = new_chunk(b"s" * 32)
+    small = payload(4096, 2)
+    layout.write_chunk(data_dir, v2, small, crc32c(small))
+    v1, _ = new_chunk(b"s" * 32)
+    big = payload(8156, 1)
+    layout.write_chunk(data_dir, v1, big, crc32c(big))
+    for cid in (v1, v2):
+        assert layout.chunk_path(data_dir, cid).stat().st_size == 8192
+    header, out, crc = layout.read_chunk(data_dir, v1, 0, 4096)
+    assert header.length == 8156 and bytes(out) == big[:4096] and crc == crc32c(big[:4096])
+    with pytest.raises(InvalidArgument):
+        layout.read_chunk(data_dir, v2, 0, 8156)
+    assert bytes(layout.read_chunk(data_dir, v2, 0, 4096)[1]) == small
 
 
 # --- spare files: deletes keep their inodes for later puts (chunkstore/spares.py) -----------
