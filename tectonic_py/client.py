@@ -1561,26 +1561,22 @@ class FileReader:
         if offset < 0 or length < 0:
             raise InvalidArgument(f"bad read range {offset}+{length}")
         length = max(0, min(length, self.size - offset))
+        sequential = self._sequential(offset, length)
         pieces = self.layout.pieces(offset, length)
-        if len(pieces) == 1:
+        if len(pieces) == 1 and (sequential or length >= self.layout.block_size // 2):
             # The common sequential case: one copy from the cached block (none for a view).
             piece = pieces[0]
             info = self._blocks.get(piece.block_index)
             if info is not None and piece.block_offset + piece.length <= info.data_len:
-                sequential = self._sequential(offset, length)
-                if sequential or length >= self.layout.block_size // 2:
-                    self._readahead(sequential, offset, length)
-                    data = await self.client.read_part(
-                        info, piece.block_offset, piece.length, view=view
-                    )
-                    if piece.block_offset + piece.length == info.data_len:
-                        self.client.cache.done(info.block_id)
-                    return data
-                out = bytearray(length)
-                await self.client.read_range(info, piece.block_offset, memoryview(out))
-                return out if view else bytes(out)
+                self._readahead(sequential, offset, length)
+                data = await self.client.read_part(
+                    info, piece.block_offset, piece.length, view=view
+                )
+                if piece.block_offset + piece.length == info.data_len:
+                    self.client.cache.done(info.block_id)
+                return data
         out = bytearray(length)
-        await self.pread_into(offset, memoryview(out))
+        await self._fill(offset, memoryview(out), sequential)
         return out if view else bytes(out)
 
     async def pread_into(self, offset: int, dest: memoryview) -> int:
@@ -1594,7 +1590,14 @@ class FileReader:
             raise InvalidArgument(f"bad read offset {offset}")
         dest = memoryview(dest).cast("B")
         length = max(0, min(dest.nbytes, self.size - offset))
-        sequential = self._sequential(offset, length)
+        dest = dest[:length]
+        await self._fill(offset, dest, self._sequential(offset, length))
+        return length
+
+    async def _fill(self, offset: int, dest: memoryview, sequential: bool) -> None:
+        """``dest`` gets the file's bytes from ``offset`` (zeros in holes), which lie inside
+        the file; whole blocks for a sequential or large read, else ranges."""
+        length = dest.nbytes
         bs = self.layout.block_size
         for piece in self.layout.pieces(offset, length):
             dst = dest[piece.out_offset : piece.out_offset + piece.length]
@@ -1616,7 +1619,6 @@ class FileReader:
             else:
                 await self.client.read_range(info, piece.block_offset, dst[:avail])
         self._readahead(sequential, offset, length)
-        return length
 
     def _readahead(self, sequential: bool, offset: int, length: int) -> None:
         if sequential and length and self.client.readahead_blocks:
