@@ -410,7 +410,7 @@ def _write_direct(
         _no_direct.add(dev)
         log.info("%s: no O_DIRECT on this filesystem; chunk writes are buffered", target.parent)
         if create:  # the kernel may have made the file before refusing the flag
-            _remove_quietly(target)
+            remove_quietly(target)
         return False
     global _dsync_writes
     cut = size != len(image) or old_size is None or old_size > size
@@ -436,7 +436,7 @@ def _write_direct(
                 _no_direct.add(dev)
                 log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
                 if create:
-                    _remove_quietly(target)
+                    remove_quietly(target)
                 return False
         if cut:
             # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
@@ -500,7 +500,7 @@ def write_chunk(
         return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
     except BaseException:
         if spare is not None:
-            _remove_quietly(spare)
+            remove_quietly(spare)
         raise
 
 
@@ -600,7 +600,7 @@ def _write_chunk(
             syscalls.rename(target, path)
         _dir_sync.sync(directory)
     except OSError as e:
-        _remove_quietly(target)
+        remove_quietly(target)
         if e.errno in _NOSPACE:
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
@@ -623,7 +623,9 @@ def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
             views[0] = views[0][n:]
 
 
-def _remove_quietly(path: Path) -> None:
+def remove_quietly(path: Path) -> None:
+    """Unlink ``path``; already gone is fine, any other failure is logged, never raised
+    (cleanup of temporary and spare files must not fail the operation it follows)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -1001,7 +1003,7 @@ def recover(data_dir: Path) -> ScanResult:
         dirty = False
         for entry in os.scandir(shard.path):
             if entry.name.startswith(TMP_PREFIX):
-                _remove_quietly(Path(entry.path))
+                remove_quietly(Path(entry.path))
                 removed += 1
                 dirty = True
             elif _is_chunk(entry.name) and entry.is_file(follow_symlinks=False):

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import trio
 
+from chunkstore.layout import remove_quietly
+
 log = logging.getLogger(__name__)
 
 SPARES_DIR = "spares"
@@ -242,9 +244,4 @@ async def _unlink_in_thread(paths: list[Path]) -> None:
 
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("could not remove spare %s: %s", path, e)
+        remove_quietly(path)
