@@ -1156,21 +1156,28 @@ def test_verify_of_a_chunk_deleted_meanwhile_is_not_found(tmp_path, monkeypatch)
         layout.verify_chunk(layout.chunk_path(data_dir, a))
 
 
+async def _put_three_delete_two(c, server, secret):
+    """Three 1 MiB chunks stored, the first two deleted into spares: (the three ids, node
+    stats while all three were stored)."""
+    stored = []
+    for i in range(3):
+        cid, cap = new_chunk(secret)
+        await c.put(cid, payload(MiB, i), cap)
+        stored.append(cid)
+    full = await c.node_stats()
+    for cid in stored[:2]:
+        await c.delete(cid)
+    assert server.spares.count == 2
+    return stored, full
+
+
 async def test_capacity_counts_spares_and_trims_them_to_make_room(nursery, tmp_path, secret):
     cap_bytes = 3 * MiB + 64 * KiB
     server, port = await start_store(
         nursery, tmp_path / "d", secret, capacity=cap_bytes, spare_min=0
     )
     async with open_client(port, secret) as c:
-        stored = []
-        for i in range(3):
-            cid, cap = new_chunk(secret)
-            await c.put(cid, payload(MiB, i), cap)
-            stored.append(cid)
-        full = await c.node_stats()
-        for cid in stored[:2]:
-            await c.delete(cid)
-        assert server.spares.count == 2
+        _, full = await _put_three_delete_two(c, server, secret)
         stats = await c.node_stats()
         # Spares are free space to the cluster: any put may have them.
         assert stats.free == full.free + 2 * layout.file_size_for(MiB)
@@ -1195,14 +1202,7 @@ async def test_real_disk_full_unlinks_spares_and_retries(small_fs_4m, secret):
     async with trio.open_nursery() as nursery:
         server, port = await start_store(nursery, small_fs_4m / "data", secret, spare_min=0)
         async with open_client(port, secret) as c:
-            cids = []
-            for i in range(3):
-                cid, cap = new_chunk(secret)
-                await c.put(cid, payload(MiB, i), cap)
-                cids.append(cid)
-            for cid in cids[:2]:
-                await c.delete(cid)
-            assert server.spares.count == 2
+            cids, _ = await _put_three_delete_two(c, server, secret)
             # 2.5 MiB fits only once both spares are gone: the first write (into a grown
             # spare) hits ENOSPC, the spares are unlinked and the put is tried again.
             big, cap = new_chunk(secret)

@@ -115,6 +115,15 @@ def _count_fetches(client: TectonicClient) -> dict[str, int]:
     return seen
 
 
+async def _write_files(cluster_file, directory: str, files: dict[str, bytes]) -> None:
+    async with open_client(cluster_file) as client:
+        await client.mkdir(directory)
+        for path, data in files.items():
+            w = await client.create(path)
+            await w.write(data)
+            await w.close()
+
+
 async def test_many_readers_stay_inside_the_read_budget(local_cluster, caplog):
     """48 readers at once with a budget of four blocks: block fetches in flight never hold
     more than the budget (before the fix each reader fetched its whole block outside it),
@@ -122,12 +131,7 @@ async def test_many_readers_stay_inside_the_read_budget(local_cluster, caplog):
     caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     block = 6 * 64 * 1024
     files = {f"/r/{i}": _data(block + 1000 * i, seed=100 + i) for i in range(48)}
-    async with open_client(local_cluster.cluster_file) as client:
-        await client.mkdir("/r")
-        for path, data in files.items():
-            w = await client.create(path)
-            await w.write(data)
-            await w.close()
+    await _write_files(local_cluster.cluster_file, "/r", files)
     budget = 4 * block
     async with open_client(local_cluster.cluster_file, cache_bytes=budget) as client:
         seen = _count_fetches(client)
@@ -155,12 +159,7 @@ async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(lo
     caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     block = 6 * 64 * 1024
     files = {f"/s/{i}": _data(6 * block, seed=200 + i) for i in range(8)}
-    async with open_client(local_cluster.cluster_file) as client:
-        await client.mkdir("/s")
-        for path, data in files.items():
-            w = await client.create(path)
-            await w.write(data)
-            await w.close()
+    await _write_files(local_cluster.cluster_file, "/s", files)
     async with open_client(local_cluster.cluster_file, cache_bytes=5 * block,
                            readahead_blocks=3) as client:
         seen = _count_fetches(client)
