@@ -169,7 +169,10 @@ def lengths_from_file_size(size: int) -> tuple[int, ...]:
     path (a page-cache copy, ~0.7 CPU-s/GiB more on the stores of a restore)."""
     out = [length_from_file_size(size)]
     pad_end = -(-(HEADER.size + 4) // DIRECT_ALIGN) * DIRECT_ALIGN
-    while pad_end < size:
+    # A chunk shorter than the file has no more segments, so no larger data offset, than
+    # one as long as the file: a bound of one or two steps, not a walk over the file.
+    last = _data_offset(VERSION_ALIGNED, segment_count(size))
+    while pad_end <= last and pad_end < size:
         length = size - pad_end
         if version_for(length) == VERSION_ALIGNED and file_size_for(length) == size:
             out.append(length)
