@@ -10,9 +10,11 @@ crashing the node:
 * the wire layer bounds request payload bytes held in memory (``payload_budget``) and the
   number of requests waiting for that budget (``max_payload_waiters``); past that a put gets
   the retryable ``Busy`` and its bytes are drained, not kept;
-* at most ``max_concurrent_writes`` puts (and ``max_concurrent_reads`` gets) touch the disk at
-  once, each in a worker thread (``trio.to_thread.run_sync``); the rest wait, and their count
-  is the ``queue_depth`` placement uses to favour idle nodes;
+* at most ``max_concurrent_writes`` puts and deletes touch the disk at once, on the threads of
+  a ``DiskWorkers`` pool (``chunkstore.disk_workers``: a worker takes the next queued put
+  without being woken), and at most ``max_concurrent_reads`` gets, each in a worker thread
+  (``trio.to_thread.run_sync``); the rest wait, and their count is the ``queue_depth``
+  placement uses to favour idle nodes;
 * get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
   burst, or readers slower than the disk, make further gets wait instead of holding a chunk
   per request in memory;
@@ -49,6 +51,7 @@ from typing import Any
 import trio
 
 from chunkstore import layout
+from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
 from tectonic_py import capability, wire
@@ -225,7 +228,9 @@ class ChunkStoreServer:
             config.limits,
             payload_room={"put": layout.put_room},
         )
-        self._writes = trio.CapacityLimiter(config.max_concurrent_writes)
+        self._writers = DiskWorkers(
+            f"chunkstore[{config.node_id}] writer", config.max_concurrent_writes
+        )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
         self.chunk_count = 0
@@ -256,6 +261,7 @@ class ChunkStoreServer:
             if cap is not None and self.used + self.spares.bytes > cap:
                 await self.spares.trim(self.used + self.spares.bytes - cap)
             async with trio.open_nursery() as nursery:
+                await nursery.start(self._writers.serve)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
                 self.address = _advertised_address(host, port, self.config.registry)
                 log.info(
@@ -370,11 +376,7 @@ class ChunkStoreServer:
         self._puts_in_flight += 1
         try:
             async with self._locks.hold(chunk_id):
-                await _acquire(self._writes)
-                try:
-                    stored = await self._write(chunk_id, data, checksum, req.buffer, need)
-                finally:
-                    self._writes.release()
+                stored = await self._write(chunk_id, data, checksum, req.buffer, need)
         finally:
             self._outstanding -= 1
             self._puts_in_flight -= 1
@@ -400,7 +402,7 @@ class ChunkStoreServer:
             extra = max(spare.size - need, 0) if spare is not None else 0
             self._reserved += extra
             try:
-                stored = await trio.to_thread.run_sync(
+                stored = await self._writers.run(
                     layout.write_chunk,
                     self.data_dir,
                     chunk_id,
@@ -474,11 +476,9 @@ class ChunkStoreServer:
         chunk_id = self._chunk_id(req)
         self._outstanding += 1
         try:
-            async with self._locks.hold(chunk_id), self._writes:
+            async with self._locks.hold(chunk_id):
                 spare = self.spares.new_path() if self.spares.has_room() else None
-                size = await trio.to_thread.run_sync(
-                    layout.delete_chunk, self.data_dir, chunk_id, spare
-                )
+                size = await self._writers.run(layout.delete_chunk, self.data_dir, chunk_id, spare)
                 if size is not None:
                     self.used -= size
                     self.chunk_count -= 1
