@@ -20,6 +20,7 @@ from wire_helpers import raw_authenticated
 from chunkstore import layout
 from chunkstore.client import ChunkClient
 from chunkstore.server import ChunkStoreServer, StoreConfig
+from chunkstore.spares import Spare, SpareFiles
 from tectonic_py import capability, ids, wire
 from tectonic_py.checksum import checksum as crc32c
 from tectonic_py.errors import (
@@ -1006,17 +1007,53 @@ async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp
         assert server.spares.count == 0 and not list(server.spares.directory.iterdir())
         assert bytes(await c.get(b)) == payload(MiB, 2)
         assert (await c.node_stats()).free <= stats
-        # Smaller and larger chunks reuse a spare too: it is cut or grown to size.
-        for size in (1000, 3 * MiB + 5):
-            assert await c.delete(b)
-            b, cap_b = new_chunk(secret)
-            await c.put(b, payload(size, size), cap_b)
-            assert chunk_file(server, b).stat().st_ino == inode
-            assert chunk_file(server, b).stat().st_size == layout.file_size_for(size)
-            assert bytes(await c.get(b)) == payload(size, size)
+        # A larger chunk grows the spare.
+        assert await c.delete(b)
+        b, cap_b = new_chunk(secret)
+        await c.put(b, payload(3 * MiB + 5, 3), cap_b)
+        assert chunk_file(server, b).stat().st_ino == inode
+        assert chunk_file(server, b).stat().st_size == layout.file_size_for(3 * MiB + 5)
+        assert bytes(await c.get(b)) == payload(3 * MiB + 5, 3)
+        # A smaller one does not cut it while the pool has room: a new file, and the spare
+        # waits for a chunk of its size.
+        assert await c.delete(b)
+        small, cap_s = new_chunk(secret)
+        await c.put(small, payload(1000, 4), cap_s)
+        assert chunk_file(server, small).stat().st_ino != inode and server.spares.count == 1
+        assert bytes(await c.get(small)) == payload(1000, 4)
         with pytest.raises(ChunkNotFound):
             await c.get(a)
-    assert server.spares.reused == 3 and server.spares.recycled == 3
+    assert server.spares.reused == 2 and server.spares.recycled == 3
+
+
+async def test_a_full_pool_of_larger_spares_is_cut_down_for_smaller_chunks(
+    nursery, tmp_path, secret
+):
+    server, port = await start_store(nursery, tmp_path / "d", secret, spare_min=0, spare_files=1)
+    async with open_client(port, secret) as c:
+        big, cap = new_chunk(secret)
+        await c.put(big, payload(MiB, 1), cap)
+        inode = chunk_file(server, big).stat().st_ino
+        assert await c.delete(big) and server.spares.count == 1
+        small, cap = new_chunk(secret)
+        await c.put(small, payload(1000, 2), cap)
+        stat = chunk_file(server, small).stat()
+        assert stat.st_ino == inode and stat.st_size == layout.file_size_for(1000)
+        assert bytes(await c.get(small)) == payload(1000, 2)
+        assert server.spares.count == 0
+
+
+def test_spare_choice_exact_then_smaller_then_larger_only_when_full(tmp_path):
+    pool = SpareFiles(tmp_path, max_files=3, max_bytes=10**9)
+    for name, size in (("e", 0), ("a", 100), ("b", 400)):
+        pool._add(tmp_path / name, size)
+    assert pool.take(100) == Spare(tmp_path / "a", 100)  # exact
+    assert pool.take(300) == Spare(tmp_path / "e", 0)  # the largest smaller one grows
+    assert pool.take(200) is None  # only a larger one: make a new file
+    pool._add(tmp_path / "c", 50)
+    pool._add(tmp_path / "d", 60)
+    assert pool.take(10) == Spare(tmp_path / "c", 50)  # full (3 files): the smallest larger
+    assert pool.take(10) is None and pool.count == 2
 
 
 async def test_spares_are_bounded_in_files_and_bytes(nursery, tmp_path, secret):

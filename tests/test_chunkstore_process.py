@@ -199,7 +199,7 @@ async def test_kill9_during_deletes_and_puts_that_reuse_spares(
 
         acks[0].set()
         async with trio.open_nursery() as n:
-            for i in range(24):  # sizes around the spares': grown, cut, exact
+            for i in range(24):  # sizes around the spares': grown, exact, new files
                 n.start_soon(put, MiB // 2 + (i % 4) * MiB // 2, 200 + i)
             for k, cid in enumerate(kept):  # deletes spread over the puts' acks
                 n.start_soon(delete, cid, k // 2)
