@@ -66,6 +66,11 @@ class DiskWorkers:
         return len(self._jobs)
 
     @property
+    def idle(self) -> int:
+        """Threads started and waiting for a job."""
+        return self._idle
+
+    @property
     def busy(self) -> int:
         """Jobs a thread is running now."""
         return self._running
@@ -74,17 +79,22 @@ class DiskWorkers:
         """Run the threads until cancelled; ``run`` works once this has started."""
         self._token = trio.lowlevel.current_trio_token()
         self._closed = False
+        # The threads' own limiter: they hold it for their whole life, and taking trio's
+        # default one (40 threads) would starve every other to_thread call of the process.
+        limiter = trio.CapacityLimiter(self.workers)
         async with trio.open_nursery() as nursery:
             for i in range(self.workers):
-                nursery.start_soon(self._thread, i)
+                nursery.start_soon(self._thread, i, limiter)
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
                 self._close()  # threads finish what is queued, then return
 
-    async def _thread(self, index: int) -> None:
-        await trio.to_thread.run_sync(self._work, thread_name=f"{self.name} {index}")
+    async def _thread(self, index: int, limiter: trio.CapacityLimiter) -> None:
+        await trio.to_thread.run_sync(
+            self._work, thread_name=f"{self.name} {index}", limiter=limiter
+        )
 
     def _close(self) -> None:
         with self._cv:

@@ -28,6 +28,19 @@ async def test_results_and_exceptions_come_back_to_the_caller() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_the_pool_leaves_trios_default_thread_limiter_alone() -> None:
+    limit = trio.to_thread.current_default_thread_limiter().total_tokens
+    pool = DiskWorkers("test", limit + 2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        with trio.fail_after(10):
+            while pool.idle < pool.workers:  # every thread started and parked
+                await trio.sleep(0.01)
+            assert await trio.to_thread.run_sync(lambda: 7) == 7
+            assert await pool.run(lambda: 8) == 8
+        nursery.cancel_scope.cancel()
+
+
 async def test_at_most_workers_run_at_once_and_the_rest_wait() -> None:
     pool = DiskWorkers("test", 3)
     gate = threading.Event()
