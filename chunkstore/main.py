@@ -29,7 +29,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--capacity", type=int, help="bytes this node may store (default: the disk)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument("--ready-file", type=Path, help="written (JSON address, pid) once serving")
-    p.add_argument("--max-concurrent-writes", type=int, default=8, help="puts on disk at once")
+    p.add_argument(
+        "--max-concurrent-writes", type=int, default=8, help="disk threads for puts and deletes"
+    )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
         "--payload-budget",
