@@ -86,7 +86,7 @@ async def test_queued_jobs_start_in_arrival_order() -> None:
         async with trio.open_nursery() as callers:
             for i in range(20):
                 callers.start_soon(pool.run, order.append, i)
-                await trio.sleep(0)  # each caller enqueues before the next starts
+                await trio.lowlevel.checkpoint()  # each caller enqueues before the next starts
         nursery.cancel_scope.cancel()
     assert order == list(range(20))
 
