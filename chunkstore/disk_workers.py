@@ -8,7 +8,9 @@ that finishes a job takes the next queued one without parking, so under load (mo
 admitted than workers, the case that matters) the event loop wakes nobody: it appends to a
 deque. On the project machine this raised 1 MiB puts by 15-20% (puts only, 1 GiB of 1 MiB
 chunks with 16 in flight, medians of 8 interleaved rounds each) and cut the daemon's context
-switches per put from 18 to 15.
+switches per put from 18 to 15. Results go back the same way: jobs that finish while a
+delivery to the event loop is pending ride along with it (puts released together by one
+directory fsync, ``layout._DirSync``, cost the event loop one wake-up), another 5%.
 
 The threads are still trio's: each is one long ``trio.to_thread.run_sync`` call owned by a
 task of ``serve``'s nursery, so the pool lives and dies with the daemon's nursery. The queue
@@ -60,6 +62,7 @@ class DiskWorkers:
         self._running = 0  # jobs taken by a thread and not finished
         self._closed = True
         self._token: trio.lowlevel.TrioToken | None = None
+        self._done: list[tuple[_Job, outcome.Outcome[Any]]] = []  # finished, not yet delivered
 
     @property
     def queued(self) -> int:
@@ -129,10 +132,8 @@ class DiskWorkers:
         token = self._token
         cv = self._cv
         jobs = self._jobs
-        finished = 0
         while True:
             with cv:
-                self._running -= finished
                 while not jobs:
                     if self._closed:
                         return
@@ -146,12 +147,20 @@ class DiskWorkers:
                 self._running += 1
             result = outcome.capture(job.fn, *job.args)
             job.fn = job.args = None  # type: ignore[assignment]  # drop the payload early
-            finished = 1
-            try:
-                token.run_sync_soon(DiskWorkers._deliver, job, result)
-            except trio.RunFinishedError:
-                pass
+            with cv:
+                self._running -= 1
+                self._done.append((job, result))
+                first = len(self._done) == 1
+            if first:  # else a delivery is already on its way and takes this one too
+                try:
+                    token.run_sync_soon(self._deliver)
+                except trio.RunFinishedError:
+                    pass
 
-    @staticmethod
-    def _deliver(job: _Job, result: outcome.Outcome[Any]) -> None:
-        trio.lowlevel.reschedule(job.task, outcome.Value(result))
+    def _deliver(self) -> None:
+        """Event loop: wake the callers of every job finished since the last delivery (one
+        wake-up of the event loop thread for puts whose directory fsync ended together)."""
+        with self._cv:
+            done, self._done = self._done, []
+        for job, result in done:
+            trio.lowlevel.reschedule(job.task, outcome.Value(result))
