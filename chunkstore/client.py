@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import trio
 
 from tectonic_py import wire
+from tectonic_py.checksum import KEEP_GIL_MAX
 from tectonic_py.checksum import checksum as crc32c
 from tectonic_py.errors import ChecksumMismatch
 
 log = logging.getLogger(__name__)
 
-# Up to this, computing a CRC in the event loop, holding the GIL (about 50 microseconds per
-# MiB), is cheaper than a thread hop and the GIL hand-offs that come with it.
-_INLINE_CRC = 1024 * 1024 + 64 * 1024
+# Up to this, computing a CRC in the event loop, holding the GIL, is cheaper than a thread
+# hop and the GIL hand-offs that come with it.
+_INLINE_CRC = KEEP_GIL_MAX
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from chunkstore import syscalls
+from tectonic_py.checksum import KEEP_GIL_MAX, combine, segment_checksums
 from tectonic_py.checksum import checksum as crc32c
-from tectonic_py.checksum import combine, segment_checksums
 from tectonic_py.errors import (
     ChecksumMismatch,
     ChunkConflict,
@@ -98,7 +98,6 @@ HEADER_CRC_OFFSET = 28
 TMP_PREFIX = ".tmp-"
 MAX_CHUNK_ID_LEN = 24
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
-MiB = 1024 * 1024
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths
 DIRECT_MIN = 64 * 1024  # smaller chunks are read buffered (not worth a page-aligned buffer)
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -665,10 +664,6 @@ def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> in
 
 # --- read and verify ------------------------------------------------------------------------
 
-# A whole chunk up to this size has its CRC computed without releasing the GIL (about 50
-# microseconds per MiB; a hand-off of the GIL costs the other threads more).
-CRC_KEEP_GIL_MAX = MiB + 64 * 1024
-
 
 def _open(path: Path) -> int:
     try:
@@ -785,7 +780,7 @@ def _read_whole_direct(
     except ChunkCorrupt as e:
         raise ChunkCorrupt(f"chunk {name}: {e}") from None
     data = buf[header.data_offset : size]
-    crc = crc32c(data, keep_gil=len(data) <= CRC_KEEP_GIL_MAX)
+    crc = crc32c(data, keep_gil=len(data) <= KEEP_GIL_MAX)
     if crc != header.checksum:
         raise ChunkCorrupt(f"chunk {name} failed its checksum")
     return header, data, crc

@@ -18,6 +18,16 @@ from crc32c import crc32c as _crc32c
 
 _MASK = 0xFFFFFFFF
 
+# Up to this many bytes, a CRC computed while holding the GIL (about 50 microseconds per MiB)
+# costs the other threads less than the GIL hand-offs of releasing it; callers that share
+# the GIL with busy threads (the chunk store's event loop and disk threads) pass
+# ``keep_gil=`` on that bound.
+KEEP_GIL_MAX = 1024 * 1024 + 64 * 1024
+
+
+def _gil_release_mode(keep_gil: bool) -> int:
+    return 0 if keep_gil else -1  # crc32c: 0 never releases; -1 releases for large buffers
+
 
 def checksum(
     data: bytes | bytearray | memoryview, value: int = 0, *, keep_gil: bool = False
@@ -25,9 +35,7 @@ def checksum(
     """CRC-32C of ``data``, continuing from ``value`` (for streaming over pieces).
 
     ``keep_gil``: do not release the GIL even for a large buffer (see ``segment_checksums``)."""
-    if keep_gil:
-        return _crc32c(data, value, gil_release_mode=0)
-    return _crc32c(data, value)
+    return _crc32c(data, value, gil_release_mode=_gil_release_mode(keep_gil))
 
 
 class _Shift:
@@ -94,13 +102,11 @@ def segment_checksums(
     length = len(view)
     full = length - length % segment_size
     shift = _shift(segment_size)
-    if keep_gil:
-        crcs = [
-            _crc32c(view[i : i + segment_size], 0, gil_release_mode=0)
-            for i in range(0, full, segment_size)
-        ]
-    else:
-        crcs = [_crc32c(view[i : i + segment_size]) for i in range(0, full, segment_size)]
+    mode = _gil_release_mode(keep_gil)
+    crcs = [
+        _crc32c(view[i : i + segment_size], 0, gil_release_mode=mode)
+        for i in range(0, full, segment_size)
+    ]
     whole = 0
     for c in crcs:
         whole = shift(whole) ^ c
