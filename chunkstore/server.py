@@ -55,6 +55,7 @@ from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
 from tectonic_py import capability, wire
+from tectonic_py.aio import acquire_soon
 from tectonic_py.errors import ConfigError, DiskFull, TectonicError
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.wire import Buffer
@@ -134,7 +135,7 @@ class _ChunkLocks:
             lock = trio.Lock()
         self._locks[chunk_id] = (lock, users + 1)
         try:
-            await _acquire(lock)
+            await acquire_soon(lock)
             try:
                 yield
             finally:
@@ -145,16 +146,6 @@ class _ChunkLocks:
                 del self._locks[chunk_id]
             else:
                 self._locks[chunk_id] = (lock, users - 1)
-
-
-async def _acquire(lock: trio.Lock | trio.CapacityLimiter) -> None:
-    """Acquire without a pass through trio's scheduler when it is free: each pass costs the
-    event loop thread CPU and an epoll_wait that hands the GIL to the worker threads, and a
-    put or get yields soon anyway (to its worker thread)."""
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
 
 
 class _ReplyBudget:
@@ -433,7 +424,7 @@ class ChunkStoreServer:
         length = req.int("length", None, hi=MAX_CHUNK)
         self._outstanding += 1
         try:
-            await _acquire(self._reads)
+            await acquire_soon(self._reads)
             try:
                 assert self._replies is not None
                 replies = self._replies

@@ -1,5 +1,9 @@
 """Small trio helpers shared by daemons and the client.
 
+``acquire_soon`` takes a lock or limiter without a pass through trio's scheduler when it is
+free: on the chunk store every pass costs the event loop thread CPU and an epoll_wait that
+hands the GIL to the disk threads, and the request yields soon anyway.
+
 ``open_service_nursery`` is a nursery for objects that own background tasks (connection
 receivers, pools, flushers): those tasks never raise on purpose, so any exception leaving it
 comes from the body. trio wraps even a single exception in an ExceptionGroup; public client
@@ -24,6 +28,14 @@ async def open_service_nursery() -> AsyncIterator[trio.Nursery]:
         if inner is None:
             raise
         raise inner from None
+
+
+async def acquire_soon(lock: trio.Lock | trio.CapacityLimiter) -> None:
+    """``await lock.acquire()``, without yielding when the lock is free."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
 
 
 def _single(group: BaseExceptionGroup) -> BaseException | None:

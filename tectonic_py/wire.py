@@ -67,7 +67,7 @@ from typing import Any, AsyncIterator, Union
 import msgpack
 import trio
 
-from tectonic_py.aio import open_service_nursery
+from tectonic_py.aio import acquire_soon, open_service_nursery
 from tectonic_py.errors import (
     AuthError,
     Busy,
@@ -738,10 +738,7 @@ class RpcServer:
                     self._budget.release(plen)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes
             frame = _pack_frame(header, size)
-            if send_lock.locked():
-                await send_lock.acquire()
-            else:
-                send_lock.acquire_nowait()  # no pass through the scheduler (see _PayloadBudget)
+            await acquire_soon(send_lock)  # no pass through the scheduler (see _PayloadBudget)
             try:
                 await _send_frame(sock, frame, out_payload)
             finally:
