@@ -122,10 +122,16 @@ class ChunkHeader:
         return self.data_offset + self.length
 
 
+def direct_span(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole O_DIRECT blocks: the buffer a whole-file O_DIRECT
+    read of a file of that size needs, or the image a put writes."""
+    return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
 def _data_offset(version: int, nseg: int) -> int:
     table_end = HEADER.size + 4 * nseg
     if version == VERSION_ALIGNED:
-        return -(-table_end // DIRECT_ALIGN) * DIRECT_ALIGN
+        return direct_span(table_end)
     return table_end
 
 
@@ -167,7 +173,7 @@ def lengths_from_file_size(size: int) -> tuple[int, ...]:
     version-1 sizes sent every whole-chunk get of a version-2 chunk down the buffered
     path (a page-cache copy, ~0.7 CPU-s/GiB more on the stores of a restore)."""
     out = [length_from_file_size(size)]
-    pad_end = -(-(HEADER.size + 4) // DIRECT_ALIGN) * DIRECT_ALIGN
+    pad_end = direct_span(HEADER.size + 4)
     # A chunk shorter than the file has no more segments, so no larger data offset, than
     # one as long as the file: a bound of one or two steps, not a walk over the file.
     last = _data_offset(VERSION_ALIGNED, segment_count(size))
@@ -354,7 +360,7 @@ def put_room(length: int) -> tuple[int, int]:
     into such a buffer (``wire.RpcServer(payload_room=...)``) and ``write_chunk`` writes
     it with O_DIRECT, so the bytes never pass through the page cache."""
     offset = data_offset_for(length)
-    return offset, -(-(offset + length) // DIRECT_ALIGN) * DIRECT_ALIGN
+    return offset, direct_span(offset + length)
 
 
 def _same_memory(a: memoryview, b: memoryview) -> bool:
@@ -755,7 +761,7 @@ def _read_whole_direct(
     size = st.size
     if size < HEADER.size + DIRECT_MIN or st.dev in _no_direct:
         return None
-    span = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
+    span = direct_span(size)
     buf = memoryview(alloc(span))[:span]
     if not _aligned(buf):
         return None

@@ -434,7 +434,7 @@ class ChunkStoreServer:
                 elif length is None:
                     guess = self._whole_span
                 else:  # what a whole read of a chunk of ``length`` bytes takes, at most
-                    guess = _direct_span(layout.file_size_for(length))
+                    guess = layout.direct_span(layout.file_size_for(length))
                 ready: list[Buffer] = []
                 try:
                     if guess:
@@ -455,7 +455,7 @@ class ChunkStoreServer:
                     replies.give_back(taken)
                     raise
                 if length is None and not offset:
-                    self._whole_span = _direct_span(header.file_size)
+                    self._whole_span = layout.direct_span(header.file_size)
             finally:
                 self._reads.release()
         finally:
@@ -582,11 +582,6 @@ class ChunkStoreServer:
                     if self.heartbeats_accepted == 1 and self.config.ready_file is not None:
                         await trio.to_thread.run_sync(self._write_ready_file)
                 await trio.sleep(self.config.heartbeat_interval)
-
-
-def _direct_span(file_size: int) -> int:
-    """The buffer a whole-file O_DIRECT read of a chunk file needs (``layout.read_chunk``)."""
-    return -(-file_size // layout.DIRECT_ALIGN) * layout.DIRECT_ALIGN
 
 
 def _advertised_address(host: str, port: int, registry: str | None) -> str:
