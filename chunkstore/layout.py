@@ -71,7 +71,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from chunkstore import syscalls
 from tectonic_py.checksum import KEEP_GIL_MAX, combine, segment_checksums
@@ -101,6 +101,7 @@ _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths
 DIRECT_MIN = 64 * 1024  # smaller chunks are read buffered (not worth a page-aligned buffer)
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -574,38 +575,20 @@ def _write_chunk(
     create = spare is None
     before = 0 if create else spare_size
     try:
-        try:
-            direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir), before
-            )
-        except FileNotFoundError:
-            if not create:
-                raise
-            _heal_shard_dir(directory)  # recover() makes them all; this heals a removed one
-            direct = image is not None and _write_direct(
-                target, image, size, create, _device(data_dir), before
-            )
+        # (A new file can fail for want of its shard directory; a spare, not.)
+        dev = _device(data_dir)
+        direct = image is not None and _in_shard_dir(
+            directory, lambda: create, _write_direct, target, image, size, create, dev, before
+        )
         if not direct:
-            try:
-                fd = _open_target(target, 0, create)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                _heal_shard_dir(directory)
-                fd = _open_target(target, 0, create)
+            fd = _in_shard_dir(directory, lambda: create, _open_target, target, 0, create)
             try:
                 _write_all(fd, [header, view])
                 os.ftruncate(fd, size)  # a spare may have been longer
                 os.fdatasync(fd)
             finally:
                 syscalls.close(fd)
-        try:
-            syscalls.rename(target, path)
-        except FileNotFoundError:
-            if not target.exists():
-                raise
-            _heal_shard_dir(directory)
-            syscalls.rename(target, path)
+        _in_shard_dir(directory, target.exists, syscalls.rename, target, path)
         _dir_sync.sync(directory)
     except OSError as e:
         remove_quietly(target)
@@ -613,6 +596,21 @@ def _write_chunk(
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
     return Stored(size - (old_size or 0), 1 if old_size is None else 0, spare is not None)
+
+
+def _in_shard_dir(
+    directory: Path, dir_may_be_missing: Callable[[], bool], fn: Callable[..., T], *args: Any
+) -> T:
+    """``fn(*args)``, made once more after recreating the chunk's shard directory when it
+    raised FileNotFoundError and ``dir_may_be_missing()`` says the directory can be why
+    (``recover`` makes them all; this heals one removed while the store runs)."""
+    try:
+        return fn(*args)
+    except FileNotFoundError:
+        if not dir_may_be_missing():
+            raise
+        _heal_shard_dir(directory)
+        return fn(*args)
 
 
 def _heal_shard_dir(directory: Path) -> None:

@@ -928,6 +928,37 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     assert direct == [] and bytes(layout.read_chunk(data_dir, cid2)[1]) == other
 
 
+def _chunk_in_a_removed_shard_dir(data_dir: Path) -> str:
+    """A new chunk id whose shard directory is empty, after removing that directory."""
+    while True:
+        cid, _ = new_chunk(b"s" * 32)
+        shard = layout.chunk_path(data_dir, cid).parent
+        if not any(shard.iterdir()):
+            shard.rmdir()
+            return cid
+
+
+def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
+    """New file by O_DIRECT image, new file buffered, spare renamed: each finds the chunk's
+    shard directory gone, makes it again and stores the chunk."""
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    length = 8192
+    data = payload(length, 7)
+    offset, size = layout.put_room(length)
+    image = memoryview(wire.SpareBuffers(0).take(wire.SpareBuffers.MIN_SIZE))[:size]
+    image[offset : offset + length] = data
+    spare = data_dir / "spares" / "spare-test"
+    spare.parent.mkdir(exist_ok=True)
+    spare.write_bytes(b"old")
+    for kw in ({"image": image}, {}, {"spare": spare, "spare_size": 3}):
+        cid = _chunk_in_a_removed_shard_dir(data_dir)
+        stored = layout.write_chunk(data_dir, cid, data, crc32c(data), **kw)
+        assert stored.added_chunks == 1 and stored.spare_used == ("spare" in kw)
+        assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
+    assert not spare.exists()
+
+
 @pytest.mark.parametrize("asked", ["none", "exact"])
 @pytest.mark.parametrize("length", [64 * 1024, 4 * MiB, 4 * MiB + 777])
 def test_whole_get_read_with_o_direct_into_an_aligned_buffer(
