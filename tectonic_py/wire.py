@@ -933,7 +933,9 @@ class Connection:
                         self._fail(Unavailable(f"{self.address}: send cancelled mid-frame"))
                         self._sock.close()
                     raise
-                except OSError as e:
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    # ClosedResourceError: the receiver (connection lost) or ``aclose`` closed
+                    # the socket while this send waited for room in it.
                     self._fail(Unavailable(f"{self.address}: send failed ({e!r})"))
                     self._sock.close()
                     raise self.broken or Unavailable(self.address) from None

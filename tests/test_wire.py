@@ -262,6 +262,42 @@ async def test_server_death_fails_pending_calls_with_unavailable(secret):
                 await conn.call("echo")
 
 
+async def test_a_send_waiting_on_a_full_socket_gets_unavailable_when_the_connection_closes(
+    nursery, secret
+):
+    """A peer that stops reading fills the socket; closing the connection then must fail the
+    call parked in its send with Unavailable, not with trio's ClosedResourceError."""
+    sn = b"s" * 32
+
+    async def authenticates_then_never_reads(stream):
+        sock = stream.socket
+        await wire._send_all(
+            sock, wire._pack_frame({"op": "hello", "proto": wire.PROTO, "nonce": sn}, 0)
+        )
+        header, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
+        mac = wire._mac(secret, b"server", header["nonce"], sn)
+        await wire._send_all(sock, wire._pack_frame({"op": "welcome", "mac": mac}, 0))
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(trio.serve_tcp, authenticates_then_never_reads, 0)
+    port = listeners[0].socket.getsockname()[1]
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        errors: list[BaseException] = []
+
+        async def send_more_than_the_socket_holds():
+            try:
+                await conn.call("echo", {}, bytes(32 * wire.MiB))
+            except BaseException as e:  # noqa: BLE001  (the test looks at which one)
+                errors.append(e)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(send_more_than_the_socket_holds)
+            await trio.sleep(0.5)  # the send fills the socket and waits for room
+            assert not errors
+            await conn.aclose()
+        assert len(errors) == 1 and isinstance(errors[0], Unavailable), errors
+
+
 def test_parse_address():
     assert wire.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
     assert wire.parse_address("[::1]:9") == ("::1", 9)
