@@ -35,17 +35,15 @@ from tectonic_py.errors import Unavailable
 
 T = TypeVar("T")
 
-_QUEUED, _RUNNING = 0, 1
-
 
 class _Job:
-    __slots__ = ("args", "fn", "state", "task")
+    __slots__ = ("args", "fn", "started", "task")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task):
         self.fn = fn
         self.args = args
         self.task = task
-        self.state = _QUEUED
+        self.started = False  # taken by a thread (under the pool's lock)
 
 
 class DiskWorkers:
@@ -118,7 +116,7 @@ class DiskWorkers:
 
         def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
             with self._cv:
-                if job.state == _QUEUED:
+                if not job.started:
                     self._jobs.remove(job)
                     return trio.lowlevel.Abort.SUCCEEDED
             return trio.lowlevel.Abort.FAILED  # running: _deliver reschedules us when done
@@ -143,7 +141,7 @@ class DiskWorkers:
                     finally:
                         self._idle -= 1
                 job = jobs.popleft()
-                job.state = _RUNNING
+                job.started = True
                 self._running += 1
             result = outcome.capture(job.fn, *job.args)
             job.fn = job.args = None  # type: ignore[assignment]  # drop the payload early
