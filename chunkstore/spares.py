@@ -112,6 +112,16 @@ class SpareFiles:
         self.count += 1
         self.bytes += size
 
+    def _pop(self, size: int) -> Path:
+        """One spare of ``size`` bytes out of the pool (``_add`` in reverse)."""
+        paths = self._by_size[size]
+        path = paths.pop()
+        if not paths:
+            del self._by_size[size]
+        self.count -= 1
+        self.bytes -= size
+        return path
+
     def take(self, size: int) -> Spare | None:
         """A spare for a chunk file of ``size`` bytes, out of the pool, or None (the put
         creates a file): one of exactly that size if any (nothing to allocate or free), else
@@ -137,12 +147,7 @@ class SpareFiles:
                 best = min(self._by_size)
             else:
                 return None
-        paths = self._by_size[best]
-        path = paths.pop()
-        if not paths:
-            del self._by_size[best]
-        self.count -= 1
-        self.bytes -= best
+        path = self._pop(best)
         self.reused += 1
         self._taken.set()
         return Spare(path, best)
@@ -176,14 +181,9 @@ class SpareFiles:
         victims: list[Path] = []
         freed = 0
         for size in sorted(self._by_size, reverse=True):
-            paths = self._by_size[size]
-            while paths and (nbytes is None or freed < nbytes):
-                victims.append(paths.pop())
-                self.count -= 1
-                self.bytes -= size
+            while size in self._by_size and (nbytes is None or freed < nbytes):
+                victims.append(self._pop(size))
                 freed += size
-            if not paths:
-                del self._by_size[size]
         await _unlink_in_thread(victims)
         return freed
 
@@ -194,13 +194,7 @@ class SpareFiles:
             await self.trim(self.bytes - self.max_bytes)
         victims: list[Path] = []
         while self.count > self.max_files:
-            size = min(self._by_size)
-            paths = self._by_size[size]
-            victims.append(paths.pop())
-            if not paths:
-                del self._by_size[size]
-            self.count -= 1
-            self.bytes -= size
+            victims.append(self._pop(min(self._by_size)))
         await _unlink_in_thread(victims)
 
     # --- top-up ------------------------------------------------------------------------------
