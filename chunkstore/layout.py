@@ -39,12 +39,13 @@ a spare file (``<data_dir>/spares/``, a deleted chunk's file kept for reuse, see
 ``chunkstore.spares``) or a new temporary name (``.tmp-...``, never a valid chunk id) in the
 chunk's directory; it is made durable (one O_DIRECT ``pwritev2(RWF_DSYNC)`` when the file
 is whole blocks and needs no cut, else a write, a cut to size and an fdatasync), renamed to
-its final name, and the chunk's directory is fsynced. A crash leaves either no file under the final name or a complete one;
-leftover temporary files are removed at startup (``recover``), spares are kept. A delete
-unlinks the chunk or renames it into the spares, then fsyncs its directory. Directory fsyncs
-are group-committed (``_DirSync``): renames in one directory while another thread's fsync
-of it runs share the next one. Readers check after reading that the chunk's name still
-names the file they read (``_still_named``), since a deleted chunk's file may be reused.
+its final name, and the chunk's directory is fsynced. A crash leaves either no file under
+the final name or a complete one; leftover temporary files are removed at startup
+(``recover``), spares are kept. A delete unlinks the chunk or renames it into the spares,
+then fsyncs its directory. Directory fsyncs are group-committed (``_DirSync``): renames in
+one directory while another thread's fsync of it runs share the next one. Readers check
+after reading that the chunk's name still names the file they read (``_still_named``),
+since a deleted chunk's file may be reused.
 
 CPU: a put arrives in a page-aligned buffer laid out as its own file image (``put_room``:
 room for the header in front), one pass over the bytes gives the segment table and the
@@ -494,10 +495,11 @@ def write_chunk(
     is written with O_DIRECT (buffered when the filesystem refuses it).
 
     ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
-    instead of creating a temporary file; it is overwritten, cut to size, fsynced and
-    renamed to the chunk's name (``spare_size``: its size, if known). If this raises, the spare has been removed (whatever
-    state it was left in, it must not be reused blindly); if it returns, ``spare_used``
-    says whether it was renamed (False: the chunk was already stored, the spare untouched).
+    instead of creating a temporary file; it is overwritten, cut to size if it was longer,
+    fsynced and renamed to the chunk's name (``spare_size``: its size, if known). If this
+    raises, the spare has been removed (whatever state it was left in, it must not be reused
+    blindly); if it returns, ``spare_used`` says whether it was renamed (False: the chunk was
+    already stored, the spare untouched).
 
     Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
     on the way). The same chunk again is a no-op (0, 0); different contents under the same id

@@ -18,8 +18,9 @@ Headers:
 * error:    ``{"rid": int, "err": code, "msg": str}`` (``rid`` 0 for connection-level errors)
 
 A chunk payload travels after its header and is received (``os.readv`` on the socket's fd,
-``_recv_exactly``) straight into a buffer the receiver owns, so a 4 MiB chunk is never copied through msgpack and never
-assembled from many small ``bytes`` objects (nearly 2x on loopback, see CEILINGS.md).
+``_recv_exactly``) straight into a buffer the receiver owns, so a 4 MiB chunk is never
+copied through msgpack and never assembled from many small ``bytes`` objects (nearly 2x on
+loopback, see CEILINGS.md).
 
 Handshake (mutual, over the cluster secret; before any request):
 
