@@ -556,6 +556,9 @@ def _write_chunk(
                 f" put has length {len(view)} crc {whole:08x}"
             )
         if verify_chunk(path):
+            # The same put again: perhaps the retry of one whose daemon was killed between
+            # its rename and the directory fsync, so the name may not be durable yet.
+            _dir_sync.sync(path.parent)
             return Stored(0, 0, False)
         log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
     header = encode_header(view, whole, segment_crcs)

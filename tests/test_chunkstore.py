@@ -147,6 +147,25 @@ async def test_put_is_idempotent_and_refuses_different_bytes(store, secret):
         assert (await c.node_stats()).chunk_count == 1
 
 
+def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
+    """A retry of a put whose daemon died after its rename but before the directory fsync
+    finds the file there; it must not be acknowledged before the name is durable."""
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    cid, _ = new_chunk(b"s" * 32)
+    data = b"retried after a crash"
+    layout.write_chunk(data_dir, cid, data, crc32c(data))
+    synced: list[Path] = []
+
+    class Recorder:
+        def sync(self, path: Path) -> None:
+            synced.append(path)
+
+    monkeypatch.setattr(layout, "_dir_sync", Recorder())
+    assert layout.write_chunk(data_dir, cid, data, crc32c(data)) == layout.Stored(0, 0, False)
+    assert synced == [layout.chunk_path(data_dir, cid).parent]
+
+
 async def test_concurrent_puts_of_one_chunk_store_it_once(store, secret):
     server, port = store
     cid, cap = new_chunk(secret)
