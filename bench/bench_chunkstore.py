@@ -6,7 +6,10 @@ Run: ``.venv/bin/python bench/bench_chunkstore.py [--smoke] [--dir DIR] [--total
 What it does, in one run on one disk:
 
 1. ceilings (``bench.ceilings``): a sequential write of 1 MiB buffers ending in fsync, and a
-   sequential read of that file with its pages dropped first (cold);
+   sequential read of that file with its pages dropped first (cold), measured just before
+   and just after every case; the case is compared with the higher of the two (the disk's
+   speed swings by 2-3x within minutes, and a ceiling measured only before a case made some
+   ratios read 2.4 when the disk had dipped);
 2. starts ``tectonic chunkstore`` as a separate process on 127.0.0.1 with its data directory
    on the same disk, so the daemon and this client each have their own interpreter;
 3. for each size (``--sizes``, 1 MiB and 4 MiB): puts ``--total-mib`` of chunks with 16
@@ -166,6 +169,14 @@ async def run_case(
     return results
 
 
+def _ceilings(raw_dir: Path, total: int) -> dict[str, float]:
+    """The raw disk's fsync'ed sequential write and cold read speeds (MB/s), by op."""
+    raw_w = disk_write(raw_dir, total)
+    raw_r = disk_read(raw_dir, total)
+    os.unlink(raw_w["path"])
+    return {"put": raw_w["mbps"], "get": raw_r["mbps"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
@@ -196,11 +207,11 @@ def main() -> int:
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         for rnd in range(args.repeat):
             for size in sizes:
-                # The machine is shared and noisy: each ceiling is measured right before the
-                # case it is compared with, on the same disk.
-                raw_w = disk_write(raw_dir, total)
-                raw_r = disk_read(raw_dir, total)
-                os.unlink(raw_w["path"])
+                # The machine is shared and its disk's speed swings by 2-3x within minutes:
+                # each case is bracketed by ceilings measured on the same disk just before and
+                # just after it, and compared with the higher of the two, so that a ceiling
+                # that dipped at the wrong moment cannot flatter the ratio.
+                before = _ceilings(raw_dir, total)
                 case = trio.run(
                     run_case,
                     port,
@@ -211,9 +222,11 @@ def main() -> int:
                     max(total, size),
                     args.inflight,
                 )
+                after = _ceilings(raw_dir, total)
                 for r in case:
                     r["round"] = rnd
-                    r["ceiling_mbps"] = raw_w["mbps"] if r["op"] == "put" else raw_r["mbps"]
+                    r["ceilings_mbps"] = [before[r["op"]], after[r["op"]]]
+                    r["ceiling_mbps"] = max(r["ceilings_mbps"])
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
     finally:
@@ -224,17 +237,19 @@ def main() -> int:
     print(
         f"chunk store over loopback, {args.inflight} requests in flight,"
         f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
-        f" ceiling = raw disk write+fsync (put) or cold read (get), measured before each case"
+        f" ceiling = raw disk write+fsync (put) or cold read (get), the higher of the two"
+        f" measured just before and just after each case"
     )
     print(
         f"{'rnd':>3} {'op':<4} {'chunk':>6} {'MB/s':>8} {'ceiling':>8} {'ratio':>6}"
-        f" {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}"
+        f" {'before/after':>13} {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}"
     )
     for r in rows:
+        lo, hi = r["ceilings_mbps"]
         print(
             f"{r['round']:>3} {r['op']:<4} {r['chunk_mib']:>4.0f}Mi {r['mbps']:>8.0f}"
-            f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {r['client_cpu_s_per_gib']:>17.2f}"
-            f" {r['daemon_cpu_s_per_gib']:>17.2f}"
+            f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {f'{lo:.0f}/{hi:.0f}':>13}"
+            f" {r['client_cpu_s_per_gib']:>17.2f} {r['daemon_cpu_s_per_gib']:>17.2f}"
         )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
