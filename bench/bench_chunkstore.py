@@ -205,13 +205,13 @@ def main() -> int:
         raw_dir.mkdir()
         proc, port = start_daemon(data_dir, secret_file)
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
+        # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
+        # is bracketed by ceilings measured on the same disk just before and just after it,
+        # and compared with the higher of the two, so that a ceiling that dipped at the wrong
+        # moment cannot flatter the ratio. One case's "after" is the next one's "before".
+        before = _ceilings(raw_dir, total)
         for rnd in range(args.repeat):
             for size in sizes:
-                # The machine is shared and its disk's speed swings by 2-3x within minutes:
-                # each case is bracketed by ceilings measured on the same disk just before and
-                # just after it, and compared with the higher of the two, so that a ceiling
-                # that dipped at the wrong moment cannot flatter the ratio.
-                before = _ceilings(raw_dir, total)
                 case = trio.run(
                     run_case,
                     port,
@@ -229,6 +229,7 @@ def main() -> int:
                     r["ceiling_mbps"] = max(r["ceilings_mbps"])
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
+                before = after
     finally:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -245,10 +246,10 @@ def main() -> int:
         f" {'before/after':>13} {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}"
     )
     for r in rows:
-        lo, hi = r["ceilings_mbps"]
+        first, last = r["ceilings_mbps"]
         print(
             f"{r['round']:>3} {r['op']:<4} {r['chunk_mib']:>4.0f}Mi {r['mbps']:>8.0f}"
-            f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {f'{lo:.0f}/{hi:.0f}':>13}"
+            f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {f'{first:.0f}/{last:.0f}':>13}"
             f" {r['client_cpu_s_per_gib']:>17.2f} {r['daemon_cpu_s_per_gib']:>17.2f}"
         )
     print("median ratio over rounds (target >= 0.70):")
