@@ -666,6 +666,13 @@ def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> in
                 spare.parent.mkdir(parents=True, exist_ok=True)  # heal a removed spares dir
                 syscalls.rename(path, spare)
     except FileNotFoundError:
+        # Already gone: perhaps the retry of a delete whose daemon was killed between the
+        # unlink or rename and the directory fsync, so the removal may not be durable yet
+        # (the twin of a repeated put in ``_write_chunk``).
+        try:
+            _dir_sync.sync(path.parent)
+        except FileNotFoundError:  # no shard directory: the chunk was never there
+            pass
         return None
     _dir_sync.sync(path.parent)
     return size

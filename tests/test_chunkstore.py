@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 from contextlib import asynccontextmanager
@@ -164,6 +165,28 @@ def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "_dir_sync", Recorder())
     assert layout.write_chunk(data_dir, cid, data, crc32c(data)) == layout.Stored(0, 0, False)
     assert synced == [layout.chunk_path(data_dir, cid).parent]
+
+
+def test_a_repeated_delete_makes_the_removal_durable(tmp_path, monkeypatch):
+    """The twin: a retried delete finds the chunk gone, perhaps not durably yet."""
+    data_dir = tmp_path / "d"
+    layout.recover(data_dir)
+    cid, _ = new_chunk(b"s" * 32)
+    data = b"deleted before a crash"
+    layout.write_chunk(data_dir, cid, data, crc32c(data))
+    assert layout.delete_chunk(data_dir, cid) == layout.file_size_for(len(data))
+    synced: list[Path] = []
+
+    class Recorder:
+        def sync(self, path: Path) -> None:
+            synced.append(path)
+
+    monkeypatch.setattr(layout, "_dir_sync", Recorder())
+    assert layout.delete_chunk(data_dir, cid) is None
+    assert synced == [layout.chunk_path(data_dir, cid).parent]
+    monkeypatch.undo()
+    shutil.rmtree(layout.chunk_path(data_dir, cid).parent)  # no shard directory at all
+    assert layout.delete_chunk(data_dir, cid) is None
 
 
 async def test_concurrent_puts_of_one_chunk_store_it_once(store, secret):
