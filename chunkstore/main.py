@@ -30,7 +30,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument("--ready-file", type=Path, help="written (JSON address, pid) once serving")
     p.add_argument(
-        "--max-concurrent-writes", type=int, default=8, help="disk threads for puts and deletes"
+        "--max-concurrent-writes",
+        type=int,
+        default=8,
+        help="puts and deletes on disk at once (threads of the writer process, or of the daemon)",
+    )
+    p.add_argument(
+        "--disk-workers",
+        choices=("process", "threads"),
+        default="process",
+        help="run puts and deletes in a writer process (off the daemon's GIL) or in threads",
     )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         ready_file=args.ready_file,
         max_concurrent_writes=args.max_concurrent_writes,
+        disk_workers=args.disk_workers,
         max_concurrent_reads=args.max_concurrent_reads,
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,

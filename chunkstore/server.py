@@ -11,10 +11,11 @@ crashing the node:
   number of requests waiting for that budget (``max_payload_waiters``); past that a put gets
   the retryable ``Busy`` and its bytes are drained, not kept;
 * at most ``max_concurrent_writes`` puts and deletes touch the disk at once, on the threads of
-  a ``DiskWorkers`` pool (``chunkstore.disk_workers``: a worker takes the next queued put
-  without being woken), and at most ``max_concurrent_reads`` gets, each in a worker thread
-  (``trio.to_thread.run_sync``); the rest wait, and their count is the ``queue_depth``
-  placement uses to favour idle nodes;
+  the writer process (``chunkstore.writer_process``: off this process's GIL, reading each
+  payload from the buffer it was received into, shared with it) or, with
+  ``disk_workers="threads"``, of a ``DiskWorkers`` pool (``chunkstore.disk_workers``), and at
+  most ``max_concurrent_reads`` gets, each in a worker thread (``trio.to_thread.run_sync``);
+  the rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes;
 * get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
   burst, or readers slower than the disk, make further gets wait instead of holding a chunk
   per request in memory;
@@ -54,9 +55,10 @@ from chunkstore import layout
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
+from chunkstore.writer_process import SharedBuffers, WriterProcess
 from tectonic_py import capability, wire
 from tectonic_py.aio import acquire_soon
-from tectonic_py.errors import ConfigError, DiskFull, TectonicError
+from tectonic_py.errors import ConfigError, DiskFull, TectonicError, WriterLost
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.wire import Buffer
 
@@ -82,6 +84,9 @@ class StoreConfig:
     heartbeat_interval: float = 1.0
     ready_file: Path | None = None
     max_concurrent_writes: int = 8
+    # Where puts and deletes run: "process" (chunkstore.writer_process, off this process's
+    # GIL) or "threads" (chunkstore.disk_workers; also where memfd_create is missing).
+    disk_workers: str = "process"
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
@@ -103,6 +108,8 @@ class StoreConfig:
             raise ConfigError("capacity must be positive")
         if not self.heartbeat_interval > 0:
             raise ConfigError("heartbeat interval must be positive")
+        if self.disk_workers not in ("process", "threads"):
+            raise ConfigError(f"disk workers: process or threads, not {self.disk_workers!r}")
         if self.max_concurrent_writes < 1 or self.max_concurrent_reads < 1:
             raise ConfigError("concurrency limits must be at least 1")
         if self.payload_budget < MiB:
@@ -204,6 +211,15 @@ class ChunkStoreServer:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.data_dir = config.data_dir
+        writers_name = f"chunkstore[{config.node_id}] writer"
+        self._writers: WriterProcess | DiskWorkers
+        make_buffer = None
+        if config.disk_workers == "process" and hasattr(os, "memfd_create"):
+            shared = SharedBuffers()
+            make_buffer = shared.new
+            self._writers = WriterProcess(writers_name, config.max_concurrent_writes, shared)
+        else:
+            self._writers = DiskWorkers(writers_name, config.max_concurrent_writes)
         self.rpc = wire.RpcServer(
             f"chunkstore[{config.node_id}]",
             config.secret,
@@ -218,9 +234,7 @@ class ChunkStoreServer:
             },
             config.limits,
             payload_room={"put": layout.put_room},
-        )
-        self._writers = DiskWorkers(
-            f"chunkstore[{config.node_id}] writer", config.max_concurrent_writes
+            make_buffer=make_buffer,
         )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
@@ -409,12 +423,34 @@ class ChunkStoreServer:
                 log.info("%s: disk full; unlinking spare files and retrying", self.data_dir)
                 await self.spares.trim()
                 continue
+            except WriterLost:
+                if spare is not None:
+                    await self._after_lost_put(chunk_id, spare.path, need)
+                raise
             finally:
                 self._reserved -= extra
             if spare is not None and not stored.spare_used:
                 self.spares.give_back(spare)
             return stored
         raise AssertionError("unreachable")
+
+    async def _after_lost_put(self, chunk_id: str, spare: Path, need: int) -> None:
+        """The writer process died during a put into ``spare``. If the spare is gone and
+        the chunk is there, the rename happened: the chunk is counted (the client's retry
+        finds it stored and makes its name durable, a no-op in the counts). Otherwise the
+        spare may hold part of the chunk and is removed. (A put into a new temporary file
+        cannot tell a chunk it stored from one that was there before; such a chunk is
+        counted at the next restart.)"""
+
+        def look() -> bool:
+            if os.path.lexists(spare):
+                layout.remove_quietly(spare)
+                return False
+            return layout.chunk_path(self.data_dir, chunk_id).exists()
+
+        if await trio.to_thread.run_sync(look):
+            self.used += need
+            self.chunk_count += 1
 
     async def _get(
         self, req: wire.Request
@@ -469,7 +505,13 @@ class ChunkStoreServer:
         try:
             async with self._locks.hold(chunk_id):
                 spare = self.spares.new_path() if self.spares.has_room() else None
-                size = await self._writers.run(layout.delete_chunk, self.data_dir, chunk_id, spare)
+                try:
+                    size = await self._writers.run(
+                        layout.delete_chunk, self.data_dir, chunk_id, spare
+                    )
+                except WriterLost:
+                    await self._after_lost_delete(chunk_id, spare)
+                    raise
                 if size is not None:
                     self.used -= size
                     self.chunk_count -= 1
@@ -480,6 +522,29 @@ class ChunkStoreServer:
             self._outstanding -= 1
         self.scrubber.forget(chunk_id)
         return {"existed": size is not None}
+
+    async def _after_lost_delete(self, chunk_id: str, spare: Path | None) -> None:
+        """The writer process died during a delete. If the chunk's file is now the spare,
+        the rename happened: the chunk is no longer counted and the spare joins the pool
+        (the client's retry finds the chunk gone and makes that durable). After an unlink
+        the chunk is counted until the next restart."""
+        if spare is None:
+            return
+
+        def look() -> int | None:
+            path = layout.chunk_path(self.data_dir, chunk_id)
+            try:
+                size = os.stat(spare).st_size
+            except FileNotFoundError:
+                return None
+            return None if path.exists() else size
+
+        size = await trio.to_thread.run_sync(look)
+        if size is not None:
+            self.used -= size
+            self.chunk_count -= 1
+            self.spares.kept(spare, size)
+            await self.spares.trim_to_bounds()
 
     async def _scrub_report(self, req: wire.Request) -> dict[str, Any]:
         return self.scrubber.report()

@@ -30,7 +30,7 @@ async def open_service_nursery() -> AsyncIterator[trio.Nursery]:
         raise inner from None
 
 
-async def acquire_soon(lock: trio.Lock | trio.CapacityLimiter) -> None:
+async def acquire_soon(lock: trio.Lock | trio.CapacityLimiter | trio.Semaphore) -> None:
     """``await lock.acquire()``, without yielding when the lock is free."""
     try:
         lock.acquire_nowait()

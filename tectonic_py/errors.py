@@ -90,6 +90,13 @@ class Unavailable(TectonicError):
     retryable = True
 
 
+class WriterLost(Unavailable):
+    """A chunk store's writer process died during the put or delete; whether it happened is
+    unknown (puts and deletes are idempotent: retry)."""
+
+    code = "writer_lost"
+
+
 class Timeout(TectonicError):
     """A request did not complete within the caller's deadline."""
 

@@ -76,6 +76,7 @@ from tectonic_py.errors import (
     Timeout,
     Unavailable,
     UnknownOp,
+    WriterLost,
     WrongShard,
     XattrNotFound,
 )
@@ -114,6 +115,7 @@ ERRNO: dict[type[TectonicError], int] = {
     QuorumLost: errno.EIO,
     ShardUnavailable: errno.EIO,
     Unavailable: errno.EIO,
+    WriterLost: errno.EIO,
     Busy: errno.EIO,
     WrongShard: errno.EIO,
     ChunkNotFound: errno.EIO,

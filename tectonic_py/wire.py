@@ -225,6 +225,10 @@ def _unshared(buf: mmap.mmap) -> bool:
     return True
 
 
+def _anonymous(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size)
+
+
 class SpareBuffers:
     """Large payload buffers, reused instead of allocated per request or reply.
 
@@ -245,8 +249,11 @@ class SpareBuffers:
 
     MIN_SIZE = 64 * 1024
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, make: Callable[[int], mmap.mmap] | None = None) -> None:
+        """``make(size)``: a new buffer (an anonymous mmap by default; the chunk store makes
+        them shared with its writer processes, ``chunkstore.disk_processes``)."""
         self.keep = keep
+        self._make = make or _anonymous
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: list[mmap.mmap] = []
         self._bytes = 0  # free and pending
@@ -277,7 +284,7 @@ class SpareBuffers:
             self._bytes -= size
             self.reused += 1
             return free.pop()
-        return mmap.mmap(-1, size)
+        return self._make(size)
 
     def give_back(self, buf: Buffer) -> None:
         """Keep ``buf`` for reuse if there is room (reused once no view of it is alive)."""
@@ -506,10 +513,12 @@ class RpcServer:
         handlers: Mapping[str, Handler],
         limits: Limits = DEFAULT_LIMITS,
         payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
+        make_buffer: Callable[[int], mmap.mmap] | None = None,
     ) -> None:
         """``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
         ``offset`` of a page-aligned buffer of ``size`` bytes, given to the handler as
-        ``Request.buffer`` (the chunk store receives a put where its file image needs it)."""
+        ``Request.buffer`` (the chunk store receives a put where its file image needs it).
+        ``make_buffer``: how large payload buffers are made (``SpareBuffers``)."""
         self.name = name
         self.payload_room = dict(payload_room or {})
         self._secret = secret
@@ -517,7 +526,7 @@ class RpcServer:
         self.limits = limits
         self.stats = ServerStats()
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
-        self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB))
+        self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB), make_buffer)
 
     async def serve(
         self,

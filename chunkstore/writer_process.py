@@ -1,0 +1,594 @@
+"""The writer process: the chunk store's puts and deletes, run off the daemon's GIL.
+
+Why a process: the event loop thread is the stage every put passes through (it receives
+each payload and answers each request), and with disk threads in the same process it shares
+the GIL with them. Each put's Python around its system calls (the checksum, the header, the
+rename, the directory fsync's bookkeeping) takes the GIL back several times; ``perf sched``
+showed the event loop thread waiting for the GIL about as long as it ran, with a fifth of
+both cores idle. Why *one* process with threads, not a process per write: eight writer
+processes did the same work with twice the CPU (0.65 against 0.37 CPU-seconds per GiB, most
+of it the interpreter running cold in eight separate address spaces), which on a two-core
+machine ate the gain; one process with eight threads used 0.43. Measured on the project
+machine (1 GiB of 1 MiB puts, 16 in flight, interleaved rounds): threads in the daemon 1,162
+MB/s, eight processes 1,244, one process with eight threads 1,398.
+
+The payload is not copied. The RPC server receives every large payload into a
+``SharedBuffers`` buffer (a memfd each, mapped shared; ``wire.SpareBuffers(make=...)``); a
+job names the buffer and carries its memfd (SCM_RIGHTS), and the writer maps it the first
+time it sees it, so the O_DIRECT write reads the very pages the socket wrote. The writer keeps
+its mappings of live buffers and drops those the daemon has freed (the daemon says which, with
+its next job or, when idle, every ``FORGET_INTERVAL`` seconds).
+
+Jobs travel over one SOCK_SEQPACKET socketpair: a message is a job, the answer one message
+back (``pickle``: both ends are this program). All of the writer's threads read jobs from
+the same socket, so a free thread takes the next job without any dispatcher. The daemon admits
+at most ``threads`` jobs at once; the rest wait in order (the admission limit ``DiskWorkers``
+was). Cancellation is that of ``DiskWorkers``: a job still waiting is dropped, one sent to the
+writer is waited for, since a half-done disk operation cannot be abandoned safely.
+
+A writer that dies (kill -9, a crash) fails the jobs it had with ``WriterLost`` (retryable:
+each may or may not have happened, and puts and deletes are idempotent) and is restarted. A
+writer whose daemon dies is killed by the kernel (``PR_SET_PDEATHSIG``): it runs no job that
+nobody waits for, and the chunk store's rename protocol makes that safe at any instant.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import importlib
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import outcome
+import trio
+
+from tectonic_py.aio import acquire_soon
+from tectonic_py.errors import TectonicError, Unavailable, WriterLost
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_MESSAGE = 128 * 1024  # a job or an answer (jobs carry large payloads by reference)
+MAX_INLINE = 64 * 1024  # larger non-shared buffers are copied into a shared one, not pickled
+MAX_FDS = 8
+FORGET_INTERVAL = 2.0  # seconds between "drop these buffers" messages to an idle writer
+START_TIMEOUT = 30.0  # a job waits this long for a writer being (re)started, then Unavailable
+STOP_TIMEOUT = 30.0  # at shutdown, the writer's jobs get this long, then it is killed
+RESTART_DELAY = (0.1, 5.0)  # first and longest pause before restarting a writer that died
+
+
+class _Shared(NamedTuple):
+    """A view of a shared buffer, as a job names it (its memfd travels with the job)."""
+
+    bid: int
+    size: int  # the whole buffer's
+    offset: int
+    length: int
+    fd: int  # index of the buffer's memfd among those of the job
+
+
+def _address(buf: Any) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class SharedBuffers:
+    """Makes the RPC server's large payload buffers (``wire.SpareBuffers(make=...)``): an
+    mmap of a memfd each, so that the writer process can map the same pages. A buffer's memfd
+    stays open while the buffer lives; when it is freed ``on_release`` hears of it, so that
+    the writer drops its mapping. Event-loop thread only."""
+
+    def __init__(self) -> None:
+        self._by_obj: dict[int, tuple[int, int, int]] = {}  # id(mmap) -> (bid, memfd, size)
+        self._next = 0
+        self.on_release: Callable[[int], None] = lambda bid: None
+
+    def __len__(self) -> int:
+        return len(self._by_obj)
+
+    def new(self, size: int) -> mmap.mmap:
+        fd = os.memfd_create("tectonic-payload", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            buf = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._next += 1
+        key = id(buf)
+        self._by_obj[key] = (self._next, fd, size)
+        weakref.finalize(buf, self._release, key)
+        return buf
+
+    def _release(self, key: int) -> None:
+        bid, fd, _size = self._by_obj.pop(key)
+        os.close(fd)
+        self.on_release(bid)
+
+    def locate(self, view: memoryview, fds: list[int]) -> _Shared | None:
+        """Where ``view`` lies in a shared buffer, None if it is not in one. The buffer's
+        memfd is added to ``fds`` (once) and the answer names its index there."""
+        base = view.obj
+        if not isinstance(base, mmap.mmap) or not view.nbytes:
+            return None
+        entry = self._by_obj.get(id(base))
+        if entry is None:
+            return None
+        bid, fd, size = entry
+        if fd not in fds:
+            fds.append(fd)
+        return _Shared(bid, size, _address(view) - _address(base), view.nbytes, fds.index(fd))
+
+
+class _Job:
+    """A job sent to the writer, until its answer (or the writer's death) comes back."""
+
+    __slots__ = ("result", "task")
+
+    def __init__(self) -> None:
+        self.result: outcome.Outcome[Any] | None = None
+        self.task: trio.lowlevel.Task | None = None  # once it waits for the answer
+
+    def finish(self, result: outcome.Outcome[Any]) -> None:
+        self.result = result
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+
+
+class _Writer:
+    """The daemon's end of one writer process."""
+
+    def __init__(self, proc: trio.Process, sock: socket.socket) -> None:
+        self.proc = proc
+        self.raw = sock  # non-blocking: a send that fits goes without a scheduler pass
+        self.sock = trio.socket.from_stdlib_socket(sock)
+        self.pending: dict[int, _Job] = {}  # jobs sent and not answered, by job id
+
+
+class WriterProcess:
+    """One writer process with ``threads`` threads running layout functions for trio tasks,
+    at most ``threads`` at once, the rest waiting in arrival order. The same ``run`` and
+    ``serve`` as ``DiskWorkers``; ``fn`` must be a module-level function (the writer imports
+    it) and its arguments picklable, with memoryviews of ``buffers`` passed by reference."""
+
+    def __init__(self, name: str, threads: int, buffers: SharedBuffers) -> None:
+        if threads < 1:
+            raise ValueError("a writer process needs at least one thread")
+        self.name = name
+        self.threads = threads
+        self.buffers = buffers
+        buffers.on_release = self._forget_later
+        # FIFO: the queue of jobs. Twice the threads: a job waits in the socket for each
+        # running one, so a thread that finishes takes the next at once rather than after
+        # the event loop has read its answer and sent another (7-10% of 1 MiB puts).
+        self._slots = trio.Semaphore(2 * threads)
+        self._writer: _Writer | None = None  # while one is up
+        self._up = trio.Event()  # set while ``_writer`` is up (and at close)
+        self._closing = trio.Event()
+        self._forget: list[int] = []  # buffers freed since the last message to the writer
+        self._next_job = 0
+        self._closed = True
+        self.started = 0  # writer processes started (restarts included)
+
+    @property
+    def sent(self) -> int:
+        """Jobs sent to the writer and not answered yet."""
+        return len(self._writer.pending) if self._writer is not None else 0
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for a thread (in the daemon or in the writer's socket)."""
+        return self._slots.statistics().tasks_waiting + max(self.sent - self.threads, 0)
+
+    @property
+    def busy(self) -> int:
+        """Jobs a thread is running now (or is about to)."""
+        return min(self.sent, self.threads)
+
+    @property
+    def pid(self) -> int | None:
+        return self._writer.proc.pid if self._writer is not None else None
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled, restarting the writer when it dies; ``run`` works once this
+        has started. On the way out the jobs sent are finished and the writer is reaped."""
+        self._closed = False
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._supervise)
+            task_status.started()
+            try:
+                while True:
+                    await trio.sleep(FORGET_INTERVAL)
+                    writer = self._writer
+                    if self._forget and writer is not None and not writer.pending:
+                        try:
+                            await self._send(writer, None, [])
+                        except OSError:
+                            pass  # it died: its supervisor says so
+            finally:
+                self._closed = True
+                self._closing.set()
+                self._up.set()  # jobs waiting for a writer find it closed
+                with trio.CancelScope(shield=True):
+                    await self._stop()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the writer process; its result, or its exception re-raised."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise Unavailable(f"{self.name}: shutting down")
+        fds: list[int] = []
+        keep: list[mmap.mmap] = []  # copies into shared buffers, alive until answered
+        call = (fn.__module__, fn.__qualname__, tuple(self._marshal(a, fds, keep) for a in args))
+        await acquire_soon(self._slots)  # (each pass through the scheduler delays the job)
+        try:
+            writer = self._writer
+            if writer is None:
+                with trio.move_on_after(START_TIMEOUT):
+                    await self._up.wait()
+                writer = self._writer
+            if writer is None or self._closed:
+                raise Unavailable(f"{self.name}: no writer process is running")
+            result: outcome.Outcome[T] = await self._call(writer, call, fds)
+            return result.unwrap()
+        finally:
+            self._slots.release()
+
+    def _marshal(self, arg: Any, fds: list[int], keep: list[mmap.mmap]) -> Any:
+        if not isinstance(arg, memoryview):
+            return arg
+        view = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
+        shared = self.buffers.locate(view, fds)
+        if shared is None:
+            if view.nbytes <= MAX_INLINE:
+                return bytes(view)
+            keep.append(self.buffers.new(view.nbytes))
+            copy = memoryview(keep[-1])
+            copy[:] = view
+            shared = self.buffers.locate(copy, fds)
+            copy.release()
+            assert shared is not None
+        return shared
+
+    async def _call(
+        self, writer: _Writer, call: tuple[str, str, tuple[Any, ...]], fds: list[int]
+    ) -> outcome.Outcome[Any]:
+        """Send the job and wait for its answer, also when cancelled: a job sent is waited
+        for (the answer, or the writer's death, reschedules this task)."""
+        self._next_job += 1
+        jid = self._next_job
+        job = writer.pending[jid] = _Job()
+        try:
+            await self._send(writer, (jid, call), fds)
+        except BaseException as e:
+            writer.pending.pop(jid, None)
+            if isinstance(e, OSError):
+                raise WriterLost(f"{self.name}: the writer process took no job ({e})") from None
+            raise
+        if job.result is None:  # (it can only be there already if the send had to wait)
+            job.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(
+                lambda _raise_cancel: trio.lowlevel.Abort.FAILED
+            )
+        assert job.result is not None
+        return job.result
+
+    async def _send(
+        self,
+        writer: _Writer,
+        job: tuple[int, tuple[str, str, tuple[Any, ...]]] | None,
+        fds: list[int],
+    ) -> None:
+        """Send a job (job id, call) with the memfds of its shared buffers, or None: only
+        the buffers to forget."""
+        forget, self._forget = self._forget, []
+        data = pickle.dumps((job, forget), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > MAX_MESSAGE:
+            raise TectonicError(f"{self.name}: a job of {len(data)} bytes is too large")
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        try:  # without a pass through trio's scheduler when there is room (the norm)
+            writer.raw.sendmsg([data], anc)
+        except BlockingIOError:
+            with trio.CancelScope(shield=True):  # (half a message cannot be taken back)
+                await writer.sock.sendmsg([data], anc)
+
+    def _forget_later(self, bid: int) -> None:
+        self._forget.append(bid)
+
+    async def _supervise(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """Start the writer, read its answers, and start another when it dies, until
+        ``serve`` ends. Shielded: answers are read until the last job sent has one."""
+        delay = RESTART_DELAY[0]
+        with trio.CancelScope(shield=True):
+            writer = await self._start()  # (a writer that cannot start at all is an error)
+            task_status.started()
+            while True:
+                self._writer = writer
+                self._up.set()
+                since = trio.current_time()
+                why = await self._read_answers(writer)
+                self._writer = None
+                if not self._closed:
+                    self._up = trio.Event()
+                await self._reap(writer)
+                self._fail_pending(writer, why)
+                if self._closed:
+                    return
+                log.error(
+                    "%s: writer process %d %s (exit status %s); restarting it",
+                    self.name,
+                    writer.proc.pid,
+                    why,
+                    writer.proc.returncode,
+                )
+                while True:
+                    if trio.current_time() - since > 60:
+                        delay = RESTART_DELAY[0]
+                    with trio.move_on_after(delay):
+                        await self._closing.wait()
+                    delay = min(delay * 2, RESTART_DELAY[1])
+                    if self._closed:
+                        return
+                    try:
+                        writer = await self._start()
+                        break
+                    except OSError as e:
+                        log.error("%s: cannot start a writer process (%s)", self.name, e)
+
+    async def _start(self) -> _Writer:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            env = dict(os.environ)
+            root = str(Path(__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+            proc = await trio.lowlevel.open_process(
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(child.fileno()),
+                    str(self.threads),
+                    str(os.getpid()),
+                    self.name,
+                ],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        parent.setblocking(False)
+        self.started += 1
+        log.info("%s: writer process %d started", self.name, proc.pid)
+        return _Writer(proc, parent)
+
+    async def _read_answers(self, writer: _Writer) -> str:
+        """Hand each answer to its job until the writer's end of the socket closes; why
+        it ended."""
+        buf = bytearray(MAX_MESSAGE)
+        while True:
+            try:
+                n = await writer.sock.recv_into(buf)
+            except OSError as e:
+                return f"broke its socket ({e})"
+            if not n:
+                return "exited" if self._closed else "died"
+            try:
+                jid, ok, value = pickle.loads(memoryview(buf)[:n])
+            except Exception:  # (a writer that says nonsense is not trusted further)
+                log.exception("%s: unreadable answer from the writer process", self.name)
+                writer.proc.kill()
+                return "sent an unreadable answer"
+            job = writer.pending.pop(jid, None)
+            if job is not None:
+                job.finish(outcome.Value(value) if ok else outcome.Error(value))
+
+    def _fail_pending(self, writer: _Writer, why: str) -> None:
+        pending, writer.pending = writer.pending, {}
+        for job in pending.values():
+            lost = WriterLost(
+                f"{self.name}: writer process {writer.proc.pid} {why} during the job"
+                f" (exit status {writer.proc.returncode})"
+            )
+            job.finish(outcome.Error(lost))
+
+    async def _reap(self, writer: _Writer) -> None:
+        writer.sock.close()
+        with trio.move_on_after(STOP_TIMEOUT):
+            await writer.proc.wait()
+        if writer.proc.returncode is None:
+            log.error("%s: writer process %d did not exit; killed", self.name, writer.proc.pid)
+            writer.proc.kill()
+            await writer.proc.wait()
+
+    async def _stop(self) -> None:
+        """Wait for the jobs sent, then end the writer: it reads the end of its socket and
+        exits (``_supervise`` reaps it, or kills it after ``STOP_TIMEOUT``)."""
+        writer = self._writer
+        if writer is None:
+            return
+        with trio.move_on_after(STOP_TIMEOUT):
+            while writer.pending:  # (their callers wait for them, cancelled or not)
+                await trio.sleep(0.005)
+        try:
+            writer.raw.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # (``_supervise`` reaps it, killing it if it does not exit)
+
+
+# --- the writer process ---------------------------------------------------------------------
+
+
+class _Mappings:
+    """The writer's mappings of the daemon's shared buffers, by buffer id (ids are never
+    reused, so a mapping is never stale)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._views: dict[int, memoryview] = {}
+
+    def view(self, shared: _Shared, fd: int) -> memoryview:
+        whole = self._views.get(shared.bid)
+        if whole is None:
+            with self._lock:
+                whole = self._views.get(shared.bid)
+                if whole is None:
+                    whole = self._views[shared.bid] = memoryview(mmap.mmap(fd, shared.size))
+        return whole[shared.offset : shared.offset + shared.length]
+
+    def forget(self, bids: list[int]) -> None:
+        with self._lock:
+            for bid in bids:
+                whole = self._views.pop(bid, None)
+                if whole is None:
+                    continue
+                buf = whole.obj
+                assert isinstance(buf, mmap.mmap)
+                try:
+                    whole.release()
+                    buf.close()
+                except BufferError:  # a view outlived its job: unmapped when it goes
+                    pass
+
+
+_functions: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _resolve(module: str, qualname: str) -> Callable[..., Any]:
+    fn = _functions.get((module, qualname))
+    if fn is None:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        fn = _functions[(module, qualname)] = obj
+    return fn
+
+
+def _invoke(module: str, qualname: str, args: list[Any]) -> Any:
+    return _resolve(module, qualname)(*args)
+
+
+def _answer(jid: int, call: tuple[str, str, tuple[Any, ...]], views: list[memoryview]) -> bytes:
+    module, qualname, raw = call
+    shared = iter(views)
+    args = [next(shared) if isinstance(a, _Shared) else a for a in raw]
+    result = outcome.capture(_invoke, module, qualname, args)
+    del args, shared
+    if isinstance(result, outcome.Value):
+        try:
+            return pickle.dumps((jid, True, result.value), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            error: BaseException = TectonicError(f"{qualname} returned what cannot be sent: {e}")
+            return pickle.dumps((jid, False, error), protocol=pickle.HIGHEST_PROTOCOL)
+    error = result.error
+    if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not the caller's
+        raise error
+    error.__traceback__ = None  # (its frames hold views of the shared buffers)
+    try:  # the daemon re-raises it for the caller
+        return pickle.dumps((jid, False, error), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return pickle.dumps((jid, False, TectonicError(f"{type(error).__name__}: {error}")))
+
+
+def _thread(sock: socket.socket, maps: _Mappings) -> None:
+    """One thread of the writer. If it fails (a bug), the whole writer exits: the daemon
+    then fails the jobs it had and starts another, where a silently dead thread would leave
+    its job's caller waiting forever."""
+    try:
+        _serve_jobs(sock, maps)
+    except BaseException:
+        log.exception("writer thread failed; the writer process exits")
+        logging.shutdown()
+        os._exit(70)
+
+
+def _serve_jobs(sock: socket.socket, maps: _Mappings) -> None:
+    """Run jobs from ``sock`` until the daemon ends them (or the socket breaks)."""
+    buf = bytearray(MAX_MESSAGE)
+    ancillary = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    while True:
+        try:
+            n, anc, flags, _addr = sock.recvmsg_into([buf], ancillary)
+        except OSError:
+            return
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        try:
+            if not n:
+                return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise TectonicError(f"a job message was truncated (flags {flags:#x})")
+            job, forget = pickle.loads(memoryview(buf)[:n])
+            if forget:
+                maps.forget(forget)
+            if job is None:
+                continue
+            jid, call = job
+            shared = [a for a in call[2] if isinstance(a, _Shared)]
+            views = [maps.view(s, fds[s.fd]) for s in shared]
+            answer = _answer(jid, call, views)
+            for v in views:
+                v.release()
+            del views
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            sock.send(answer)
+        except OSError:
+            return
+
+
+def _die_with(parent: int) -> None:
+    """Be killed when the daemon dies (a job nobody waits for is not worth running)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m chunkstore.writer_process SOCKET_FD THREADS DAEMON_PID NAME``."""
+    fd, threads, parent, name = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    _die_with(parent)
+    # Ctrl-C reaches the whole process group, and systemd signals the whole unit: the daemon
+    # decides when its writer stops (after the jobs it sent), and it dies with the daemon.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s {name} [{os.getpid()}] %(name)s: %(message)s",
+    )
+    sock = socket.socket(fileno=fd)
+    maps = _Mappings()
+    workers = [
+        threading.Thread(target=_thread, args=(sock, maps), name=f"{name} {i}")
+        for i in range(threads)
+    ]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+
+
+if __name__ == "__main__":
+    # Run the module's importable copy, whose classes are those pickle resolves jobs to.
+    importlib.import_module("chunkstore.writer_process").main(sys.argv[1:])

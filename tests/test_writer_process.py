@@ -1,0 +1,319 @@
+"""chunkstore.writer_process: the chunk store's writer process, as a real process."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import trio
+
+from chunkstore import layout, writer_process
+from chunkstore.writer_process import SharedBuffers, WriterProcess
+from tectonic_py.errors import InvalidArgument, Unavailable, WriterLost
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _maps_payload(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "tectonic-payload" in f.read()
+
+
+async def test_results_and_exceptions_come_back_from_another_process(nursery) -> None:
+    pool = WriterProcess("test", 2, SharedBuffers())
+    await nursery.start(pool.serve)
+    pid = await pool.run(os.getpid)
+    assert pid != os.getpid() and pid == pool.pid
+    with pytest.raises(FileNotFoundError) as e:
+        await pool.run(os.stat, "/nonexistent/tectonic")
+    assert e.value.filename == "/nonexistent/tectonic"
+    with pytest.raises(InvalidArgument):
+        await pool.run(layout.validate_chunk_id, "../escape")
+    assert await pool.run(os.path.join, Path("/a"), "b") == "/a/b"
+
+
+async def test_shared_buffers_go_by_reference_and_others_by_value(nursery) -> None:
+    buffers = SharedBuffers()
+    pool = WriterProcess("test", 1, buffers)
+    await nursery.start(pool.serve)
+    buf = buffers.new(1 << 20)
+    view = memoryview(buf)
+    view[:] = os.urandom(len(view))
+    assert await pool.run(zlib.crc32, view[4096:]) == zlib.crc32(view[4096:])
+    view[5000] ^= 0xFF  # the writer sees the same pages, not a copy made at its first use
+    assert await pool.run(zlib.crc32, view[4096:]) == zlib.crc32(view[4096:])
+    small = memoryview(bytearray(b"not shared"))
+    assert await pool.run(zlib.crc32, small) == zlib.crc32(small)
+    large = memoryview(bytearray(os.urandom(writer_process.MAX_INLINE + 1)))  # via a copy
+    assert await pool.run(zlib.crc32, large) == zlib.crc32(large)
+    del view
+    assert len(buffers) == 1  # the copy was freed once its job was answered
+
+
+async def test_the_writer_forgets_freed_buffers(nursery, monkeypatch) -> None:
+    monkeypatch.setattr(writer_process, "FORGET_INTERVAL", 0.05)
+    buffers = SharedBuffers()
+    pool = WriterProcess("test", 1, buffers)
+    await nursery.start(pool.serve)
+    buf = buffers.new(256 * 1024)
+    await pool.run(zlib.crc32, memoryview(buf))
+    pid = pool.pid
+    assert pid is not None and _maps_payload(pid)
+    del buf
+    gc.collect()
+    assert len(buffers) == 0
+    with trio.fail_after(10):
+        while _maps_payload(pid):
+            await trio.sleep(0.05)
+
+
+async def test_jobs_run_on_the_writers_threads_at_once(nursery) -> None:
+    pool = WriterProcess("test", 4, SharedBuffers())
+    await nursery.start(pool.serve)
+    await pool.run(os.getpid)
+    start = time.monotonic()
+    async with trio.open_nursery() as n:
+        for _ in range(4):
+            n.start_soon(pool.run, time.sleep, 0.3)
+    assert time.monotonic() - start < 1.0  # four threads, not one after the other (1.2 s)
+
+
+async def test_a_killed_writer_fails_its_jobs_and_is_restarted(nursery) -> None:
+    pool = WriterProcess("test", 2, SharedBuffers())
+    await nursery.start(pool.serve)
+    first = await pool.run(os.getpid)
+    lost: list[BaseException] = []
+
+    async def slow() -> None:
+        try:
+            await pool.run(time.sleep, 30)
+        except WriterLost as e:
+            lost.append(e)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(slow)
+        n.start_soon(slow)
+        with trio.fail_after(10):
+            while pool.busy < 2:
+                await trio.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+    assert len(lost) == 2 and all(e.retryable and "died" in str(e) for e in lost)
+    with trio.fail_after(20):
+        second = await pool.run(os.getpid)
+    assert second != first and not _alive(first)
+    assert pool.started == 2
+
+
+async def test_a_writer_thread_that_fails_takes_the_writer_down_and_a_new_one_up(nursery) -> None:
+    """A thread that dies (here: SystemExit, which is not an answer) must not leave its job's
+    caller waiting forever: the writer exits, the job fails, and the next job gets a new one."""
+    import sys
+
+    pool = WriterProcess("test", 2, SharedBuffers())
+    await nursery.start(pool.serve)
+    first = await pool.run(os.getpid)
+    with pytest.raises(WriterLost), trio.fail_after(20):
+        await pool.run(sys.exit, 3)
+    with trio.fail_after(20):
+        assert await pool.run(os.getpid) != first
+
+
+async def test_a_job_sent_to_the_writer_is_waited_for_when_cancelled(nursery) -> None:
+    pool = WriterProcess("test", 1, SharedBuffers())
+    await nursery.start(pool.serve)
+    await pool.run(os.getpid)
+    start = time.monotonic()
+    with trio.move_on_after(0.05):
+        await pool.run(time.sleep, 0.5)
+    assert time.monotonic() - start >= 0.45  # a half-done disk job is not abandoned
+    assert pool.busy == 0
+
+
+async def test_jobs_beyond_the_threads_wait_in_order(nursery) -> None:
+    pool = WriterProcess("test", 2, SharedBuffers())
+    await nursery.start(pool.serve)
+    started: list[int] = []
+
+    async def one(i: int) -> None:
+        started.append(i)
+        await pool.run(time.sleep, 0.05)
+
+    async with trio.open_nursery() as n:
+        for i in range(10):
+            n.start_soon(one, i)
+            await trio.sleep(0.001)
+        await trio.sleep(0.02)
+        assert pool.busy == 2 and pool.queued == 8 and pool.sent == 4
+    assert sorted(started) == list(range(10))
+
+
+async def test_shutdown_finishes_the_jobs_and_reaps_the_writer() -> None:
+    pool = WriterProcess("test", 3, SharedBuffers())
+    results: list[float] = []
+
+    async def one() -> None:
+        results.append(await pool.run(time.sleep, 0.2) or 1.0)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        async with trio.open_nursery() as jobs:
+            for _ in range(3):
+                jobs.start_soon(one)
+            with trio.fail_after(10):
+                while pool.busy < 3:
+                    await trio.sleep(0.01)
+            pid = pool.pid
+            nursery.cancel_scope.cancel()  # serve ends while the jobs run
+    assert results == [1.0] * 3
+    assert pid is not None and not _alive(pid)
+    with pytest.raises(Unavailable):
+        await pool.run(os.getpid)
+
+
+def test_the_writer_dies_with_its_daemon(tmp_path: Path) -> None:
+    """kill -9 of the daemon: the kernel kills its writer too (no job runs for nobody)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "daemon.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, trio
+            from chunkstore.writer_process import SharedBuffers, WriterProcess
+
+            async def main():
+                pool = WriterProcess("test", 1, SharedBuffers())
+                async with trio.open_nursery() as n:
+                    await n.start(pool.serve)
+                    print(await pool.run(os.getpid), flush=True)
+                    await trio.sleep_forever()
+
+            trio.run(main)
+            """
+        )
+    )
+    root = str(Path(writer_process.__file__).resolve().parent.parent)
+    daemon = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    try:
+        assert daemon.stdout is not None
+        writer = int(daemon.stdout.readline())
+        assert _alive(writer)
+        daemon.kill()
+        daemon.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(writer)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait(10)
+        if daemon.stdout is not None:
+            daemon.stdout.close()
+
+
+async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledged_chunk(
+    nursery, tmp_path: Path, secret: bytes
+) -> None:
+    """kill -9 of the writer process under puts: each put is acknowledged or fails with a
+    retryable error; the retries succeed on the restarted writer; every chunk reads back."""
+    from chunkstore.client import ChunkClient
+    from chunkstore.server import ChunkStoreServer, StoreConfig
+    from tectonic_py import capability, ids, wire
+    from tectonic_py.checksum import checksum
+    from tectonic_py.errors import TectonicError
+
+    config = StoreConfig(
+        data_dir=tmp_path / "data", node_id="n1", failure_domain="rack-1", secret=secret
+    )
+    server = ChunkStoreServer(config)
+    _host, port = await nursery.start(server.serve)
+    assert isinstance(server._writers, WriterProcess)
+    first = server._writers.pid
+    assert first is not None
+    block = ids.new_id()
+    cap = capability.issue(secret, block, ["n1"])
+    chunks = {ids.chunk_id(block, i): os.urandom(256 * 1024 + i) for i in range(48)}
+    failed: list[str] = []
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+
+        async def put(cid: str) -> None:
+            try:
+                await client.put(cid, chunks[cid], cap, checksum=checksum(chunks[cid]))
+            except TectonicError as e:
+                assert e.retryable, e
+                failed.append(cid)
+
+        async with trio.open_nursery() as n:
+            for i, cid in enumerate(chunks):
+                n.start_soon(put, cid)
+                if i == 16:
+                    with trio.fail_after(10):
+                        while not server._writers.busy:
+                            await trio.sleep(0.001)
+                    os.kill(first, signal.SIGKILL)
+        with trio.fail_after(30):
+            while server._writers.pid in (None, first):
+                await trio.sleep(0.05)
+        assert failed, "the kill caught no put in flight"
+        for cid in failed:
+            await client.put(cid, chunks[cid], cap, checksum=checksum(chunks[cid]))
+        for cid, data in chunks.items():
+            assert bytes(await client.get(cid)) == data
+    assert not _alive(first) and server._writers.started == 2
+
+
+async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
+    nursery, tmp_path: Path, secret: bytes
+) -> None:
+    """Whether the writer died before or after the rename is read from the disk: a spare that
+    became the chunk is counted as stored, a chunk that became the spare as deleted."""
+    from chunkstore.server import ChunkStoreServer, StoreConfig
+    from tectonic_py import ids
+    from tectonic_py.checksum import checksum
+
+    config = StoreConfig(
+        data_dir=tmp_path / "data", node_id="n1", failure_domain="rack-1", secret=secret
+    )
+    server = ChunkStoreServer(config)
+    await nursery.start(server.serve)
+    cid = ids.chunk_id(ids.new_id(), 0)
+    data = os.urandom(10_000)
+    await server._writers.run(layout.write_chunk, server.data_dir, cid, data, checksum(data))
+    path = layout.chunk_path(server.data_dir, cid)
+    size = path.stat().st_size
+    count, used, spares = server.chunk_count, server.used, server.spares.count
+
+    spare = server.spares.new_path()
+    path.rename(spare)  # the delete's rename happened, then its writer died
+    await server._after_lost_delete(cid, spare)
+    assert (server.chunk_count, server.used) == (count - 1, used - size)
+    assert server.spares.count == spares + 1
+
+    taken = server.spares.take(size)
+    assert taken is not None
+    await server._after_lost_put(cid, taken.path, size)  # died before its rename
+    assert not taken.path.exists() and (server.chunk_count, server.used) == (count - 1, used - size)
+    other = server.spares.new_path()
+    other.write_bytes(b"x")
+    other.rename(path)  # the put's rename happened, then its writer died
+    await server._after_lost_put(cid, other, size)
+    assert (server.chunk_count, server.used) == (count, used)
