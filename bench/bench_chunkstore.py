@@ -49,10 +49,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import psutil  # noqa: E402
 import trio  # noqa: E402
 
 from bench.ceilings import disk_read, disk_write, drop_file_cache  # noqa: E402
+from bench.common import process_cpu  # noqa: E402
 from chunkstore.client import ChunkClient  # noqa: E402
 from tectonic_py import capability, ids, wire  # noqa: E402
 from tectonic_py.checksum import checksum  # noqa: E402
@@ -62,7 +62,9 @@ GiB = 1024 * MiB
 NODE = "bench-node"
 
 
-def start_daemon(data_dir: Path, secret_file: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_daemon(
+    data_dir: Path, secret_file: Path, extra: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
     ready = data_dir.parent / "ready.json"
     proc = subprocess.Popen(
         [
@@ -82,6 +84,7 @@ def start_daemon(data_dir: Path, secret_file: Path) -> tuple[subprocess.Popen[by
             str(secret_file),
             "--ready-file",
             str(ready),
+            *(extra or []),
         ],
         cwd=REPO,
     )
@@ -93,11 +96,6 @@ def start_daemon(data_dir: Path, secret_file: Path) -> tuple[subprocess.Popen[by
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     raise SystemExit("chunk store did not become ready")
-
-
-def _cpu(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
 
 
 async def run_case(
@@ -141,12 +139,12 @@ async def run_case(
                         view = await client.get(cid, into=buf)
                         assert len(view) == chunk
 
-            c0, d0, t0 = time.process_time(), _cpu(daemon_pid), time.perf_counter()
+            c0, d0, t0 = time.process_time(), process_cpu(daemon_pid), time.perf_counter()
             async with trio.open_nursery() as n:
                 for buf in bufs:
                     n.start_soon(worker, buf)
             seconds = time.perf_counter() - t0
-            client_cpu, daemon_cpu = time.process_time() - c0, _cpu(daemon_pid) - d0
+            client_cpu, daemon_cpu = time.process_time() - c0, process_cpu(daemon_pid) - d0
             nbytes = chunk * count
             return {
                 "op": op,
@@ -189,6 +187,12 @@ def main() -> int:
         default="1,4",
         help="chunk sizes in MiB, comma-separated (the cases of a round, in order, on one store)",
     )
+    parser.add_argument(
+        "--disk-workers",
+        choices=("process", "threads"),
+        default="process",
+        help="the chunk store's --disk-workers (where its puts and deletes run)",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
     total = (8 if args.smoke else args.total_mib) * MiB
@@ -203,7 +207,7 @@ def main() -> int:
         data_dir = scratch / "data"
         raw_dir = scratch / "raw"
         raw_dir.mkdir()
-        proc, port = start_daemon(data_dir, secret_file)
+        proc, port = start_daemon(data_dir, secret_file, ["--disk-workers", args.disk_workers])
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
         # is bracketed by ceilings measured on the same disk just before and just after it,

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import trio
 
-from bench.common import write_repeated
+from bench.common import process_cpu, write_repeated
 from tectonic_py.client import open_client
 from tectonic_py.local_cluster import LocalCluster
 
@@ -46,17 +46,10 @@ class CpuMeter:
     """CPU seconds (user + system) of this process and the given PIDs, between two reads."""
 
     def __init__(self, pids: list[int]) -> None:
-        self.procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
+        self.pids = pids
 
     def read(self) -> float:
-        total = 0.0
-        for p in self.procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system + t.children_user + t.children_system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return process_cpu(os.getpid(), live_children=False) + sum(map(process_cpu, self.pids))
 
 
 def _figure(name: str, nbytes: int, seconds: float, cpu: float, cores: int) -> dict[str, Any]:

@@ -45,10 +45,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from bench.ceilings import drop_file_cache
-from bench.common import print_results
+from bench.common import print_results, process_cpu
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +61,15 @@ PATTERN_BYTES = 64 * MiB
 
 
 def _cpu(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
+    """This process (its reaped children too) and ``pids`` with their children."""
+    return process_cpu(os.getpid(), live_children=False) + sum(map(process_cpu, pids))
 
 
 class Meter:
     """Wall time and CPU seconds of a set of processes (all their threads) over a block."""
 
     def __init__(self, pids: list[int]) -> None:
-        self.pids = [os.getpid(), *pids]
+        self.pids = pids
 
     def __enter__(self) -> Meter:  # noqa: PYI034
         self.c0 = _cpu(self.pids)

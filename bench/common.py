@@ -28,6 +28,29 @@ async def write_repeated(w: FileWriter, piece: bytes, size: int) -> None:
     await w.close()
 
 
+def process_cpu(pid: int, live_children: bool = True) -> float:
+    """CPU seconds (user + system) of process ``pid`` and of its children: those reaped and,
+    with ``live_children``, those running. A chunk store's puts run in its writer process
+    (``chunkstore.writer_process``), and a daemon's figure must include them; a bench that
+    counts its own process passes False, since it lists the daemons it started itself.
+    0 once the process is gone."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        t = proc.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for child in proc.children(recursive=True) if live_children else []:
+            try:
+                c = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += c.user + c.system
+    except psutil.NoSuchProcess:
+        return 0.0
+    return total
+
+
 def print_results(results: Any, as_json: bool, format_table: Callable[[Any], str]) -> None:
     """``--json``: one JSON object on a line (what run_all reads); otherwise the table."""
     if as_json:
