@@ -24,8 +24,10 @@ What it does, in one run on one disk:
    chunk size, as a cluster's stores mostly do (a block's chunks are all ``C`` bytes).
 
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
-raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon,
-which are steadier than MB/s on a shared machine. Nothing here is asserted: the test suite
+raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon
+(with its writer process), which are steadier than MB/s on a shared machine.
+``--disk-workers threads`` runs the daemon's puts and deletes on its own threads instead, for
+comparison. Nothing here is asserted: the test suite
 only runs ``--smoke`` so this script cannot rot.
 """
 
