@@ -20,6 +20,7 @@ from wire_helpers import raw_authenticated
 
 from chunkstore import layout
 from chunkstore.client import ChunkClient
+from chunkstore.disk_workers import DiskWorkers
 from chunkstore.server import ChunkStoreServer, StoreConfig
 from chunkstore.spares import Spare, SpareFiles
 from tectonic_py import capability, ids, wire
@@ -85,7 +86,22 @@ def chunk_file(server: ChunkStoreServer, chunk_id: str) -> Path:
     "size", [0, 1, layout.SEGMENT_SIZE - 1, layout.SEGMENT_SIZE, layout.SEGMENT_SIZE + 1, 4 * MiB]
 )
 async def test_put_get_range_stat_delete(store, secret, size):
-    server, port = store
+    _, port = store
+    await _round_trip(port, secret, size)
+
+
+@pytest.mark.parametrize("size", [0, layout.SEGMENT_SIZE + 1, 4 * MiB])
+async def test_put_get_range_stat_delete_with_writes_on_daemon_threads(
+    nursery, tmp_path, secret, size
+):
+    """``--disk-workers threads``: the same round trip with puts and deletes on the daemon's
+    own threads (``chunkstore.disk_workers``) instead of its writer process."""
+    server, port = await start_store(nursery, tmp_path / "data", secret, disk_workers="threads")
+    assert isinstance(server._writers, DiskWorkers)
+    await _round_trip(port, secret, size)
+
+
+async def _round_trip(port: int, secret: bytes, size: int) -> None:
     cid, cap = new_chunk(secret)
     data = os.urandom(size)
     async with open_client(port, secret) as c:
@@ -1003,9 +1019,7 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
 
 @pytest.mark.parametrize("asked", ["none", "exact"])
 @pytest.mark.parametrize("length", [64 * 1024, 4 * MiB, 4 * MiB + 777])
-def test_whole_get_read_with_o_direct_into_an_aligned_buffer(
-    tmp_path, monkeypatch, length, asked
-):
+def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypatch, length, asked):
     data_dir = tmp_path / "d"
     layout.recover(data_dir)
     data = os.urandom(length)
