@@ -58,7 +58,14 @@ from chunkstore.spares import SpareFiles
 from chunkstore.writer_process import SharedBuffers, WriterProcess
 from tectonic_py import capability, wire
 from tectonic_py.aio import acquire_soon
-from tectonic_py.errors import ConfigError, DiskFull, TectonicError, WriterLost
+from tectonic_py.errors import (
+    Busy,
+    ConfigError,
+    DiskFull,
+    TectonicError,
+    Unavailable,
+    WriterLost,
+)
 from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.wire import Buffer
 
@@ -426,6 +433,11 @@ class ChunkStoreServer:
             except WriterLost:
                 if spare is not None:
                     await self._after_lost_put(chunk_id, spare.path, need)
+                raise
+            except (Busy, Unavailable, trio.Cancelled):
+                # Refused or cancelled before a writer took the job: the spare is untouched.
+                if spare is not None:
+                    self.spares.give_back(spare)
                 raise
             finally:
                 self._reserved -= extra

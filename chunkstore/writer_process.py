@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import importlib
 import logging
 import mmap
@@ -58,7 +59,7 @@ import outcome
 import trio
 
 from tectonic_py.aio import acquire_soon
-from tectonic_py.errors import TectonicError, Unavailable, WriterLost
+from tectonic_py.errors import Busy, TectonicError, Unavailable, WriterLost
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,33 @@ class SharedBuffers:
         self._by_obj: dict[int, tuple[int, int, int]] = {}  # id(mmap) -> (bid, memfd, size)
         self._next = 0
         self.on_release: Callable[[int], None] = lambda bid: None
+        self.private = 0  # buffers made private for want of file descriptors
 
     def __len__(self) -> int:
         return len(self._by_obj)
 
     def new(self, size: int) -> mmap.mmap:
+        """A shared buffer or, when the process is out of file descriptors (each shared
+        buffer holds two: its memfd and the mmap's own), a private one, which a job then
+        copies into a shared buffer (``_marshal``) or refuses as ``Busy``. Receiving the
+        payload never fails for want of a descriptor."""
+        try:
+            return self.new_shared(size)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self.private += 1
+            if self.private == 1 or self.private % 1000 == 0:
+                log.warning(
+                    "out of file descriptors for shared payload buffers (%s); %d payloads"
+                    " received into private ones",
+                    e,
+                    self.private,
+                )
+            return mmap.mmap(-1, size)
+
+    def new_shared(self, size: int) -> mmap.mmap:
+        """A buffer the writer process can map; OSError (EMFILE) when out of descriptors."""
         fd = os.memfd_create("tectonic-payload", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -258,7 +281,12 @@ class WriterProcess:
         if shared is None:
             if view.nbytes <= MAX_INLINE:
                 return bytes(view)
-            keep.append(self.buffers.new(view.nbytes))
+            try:
+                keep.append(self.buffers.new_shared(view.nbytes))
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise Busy(f"{self.name}: out of file descriptors for shared buffers") from None
             copy = memoryview(keep[-1])
             copy[:] = view
             shared = self.buffers.locate(copy, fds)

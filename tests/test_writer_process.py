@@ -317,3 +317,50 @@ async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
     other.rename(path)  # the put's rename happened, then its writer died
     await server._after_lost_put(cid, other, size)
     assert (server.chunk_count, server.used) == (count, used)
+
+
+async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_on(
+    nursery, tmp_path: Path, secret: bytes, monkeypatch
+) -> None:
+    """Each shared buffer holds file descriptors. Without any to spare, a payload is still
+    received (into a private buffer) and the put is refused as retryable Busy, not dropped
+    with the connection, and the spare file it had taken goes back to the pool; small puts
+    go on, and large ones work again once descriptors do."""
+    import errno
+
+    from chunkstore.client import ChunkClient
+    from chunkstore.server import ChunkStoreServer, StoreConfig
+    from tectonic_py import capability, ids, wire
+    from tectonic_py.errors import Busy
+
+    config = StoreConfig(
+        data_dir=tmp_path / "data",
+        node_id="n1",
+        failure_domain="rack-1",
+        secret=secret,
+        spare_min=0,
+    )
+    server = ChunkStoreServer(config)
+    _host, port = await nursery.start(server.serve)
+    block = ids.new_id()
+    cap = capability.issue(secret, block, ["n1"])
+    large, small = os.urandom(2 << 20), os.urandom(1000)
+
+    def no_fds(*_args: object) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        await client.put(ids.chunk_id(block, 9), large[: 1 << 20], cap)  # (a smaller buffer)
+        await client.delete(ids.chunk_id(block, 9))  # its file becomes a spare
+        assert server.spares.count == 1
+        with monkeypatch.context() as m:
+            m.setattr(os, "memfd_create", no_fds)
+            with pytest.raises(Busy):
+                await client.put(ids.chunk_id(block, 0), large, cap)
+            assert server.spares.count == 1  # taken for the put, and given back
+            assert len(list(server.spares.directory.iterdir())) == 1
+            await client.put(ids.chunk_id(block, 1), small, cap)
+        await client.put(ids.chunk_id(block, 0), large, cap)
+        assert bytes(await client.get(ids.chunk_id(block, 0))) == large
+        assert bytes(await client.get(ids.chunk_id(block, 1))) == small
