@@ -82,7 +82,7 @@ class _Shared(NamedTuple):
     size: int  # the whole buffer's
     offset: int
     length: int
-    fd: int  # index of the buffer's memfd among those of the job
+    fd_index: int  # of the buffer's memfd among those of the job
 
 
 def _address(buf: Any) -> int:
@@ -592,7 +592,7 @@ def _serve_jobs(sock: socket.socket, maps: _Mappings) -> None:
                 continue
             jid, call = job
             shared = [a for a in call[2] if isinstance(a, _Shared)]
-            views = [maps.view(s, fds[s.fd]) for s in shared]
+            views = [maps.view(s, fds[s.fd_index]) for s in shared]
             answer = _answer(jid, call, views)
             for v in views:
                 v.release()
