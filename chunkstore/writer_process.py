@@ -71,8 +71,8 @@ MAX_FDS = 8
 FORGET_INTERVAL = 2.0  # seconds between "drop these buffers" messages to an idle writer
 START_TIMEOUT = 30.0  # a job waits this long for a writer being (re)started, then Unavailable
 STOP_TIMEOUT = 30.0  # at shutdown, the writer's jobs get this long, then it is killed
-RESTART_DELAY = (0.1, 5.0)
-READY = b"ready"  # the writer's first message  # first and longest pause before restarting a writer that died
+RESTART_DELAY = (0.1, 5.0)  # first and longest pause before restarting a writer that died
+READY = b"ready"  # the writer's first message
 
 
 class _Shared(NamedTuple):
@@ -417,8 +417,7 @@ class WriterProcess:
                 pass
         if ready != READY:
             writer.proc.kill()
-            await writer.proc.wait()
-            writer.sock.close()
+            await self._reap(writer)
             raise OSError(
                 f"{self.name}: writer process {proc.pid} did not start"
                 f" (exit status {proc.returncode})"

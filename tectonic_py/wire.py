@@ -251,7 +251,7 @@ class SpareBuffers:
 
     def __init__(self, keep: int, make: Callable[[int], mmap.mmap] | None = None) -> None:
         """``make(size)``: a new buffer (an anonymous mmap by default; the chunk store makes
-        them shared with its writer processes, ``chunkstore.disk_processes``)."""
+        them shared with its writer process, ``chunkstore.writer_process``)."""
         self.keep = keep
         self._make = make or _anonymous
         self._free: dict[int, list[mmap.mmap]] = {}
