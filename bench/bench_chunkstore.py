@@ -56,6 +56,7 @@ import trio  # noqa: E402
 from bench.ceilings import disk_read, disk_write, drop_file_cache  # noqa: E402
 from bench.common import process_cpu  # noqa: E402
 from chunkstore.client import ChunkClient  # noqa: E402
+from chunkstore.server import DISK_WORKERS  # noqa: E402
 from tectonic_py import capability, ids, wire  # noqa: E402
 from tectonic_py.checksum import checksum  # noqa: E402
 
@@ -191,7 +192,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--disk-workers",
-        choices=("process", "threads"),
+        choices=DISK_WORKERS,
         default="process",
         help="the chunk store's --disk-workers (where its puts and deletes run)",
     )

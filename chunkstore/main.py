@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from chunkstore.server import StoreConfig, serve
+from chunkstore.server import DISK_WORKERS, StoreConfig, serve
 from tectonic_py import wire
 from tectonic_py.aio import open_service_nursery
 
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--disk-workers",
-        choices=("process", "threads"),
+        choices=DISK_WORKERS,
         default="process",
         help="run puts and deletes in a writer process (off the daemon's GIL) or in threads",
     )

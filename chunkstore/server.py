@@ -71,6 +71,8 @@ from tectonic_py.wire import Buffer
 
 log = logging.getLogger(__name__)
 
+DISK_WORKERS = ("process", "threads")  # where puts and deletes may run (StoreConfig)
+
 MiB = 1024 * 1024
 MAX_CHUNK = 64 * MiB
 LIST_LIMIT = 10_000
@@ -91,8 +93,9 @@ class StoreConfig:
     heartbeat_interval: float = 1.0
     ready_file: Path | None = None
     max_concurrent_writes: int = 8
-    # Where puts and deletes run: "process" (chunkstore.writer_process, off this process's
-    # GIL) or "threads" (chunkstore.disk_workers; also where memfd_create is missing).
+    # Where puts and deletes run (one of DISK_WORKERS): "process" (chunkstore.writer_process,
+    # off this process's GIL) or "threads" (chunkstore.disk_workers; also where memfd_create
+    # is missing).
     disk_workers: str = "process"
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
@@ -115,7 +118,7 @@ class StoreConfig:
             raise ConfigError("capacity must be positive")
         if not self.heartbeat_interval > 0:
             raise ConfigError("heartbeat interval must be positive")
-        if self.disk_workers not in ("process", "threads"):
+        if self.disk_workers not in DISK_WORKERS:
             raise ConfigError(f"disk workers: process or threads, not {self.disk_workers!r}")
         if self.max_concurrent_writes < 1 or self.max_concurrent_reads < 1:
             raise ConfigError("concurrency limits must be at least 1")
