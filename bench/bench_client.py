@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import trio
 
-from bench.common import process_cpu, write_repeated
+from bench.common import cpu_with, write_repeated
 from tectonic_py.client import open_client
 from tectonic_py.local_cluster import LocalCluster
 
@@ -49,7 +49,7 @@ class CpuMeter:
         self.pids = pids
 
     def read(self) -> float:
-        return process_cpu(os.getpid(), live_children=False) + sum(map(process_cpu, self.pids))
+        return cpu_with(self.pids)
 
 
 def _figure(name: str, nbytes: int, seconds: float, cpu: float, cores: int) -> dict[str, Any]:

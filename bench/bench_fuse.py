@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ceilings import drop_file_cache
-from bench.common import print_results, process_cpu
+from bench.common import cpu_with, print_results
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,6 @@ PATTERN_BYTES = 64 * MiB
 # --- measuring ------------------------------------------------------------------------------
 
 
-def _cpu(pids: list[int]) -> float:
-    """This process (its reaped children too) and ``pids`` with their children."""
-    return process_cpu(os.getpid(), live_children=False) + sum(map(process_cpu, pids))
-
-
 class Meter:
     """Wall time and CPU seconds of a set of processes (all their threads) over a block."""
 
@@ -72,13 +67,13 @@ class Meter:
         self.pids = pids
 
     def __enter__(self) -> Meter:  # noqa: PYI034
-        self.c0 = _cpu(self.pids)
+        self.c0 = cpu_with(self.pids)
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
-        self.cpu = _cpu(self.pids) - self.c0
+        self.cpu = cpu_with(self.pids) - self.c0
 
 
 def _result(name: str, nbytes: int, m: Meter) -> dict[str, Any]:

@@ -51,6 +51,12 @@ def process_cpu(pid: int, live_children: bool = True) -> float:
     return total
 
 
+def cpu_with(pids: list[int]) -> float:
+    """CPU seconds of this process (its reaped children included) and of the processes
+    ``pids`` with all their children: what a bench run costs, client and daemons."""
+    return process_cpu(os.getpid(), live_children=False) + sum(map(process_cpu, pids))
+
+
 def print_results(results: Any, as_json: bool, format_table: Callable[[Any], str]) -> None:
     """``--json``: one JSON object on a line (what run_all reads); otherwise the table."""
     if as_json:
