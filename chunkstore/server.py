@@ -520,31 +520,34 @@ class ChunkStoreServer:
         try:
             async with self._locks.hold(chunk_id):
                 spare = self.spares.new_path() if self.spares.has_room() else None
+                lost: WriterLost | None = None
                 try:
                     size = await self._writers.run(
                         layout.delete_chunk, self.data_dir, chunk_id, spare
                     )
-                except WriterLost:
-                    await self._after_lost_delete(chunk_id, spare)
-                    raise
+                except WriterLost as e:
+                    lost = e
+                    size = await self._renamed_by_lost_delete(chunk_id, spare)
                 if size is not None:
                     self.used -= size
                     self.chunk_count -= 1
                     if spare is not None:
                         self.spares.kept(spare, size)
                         await self.spares.trim_to_bounds()
+                if lost is not None:
+                    raise lost
         finally:
             self._outstanding -= 1
         self.scrubber.forget(chunk_id)
         return {"existed": size is not None}
 
-    async def _after_lost_delete(self, chunk_id: str, spare: Path | None) -> None:
-        """The writer process died during a delete. If the chunk's file is now the spare,
-        the rename happened: the chunk is no longer counted and the spare joins the pool
-        (the client's retry finds the chunk gone and makes that durable). After an unlink
-        the chunk is counted until the next restart."""
+    async def _renamed_by_lost_delete(self, chunk_id: str, spare: Path | None) -> int | None:
+        """The writer process died during a delete: the chunk's file size if the chunk's
+        file is now the spare (the rename happened, so the delete is counted as done and
+        the spare joins the pool; the client's retry finds the chunk gone and makes that
+        durable), else None. After an unlink the chunk is counted until the next restart."""
         if spare is None:
-            return
+            return None
 
         def look() -> int | None:
             path = layout.chunk_path(self.data_dir, chunk_id)
@@ -554,12 +557,7 @@ class ChunkStoreServer:
                 return None
             return None if path.exists() else size
 
-        size = await trio.to_thread.run_sync(look)
-        if size is not None:
-            self.used -= size
-            self.chunk_count -= 1
-            self.spares.kept(spare, size)
-            await self.spares.trim_to_bounds()
+        return await trio.to_thread.run_sync(look)
 
     async def _scrub_report(self, req: wire.Request) -> dict[str, Any]:
         return self.scrubber.report()

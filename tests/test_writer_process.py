@@ -282,31 +282,42 @@ async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledge
 
 
 async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
-    nursery, tmp_path: Path, secret: bytes
+    nursery, tmp_path: Path, secret: bytes, monkeypatch
 ) -> None:
     """Whether the writer died before or after the rename is read from the disk: a spare that
     became the chunk is counted as stored, a chunk that became the spare as deleted."""
+    from chunkstore.client import ChunkClient
     from chunkstore.server import ChunkStoreServer, StoreConfig
-    from tectonic_py import ids
-    from tectonic_py.checksum import checksum
+    from tectonic_py import capability, ids, wire
 
     config = StoreConfig(
-        data_dir=tmp_path / "data", node_id="n1", failure_domain="rack-1", secret=secret
+        data_dir=tmp_path / "data",
+        node_id="n1",
+        failure_domain="rack-1",
+        secret=secret,
+        spare_min=0,
     )
     server = ChunkStoreServer(config)
-    await nursery.start(server.serve)
-    cid = ids.chunk_id(ids.new_id(), 0)
-    data = os.urandom(10_000)
-    await server._writers.run(layout.write_chunk, server.data_dir, cid, data, checksum(data))
-    path = layout.chunk_path(server.data_dir, cid)
-    size = path.stat().st_size
-    count, used, spares = server.chunk_count, server.used, server.spares.count
+    _host, port = await nursery.start(server.serve)
+    block = ids.new_id()
+    cid = ids.chunk_id(block, 0)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        await client.put(cid, os.urandom(10_000), capability.issue(secret, block, ["n1"]))
+        path = layout.chunk_path(server.data_dir, cid)
+        size = path.stat().st_size
+        count, used, spares = server.chunk_count, server.used, server.spares.count
 
-    spare = server.spares.new_path()
-    path.rename(spare)  # the delete's rename happened, then its writer died
-    await server._after_lost_delete(cid, spare)
-    assert (server.chunk_count, server.used) == (count - 1, used - size)
-    assert server.spares.count == spares + 1
+        async def died_after_rename(fn: object, data_dir: Path, chunk_id: str, spare: Path) -> None:
+            layout.chunk_path(data_dir, chunk_id).rename(spare)
+            raise WriterLost("test: the writer died after the delete's rename")
+
+        with monkeypatch.context() as m:
+            m.setattr(server._writers, "run", died_after_rename)
+            with pytest.raises(WriterLost):
+                await client.delete(cid)
+        assert (server.chunk_count, server.used) == (count - 1, used - size)
+        assert server.spares.count == spares + 1
 
     taken = server.spares.take(size)
     assert taken is not None
