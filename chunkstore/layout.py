@@ -310,23 +310,32 @@ class _DirSync:
     for its own (a directory fsync is a synchronous write and cache flush, about 1 ms on
     the project's disk under load). One thread syncs a directory at a time; the others wait
     for it. A failed fsync covers nobody: each waiter then tries its own and sees its error.
+
+    Each directory has its own condition: puts spread over 256 shard directories, and one
+    condition for all made every fsync wake every waiting thread, each to take the GIL and
+    go back to sleep.
     """
 
-    @dataclass
     class _State:
-        requested: int = 0  # renames announced
-        done: int = 0  # renames known durable
-        running: bool = False
+        __slots__ = ("changed", "done", "requested", "running")
+
+        def __init__(self, lock: threading.Lock) -> None:
+            self.requested = 0  # renames announced
+            self.done = 0  # renames known durable
+            self.running = False
+            self.changed = threading.Condition(lock)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._dirs: dict[Path, _DirSync._State] = {}
+        self._dirs: dict[str, _DirSync._State] = {}
 
     def sync(self, path: Path) -> None:
         """Make every rename done in ``path`` before this call durable."""
+        key = str(path)
         with self._lock:
-            state = self._dirs.setdefault(path, _DirSync._State())
+            state = self._dirs.get(key)
+            if state is None:
+                state = self._dirs[key] = _DirSync._State(self._lock)
             state.requested += 1
             mine = state.requested
             while True:
@@ -336,7 +345,7 @@ class _DirSync:
                     state.running = True
                     target = state.requested
                     break
-                self._changed.wait()
+                state.changed.wait()
         ok = False
         try:
             _fsync_dir(path)
@@ -346,7 +355,7 @@ class _DirSync:
                 state.running = False
                 if ok:
                     state.done = max(state.done, target)
-                self._changed.notify_all()
+                state.changed.notify_all()
 
 
 _dir_sync = _DirSync()

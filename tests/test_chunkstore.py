@@ -1396,3 +1396,45 @@ def test_directory_fsyncs_are_shared_and_never_cover_a_later_rename(
     for called, returned, err in calls:
         if err is None:  # covered by a successful fsync that started after the call
             assert any(ok and s >= called and e <= returned for s, e, ok in syncs)
+
+
+def test_a_directory_fsync_wakes_only_the_threads_waiting_for_that_directory(monkeypatch, tmp_path):
+    """Puts spread over 256 shard directories: one thread's fsync of its directory must not
+    wake (and send after the GIL) every thread waiting for another directory's."""
+    import threading
+    import time
+
+    waits = {"a": 0}
+    a_started = threading.Event()
+    plain_condition = threading.Condition
+
+    class CountingCondition(plain_condition):
+        def wait(self, timeout=None):
+            if threading.current_thread().name == "waiter-a":
+                waits["a"] += 1
+            return super().wait(timeout)
+
+    def fsync(path):
+        if path.name == "a":
+            a_started.set()
+            time.sleep(0.3)
+
+    monkeypatch.setattr(layout.threading, "Condition", CountingCondition)
+    monkeypatch.setattr(layout, "_fsync_dir", fsync)
+    group = layout._DirSync()
+    a, b = tmp_path / "a", tmp_path / "b"
+    first_a = threading.Thread(target=group.sync, args=(a,))
+    first_a.start()
+    assert a_started.wait(10)
+    waiter = threading.Thread(target=group.sync, args=(a,), name="waiter-a")
+    waiter.start()  # waits for the running fsync of a, then runs its own
+    deadline = time.monotonic() + 10
+    while not waits["a"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for _ in range(20):
+        group.sync(b)  # twenty fsyncs of b complete meanwhile
+        time.sleep(0.002)
+    first_a.join(10)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert waits["a"] <= 2  # woken by a's fsync, not by b's
