@@ -428,11 +428,19 @@ class WriterProcess:
 
     async def _read_answers(self, writer: _Writer) -> str:
         """Hand each answer to its job until the writer's end of the socket closes; why
-        it ended."""
+        it ended.
+
+        All the answers there are, then a wait: the jobs' tasks then wake in one pass of
+        the scheduler and their replies leave in one ``writev`` (``wire._Outbox``); read
+        one per pass, as ``recv_into`` does, each reply went alone. (The answers waiting are
+        bounded by the jobs sent, so this never starves the other tasks.)"""
         buf = bytearray(MAX_MESSAGE)
         while True:
             try:
-                n = await writer.sock.recv_into(buf)
+                n = writer.raw.recv_into(buf)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(writer.raw)
+                continue
             except OSError as e:
                 return f"broke its socket ({e})"
             if not n:

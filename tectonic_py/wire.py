@@ -211,6 +211,48 @@ async def _send_pieces(
             pieces[0] = pieces[0][n:]
 
 
+IOV_MAX = 1024  # pieces one writev takes (Linux's UIO_MAXIOV)
+
+
+class _Outbox:
+    """A connection's small reply frames (those without a payload), sent together.
+
+    Why: on loopback every ``writev`` of a reply also runs the peer's TCP input and wakes
+    the peer, about 60 microseconds of the chunk store's event loop per 20-byte put reply
+    (cProfile, 1 MiB puts). Replies that become ready in one pass of the scheduler (the
+    writer process's answers are read all at once) leave in one ``writev``: the first sender
+    yields once, so that the others can add theirs, then sends everything queued; 1.7 put
+    replies per ``writev`` on average, measured. A sender returns before its frame is on the
+    wire; a failed send fails the connection, which the peer sees as it would any other
+    lost reply.
+    """
+
+    def __init__(self, sock: trio.socket.SocketType, lock: trio.Lock, stats: ServerStats) -> None:
+        self.sock = sock
+        self.lock = lock  # held by whoever writes to the socket
+        self._stats = stats
+        self._frames: list[memoryview] = []
+        self._flushing = False
+
+    async def send(self, frame: bytes) -> None:
+        self._frames.append(memoryview(frame))
+        if self._flushing:
+            return  # (the task flushing sends it)
+        self._flushing = True
+        try:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            await acquire_soon(self.lock)
+            try:
+                while self._frames:
+                    frames, self._frames = self._frames[:IOV_MAX], self._frames[IOV_MAX:]
+                    self._stats.reply_writes += 1
+                    await _send_pieces(self.sock, frames, None)
+            finally:
+                self.lock.release()
+        finally:
+            self._flushing = False
+
+
 def _unshared(buf: mmap.mmap) -> bool:
     """True when no memoryview (or slice of one) of ``buf`` is alive.
 
@@ -460,6 +502,7 @@ class ServerStats:
     auth_failures: int = 0
     protocol_errors: int = 0
     busy_refusals: int = 0
+    reply_writes: int = 0  # reply writes (small replies ready together share one)
 
 
 class _PayloadBudget:
@@ -602,6 +645,7 @@ class RpcServer:
 
     async def _serve_requests(self, sock: trio.socket.SocketType, peer: str) -> None:
         send_lock = trio.Lock()
+        outbox = _Outbox(sock, send_lock, self.stats)
         inflight = trio.Semaphore(self.limits.max_inflight)
         async with trio.open_nursery() as nursery:
             # A peer that vanishes mid-frame (EOF or reset inside a payload) must end only
@@ -674,8 +718,7 @@ class RpcServer:
                     await inflight.acquire()
                     nursery.start_soon(
                         self._run_handler,
-                        sock,
-                        send_lock,
+                        outbox,
                         inflight,
                         handler,
                         Request(op, fields, payload, peer, whole),
@@ -691,8 +734,7 @@ class RpcServer:
 
     async def _run_handler(
         self,
-        sock: trio.socket.SocketType,
-        send_lock: trio.Lock,
+        outbox: _Outbox,
         inflight: trio.Semaphore,
         handler: Handler,
         request: Request,
@@ -705,7 +747,7 @@ class RpcServer:
         handler returned) is gone when the buffer is checked for live views."""
         sent: list[Callable[[], None]] = []
         try:
-            await self._answer(sock, send_lock, handler, request, rid, plen, sent)
+            await self._answer(outbox, handler, request, rid, plen, sent)
         finally:
             inflight.release()
             for callback in sent:
@@ -715,8 +757,7 @@ class RpcServer:
 
     async def _answer(
         self,
-        sock: trio.socket.SocketType,
-        send_lock: trio.Lock,
+        outbox: _Outbox,
         handler: Handler,
         request: Request,
         rid: int,
@@ -748,11 +789,15 @@ class RpcServer:
                     self._budget.release(plen)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes
             frame = _pack_frame(header, size)
-            await acquire_soon(send_lock)  # no pass through the scheduler (see _PayloadBudget)
-            try:
-                await _send_frame(sock, frame, out_payload)
-            finally:
-                send_lock.release()
+            if not size:
+                await outbox.send(frame)
+            else:
+                await acquire_soon(outbox.lock)  # no pass through the scheduler
+                self.stats.reply_writes += 1
+                try:
+                    await _send_frame(outbox.sock, frame, out_payload)
+                finally:
+                    outbox.lock.release()
             self.stats.bytes_out += len(frame) + size
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass

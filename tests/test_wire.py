@@ -79,6 +79,40 @@ async def test_many_in_flight_matched_by_request_id(nursery, secret):
     assert results == {t: t for t in range(50)}
 
 
+async def test_replies_ready_together_share_a_write_and_each_reaches_its_caller(
+    nursery, secret
+):
+    release = trio.Event()
+    arrived = 0
+
+    async def gate(req: wire.Request):
+        nonlocal arrived
+        arrived += 1
+        await release.wait()
+        return {"tag": req.int("tag")}
+
+    server = wire.RpcServer("test", secret, {"gate": gate, "echo": _echo})
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    results = {}
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+
+        async def one(tag):
+            results[tag] = (await conn.call("gate", {"tag": tag})).fields["tag"]
+
+        async with trio.open_nursery() as n:
+            for tag in range(40):
+                n.start_soon(one, tag)
+            while arrived < 40:
+                await trio.sleep(0.001)
+            before = server.stats.reply_writes
+            release.set()  # forty replies ready in one pass of the scheduler
+        assert results == {t: t for t in range(40)}
+        assert server.stats.reply_writes - before <= 4
+        # A reply with a payload still goes on its own, after the small ones.
+        resp = await conn.call("echo", {"n": 1}, b"x" * 100_000)
+        assert resp.fields == {"n": 1, "len": 100_000} and bytes(resp.payload) == b"x" * 100_000
+
+
 async def test_domain_errors_come_back_as_the_same_class(nursery, secret):
     _, port = await start_server(nursery, secret)
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
