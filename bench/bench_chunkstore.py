@@ -15,7 +15,9 @@ What it does, in one run on one disk:
 3. for each size (``--sizes``, 1 MiB and 4 MiB): puts ``--total-mib`` of chunks with 16
    requests in flight (each put is acknowledged only after fsync of the chunk and its
    directory), drops the chunk files' pages, then gets them all back (verified, cold) with
-   16 in flight, and deletes them. The store keeps deleted chunks' files as spares
+   16 in flight, reads the same chunk files straight from disk (``files MB/s``: one
+   O_DIRECT read per file, 16 at once, no daemon; see ``ceilings.files_read_direct``),
+   and deletes them. The store keeps deleted chunks' files as spares
    (``chunkstore/spares.py``) and later puts overwrite them, as on a store that rotates
    checkpoints: round 0's 1 MiB puts create most of their files, later cases and rounds
    reuse the spares. With both sizes on one store, each 4 MiB case grows a quarter of the
@@ -53,7 +55,12 @@ if str(REPO) not in sys.path:
 
 import trio  # noqa: E402
 
-from bench.ceilings import disk_read, disk_write, drop_file_cache  # noqa: E402
+from bench.ceilings import (  # noqa: E402
+    disk_read,
+    disk_write,
+    drop_file_cache,
+    files_read_direct,
+)
 from bench.common import process_cpu  # noqa: E402
 from chunkstore.client import ChunkClient  # noqa: E402
 from chunkstore.server import DISK_WORKERS  # noqa: E402
@@ -164,6 +171,11 @@ async def run_case(
         for path in (data_dir / "chunks").rglob("*.*"):
             drop_file_cache(path)
         results.append(await run("get"))
+        # The same files read straight from disk, the same number at once: the disk's own
+        # speed for the reads gets make (``ceilings.files_read_direct``).
+        files = files_read_direct(list((data_dir / "chunks").rglob("*.*")), inflight)
+        results[-1]["files_mbps"] = files["mbps"]
+        results[-1]["files_ratio"] = results[-1]["mbps"] / files["mbps"]
         async with trio.open_nursery() as n:
             for cid in chunk_ids:
                 n.start_soon(client.delete, cid)
@@ -251,6 +263,7 @@ def main() -> int:
     print(
         f"{'rnd':>3} {'op':<4} {'chunk':>6} {'MB/s':>8} {'ceiling':>8} {'ratio':>6}"
         f" {'before/after':>13} {'client CPU-s/GiB':>17} {'daemon CPU-s/GiB':>17}"
+        f" {'files MB/s':>10} {'/files':>6}"
     )
     for r in rows:
         first, last = r["ceilings_mbps"]
@@ -258,12 +271,24 @@ def main() -> int:
             f"{r['round']:>3} {r['op']:<4} {r['chunk_mib']:>4.0f}Mi {r['mbps']:>8.0f}"
             f" {r['ceiling_mbps']:>8.0f} {r['ratio']:>6.2f} {f'{first:.0f}/{last:.0f}':>13}"
             f" {r['client_cpu_s_per_gib']:>17.2f} {r['daemon_cpu_s_per_gib']:>17.2f}"
+            + (
+                f" {r['files_mbps']:>10.0f} {r['files_ratio']:>6.2f}"
+                if "files_mbps" in r
+                else f" {'-':>10} {'-':>6}"
+            )
         )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:
             ratios = [r["ratio"] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB]
             print(f"  {op} {size // MiB} MiB: {statistics.median(ratios):.2f}")
+    print("gets as a ratio to the same chunk files read straight from disk (files MB/s: one")
+    print("O_DIRECT read per file, as many at once as gets in flight; no target, for context):")
+    for size in sizes:
+        ratios = [
+            r["files_ratio"] for r in rows if r["op"] == "get" and r["chunk_mib"] == size / MiB
+        ]
+        print(f"  get {size // MiB} MiB: {statistics.median(ratios):.2f}")
     if args.json:
         print(json.dumps(rows))
     return 0
