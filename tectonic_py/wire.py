@@ -973,7 +973,12 @@ class Connection:
         size = 0 if payload is None else memoryview(payload).nbytes
         frame = _pack_frame({"op": op, "rid": rid, "f": dict(fields or {})}, size)
         try:
-            async with self._send_lock:
+            # A free lock is taken without a pass through the scheduler (one fewer per call;
+            # waiting for the reply is the call's checkpoint), but a call already cancelled
+            # still sends nothing.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await acquire_soon(self._send_lock)
+            try:
                 if self.broken is not None:
                     raise self.broken
                 sent = [0]
@@ -994,6 +999,8 @@ class Connection:
                     self._fail(Unavailable(f"{self.address}: send failed ({e!r})"))
                     self._sock.close()
                     raise self.broken or Unavailable(self.address) from None
+            finally:
+                self._send_lock.release()
             await pending.done.wait()
         finally:
             self._pending.pop(rid, None)

@@ -272,6 +272,20 @@ async def test_cancelled_call_leaves_the_connection_usable(nursery, secret):
         assert bytes(resp.payload) == b"z" * 100_000
 
 
+async def test_a_call_made_when_already_cancelled_sends_nothing(nursery, secret):
+    server, port = await start_server(nursery, secret)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        await conn.call("echo", {})
+        before = server.stats.requests
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await conn.call("echo", {"n": 1}, b"x" * 1000)
+        assert scope.cancelled_caught
+        resp = await conn.call("echo", {"n": 2})
+        assert resp.fields["n"] == 2
+        assert server.stats.requests == before + 1  # only the last call reached the server
+
+
 async def test_server_death_fails_pending_calls_with_unavailable(secret):
     async with trio.open_nursery() as outer:
         server_scope = trio.CancelScope()
