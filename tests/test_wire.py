@@ -79,9 +79,7 @@ async def test_many_in_flight_matched_by_request_id(nursery, secret):
     assert results == {t: t for t in range(50)}
 
 
-async def test_replies_ready_together_share_a_write_and_each_reaches_its_caller(
-    nursery, secret
-):
+async def test_replies_ready_together_share_a_write_and_each_reaches_its_caller(nursery, secret):
     release = trio.Event()
     arrived = 0
 
