@@ -19,11 +19,11 @@ What it does, in one run on one disk:
    O_DIRECT read per file, 16 at once, no daemon; see ``ceilings.files_read_direct``),
    and deletes them. The store keeps deleted chunks' files as spares
    (``chunkstore/spares.py``) and later puts overwrite them, as on a store that rotates
-   checkpoints: round 0's 1 MiB puts create most of their files, later cases and rounds
-   reuse the spares. With both sizes on one store, each 4 MiB case grows a quarter of the
-   1 MiB case's spares, so a quarter of every later 1 MiB case creates its files (a larger
-   spare is cut only when the pool is full); ``--sizes 1`` measures a store that sees one
-   chunk size, as a cluster's stores mostly do (a block's chunks are all ``C`` bytes).
+   checkpoints: round 0's puts create most of their files (each size its own), later
+   rounds reuse the spares of their size (a spare of another size is grown or cut only
+   once the pool is full; the default pool holds both sizes' 512 MiB). ``--sizes 1``
+   measures a store that sees one chunk size, as a cluster's stores mostly do (a block's
+   chunks are all ``C`` bytes).
 
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon

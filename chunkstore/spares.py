@@ -125,25 +125,29 @@ class SpareFiles:
     def take(self, size: int) -> Spare | None:
         """A spare for a chunk file of ``size`` bytes, out of the pool, or None (the put
         creates a file): one of exactly that size if any (nothing to allocate or free), else
-        the largest smaller one (it grows, empty ones included), else, only while the pool is
-        full, the smallest larger one (it is cut).
+        an empty one (made for this), else, only while the pool is full, the largest smaller
+        one (it grows) or failing that the smallest larger one (it is cut).
 
-        Why a larger spare is the last choice: cutting frees blocks, a metadata change
-        the put's fdatasync must then wait for. With 8 threads on the project machine, 1 MiB
-        puts ran at 2.7-2.8 GB/s into same-size spares, 1.9 GB/s growing smaller ones, 1.6
-        GB/s into new files and 1.0 GB/s cutting 4 MiB spares (``bench_chunkstore`` mixes
-        both sizes, so a quarter of its 1 MiB puts were cuts). A full pool still hands out
-        larger spares, so a pool left full of another size drains instead of turning every
-        later delete into an unlink."""
+        Why a spare of another size waits while the pool has room: it is the file a later
+        chunk of *its* size would reuse. A store that sees two sizes (``bench_chunkstore``
+        puts 1 MiB, then 4 MiB chunks) used to grow a quarter of the 1 MiB spares into 4 MiB
+        ones, so every later round of 1 MiB puts created a quarter of its files again; now
+        each size reuses its own files from the second round on. Growing or cutting still
+        beats creating once the pool is full (a full pool of another size drains instead
+        of turning every delete into an unlink). Cutting is the last choice: it frees
+        blocks, a metadata change the put's fdatasync must wait for. With 8 threads on the
+        project machine, 1 MiB puts ran at 2.7-2.8 GB/s into same-size spares, 1.9 GB/s
+        growing smaller ones, 1.6 GB/s into new files and 1.0 GB/s cutting 4 MiB spares."""
         if not self.count:
             return None
         if size in self._by_size:
             best = size
         else:
-            smaller = [s for s in self._by_size if s < size]
+            full = self.count >= self.max_files or self.bytes >= self.max_bytes
+            smaller = [s for s in self._by_size if s < size and (full or s == 0)]
             if smaller:
                 best = max(smaller)
-            elif self.count >= self.max_files or self.bytes >= self.max_bytes:
+            elif full:
                 best = min(self._by_size)
             else:
                 return None

@@ -1094,26 +1094,20 @@ async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp
         assert server.spares.count == 0 and not list(server.spares.directory.iterdir())
         assert bytes(await c.get(b)) == payload(MiB, 2)
         assert (await c.node_stats()).free <= stats
-        # A larger chunk grows the spare.
+        # While the pool has room, a chunk of another size neither grows nor cuts it: a
+        # new file each, and the spare waits for a chunk of its size.
         assert await c.delete(b)
-        b, cap_b = new_chunk(secret)
-        await c.put(b, payload(3 * MiB + 5, 3), cap_b)
-        assert chunk_file(server, b).stat().st_ino == inode
-        assert chunk_file(server, b).stat().st_size == layout.file_size_for(3 * MiB + 5)
-        assert bytes(await c.get(b)) == payload(3 * MiB + 5, 3)
-        # A smaller one does not cut it while the pool has room: a new file, and the spare
-        # waits for a chunk of its size.
-        assert await c.delete(b)
-        small, cap_s = new_chunk(secret)
-        await c.put(small, payload(1000, 4), cap_s)
-        assert chunk_file(server, small).stat().st_ino != inode and server.spares.count == 1
-        assert bytes(await c.get(small)) == payload(1000, 4)
+        for size, seed in ((3 * MiB + 5, 3), (1000, 4)):
+            other, cap_o = new_chunk(secret)
+            await c.put(other, payload(size, seed), cap_o)
+            assert chunk_file(server, other).stat().st_ino != inode and server.spares.count == 1
+            assert bytes(await c.get(other)) == payload(size, seed)
         with pytest.raises(ChunkNotFound):
             await c.get(a)
-    assert server.spares.reused == 2 and server.spares.recycled == 3
+    assert server.spares.reused == 1 and server.spares.recycled == 2
 
 
-async def test_a_full_pool_of_larger_spares_is_cut_down_for_smaller_chunks(
+async def test_a_full_pool_cuts_larger_spares_and_grows_smaller_ones(
     nursery, tmp_path, secret
 ):
     server, port = await start_store(nursery, tmp_path / "d", secret, spare_min=0, spare_files=1)
@@ -1128,18 +1122,28 @@ async def test_a_full_pool_of_larger_spares_is_cut_down_for_smaller_chunks(
         assert stat.st_ino == inode and stat.st_size == layout.file_size_for(1000)
         assert bytes(await c.get(small)) == payload(1000, 2)
         assert server.spares.count == 0
+        # And a full pool's smaller spare grows for a larger chunk.
+        assert await c.delete(small) and server.spares.count == 1
+        large, cap = new_chunk(secret)
+        await c.put(large, payload(3 * MiB + 5, 3), cap)
+        stat = chunk_file(server, large).stat()
+        assert stat.st_ino == inode and stat.st_size == layout.file_size_for(3 * MiB + 5)
+        assert bytes(await c.get(large)) == payload(3 * MiB + 5, 3)
 
 
-def test_spare_choice_exact_then_smaller_then_larger_only_when_full(tmp_path):
+def test_spare_choice_exact_then_empty_then_other_sizes_only_when_full(tmp_path):
     pool = SpareFiles(tmp_path, max_files=3, max_bytes=10**9)
     for name, size in (("e", 0), ("a", 100), ("b", 400)):
         pool._add(tmp_path / name, size)
     assert pool.take(100) == Spare(tmp_path / "a", 100)  # exact
-    assert pool.take(300) == Spare(tmp_path / "e", 0)  # the largest smaller one grows
+    assert pool.take(300) == Spare(tmp_path / "e", 0)  # an empty one grows
     assert pool.take(200) is None  # only a larger one: make a new file
+    pool._add(tmp_path / "f", 100)
+    assert pool.take(200) is None  # nor a smaller one while the pool has room
     pool._add(tmp_path / "c", 50)
+    assert pool.take(200) == Spare(tmp_path / "f", 100)  # full: the largest smaller grows
     pool._add(tmp_path / "d", 60)
-    assert pool.take(10) == Spare(tmp_path / "c", 50)  # full (3 files): the smallest larger
+    assert pool.take(10) == Spare(tmp_path / "c", 50)  # full, none smaller: smallest larger
     assert pool.take(10) is None and pool.count == 2
 
 
