@@ -284,6 +284,55 @@ async def test_a_call_made_when_already_cancelled_sends_nothing(nursery, secret)
         assert server.stats.requests == before + 1  # only the last call reached the server
 
 
+def _congestion(sock) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+async def test_loopback_connections_use_a_congestion_control_that_does_not_pace(nursery, secret):
+    _, port = await start_server(nursery, secret)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        await conn.call("echo", {})
+        assert _congestion(conn._sock) in wire.LOOPBACK_CONGESTION
+    # A socket that starts with BBR (internal pacing without fq) is switched.
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.socket()
+    try:
+        try:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
+        except OSError:
+            pytest.skip("no bbr in this kernel")
+        client.connect(listener.getsockname())
+        wire._unpaced_on_loopback(trio.socket.from_stdlib_socket(client))
+        assert _congestion(client) in wire.LOOPBACK_CONGESTION
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_connections_to_other_hosts_keep_the_systems_congestion_control():
+    class Peer:
+        def __init__(self, address):
+            self.address, self.set = address, []
+
+        def getpeername(self):
+            return self.address
+
+        def getsockopt(self, *args):
+            return b"bbr\0"
+
+        def setsockopt(self, *args):
+            self.set.append(args)
+
+    for address in (("10.1.2.3", 9000), ("fd00::5", 9000, 0, 0), ("::ffff:10.0.0.1", 1, 0, 0)):
+        peer = Peer(address)
+        wire._unpaced_on_loopback(peer)
+        assert peer.set == []
+    for address in (("127.0.0.5", 9000), ("::1", 9000, 0, 0), ("::ffff:127.0.0.1", 1, 0, 0)):
+        peer = Peer(address)
+        wire._unpaced_on_loopback(peer)
+        assert peer.set and peer.set[0][2] == b"cubic"
+
+
 async def test_server_death_fails_pending_calls_with_unavailable(secret):
     async with trio.open_nursery() as outer:
         server_scope = trio.CancelScope()
