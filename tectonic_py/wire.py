@@ -248,6 +248,7 @@ async def _send_pieces(
 
 
 IOV_MAX = 1024  # pieces one writev takes (Linux's UIO_MAXIOV)
+MAX_QUEUED_REPLIES = 64  # small replies a connection's outbox holds before senders wait
 
 
 class _Outbox:
@@ -261,6 +262,11 @@ class _Outbox:
     replies per ``writev`` on average, measured. A sender returns before its frame is on the
     wire; a failed send fails the connection, which the peer sees as it would any other
     lost reply.
+
+    A peer that sends requests but does not read its replies must not grow the queue
+    without bound (its handlers return, so its in-flight limit would no longer hold it
+    back): past ``MAX_QUEUED_REPLIES`` frames, a sender waits, holding its request's
+    in-flight slot, until the flushing task has taken the queue.
     """
 
     def __init__(self, sock: trio.socket.SocketType, lock: trio.Lock, stats: ServerStats) -> None:
@@ -269,11 +275,18 @@ class _Outbox:
         self._stats = stats
         self._frames: list[memoryview] = []
         self._flushing = False
+        self._taken = trio.Event()  # set (and replaced) whenever the flusher takes frames
+
+    @property
+    def queued(self) -> int:
+        return len(self._frames)
 
     async def send(self, frame: bytes) -> None:
         self._frames.append(memoryview(frame))
-        if self._flushing:
-            return  # (the task flushing sends it)
+        if self._flushing:  # (the task flushing sends it)
+            while self._flushing and len(self._frames) > MAX_QUEUED_REPLIES:
+                await self._taken.wait()
+            return
         self._flushing = True
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -281,12 +294,16 @@ class _Outbox:
             try:
                 while self._frames:
                     frames, self._frames = self._frames[:IOV_MAX], self._frames[IOV_MAX:]
+                    self._taken.set()
+                    self._taken = trio.Event()
                     self._stats.reply_writes += 1
                     await _send_pieces(self.sock, frames, None)
             finally:
                 self.lock.release()
         finally:
             self._flushing = False
+            self._taken.set()  # (senders still waiting go; the next sender flushes)
+            self._taken = trio.Event()
 
 
 def _unshared(buf: mmap.mmap) -> bool:

@@ -8,6 +8,7 @@ import struct
 import msgpack
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_helpers import raw_authenticated
@@ -109,6 +110,39 @@ async def test_replies_ready_together_share_a_write_and_each_reaches_its_caller(
         # A reply with a payload still goes on its own, after the small ones.
         resp = await conn.call("echo", {"n": 1}, b"x" * 100_000)
         assert resp.fields == {"n": 1, "len": 100_000} and bytes(resp.payload) == b"x" * 100_000
+
+
+async def test_a_peer_that_does_not_read_its_replies_makes_senders_wait_not_memory_grow():
+    """Replies queue while the socket is full; past the bound, senders wait (each holding
+    its request's in-flight slot, which stops the server reading more requests)."""
+    a, b = trio.socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    outbox = wire._Outbox(a, trio.Lock(), wire.ServerStats())
+    returned = 0
+
+    async def reply(i: int) -> None:
+        nonlocal returned
+        await outbox.send(b"%06d" % i + b"r" * 994)
+        returned += 1
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                nursery.start_soon(reply, i)
+            await trio.testing.wait_all_tasks_blocked()  # one writev of 100 KB, stuck
+            for i in range(100, 500):
+                nursery.start_soon(reply, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outbox.queued == 400
+            assert returned <= 100 + wire.MAX_QUEUED_REPLIES  # the other senders wait
+            got = bytearray()
+            while len(got) < 500 * 1000:
+                got += await b.recv(65536)
+        assert returned == 500 and outbox.queued == 0
+        assert sorted(int(got[i : i + 6]) for i in range(0, len(got), 1000)) == list(range(500))
+    finally:
+        a.close()
+        b.close()
 
 
 async def test_domain_errors_come_back_as_the_same_class(nursery, secret):
