@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from test_chunkstore import NODE, start_store
 
 from chunkstore import layout, writer_process
 from chunkstore.writer_process import SharedBuffers, WriterProcess
@@ -236,21 +237,16 @@ async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledge
     """kill -9 of the writer process under puts: each put is acknowledged or fails with a
     retryable error; the retries succeed on the restarted writer; every chunk reads back."""
     from chunkstore.client import ChunkClient
-    from chunkstore.server import ChunkStoreServer, StoreConfig
     from tectonic_py import capability, ids, wire
     from tectonic_py.checksum import checksum
     from tectonic_py.errors import TectonicError
 
-    config = StoreConfig(
-        data_dir=tmp_path / "data", node_id="n1", failure_domain="rack-1", secret=secret
-    )
-    server = ChunkStoreServer(config)
-    _host, port = await nursery.start(server.serve)
+    server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)
     first = server._writers.pid
     assert first is not None
     block = ids.new_id()
-    cap = capability.issue(secret, block, ["n1"])
+    cap = capability.issue(secret, block, [NODE])
     chunks = {ids.chunk_id(block, i): os.urandom(256 * 1024 + i) for i in range(48)}
     failed: list[str] = []
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
@@ -288,23 +284,14 @@ async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
     """Whether the writer died before or after the rename is read from the disk: a spare that
     became the chunk is counted as stored, a chunk that became the spare as deleted."""
     from chunkstore.client import ChunkClient
-    from chunkstore.server import ChunkStoreServer, StoreConfig
     from tectonic_py import capability, ids, wire
 
-    config = StoreConfig(
-        data_dir=tmp_path / "data",
-        node_id="n1",
-        failure_domain="rack-1",
-        secret=secret,
-        spare_min=0,
-    )
-    server = ChunkStoreServer(config)
-    _host, port = await nursery.start(server.serve)
+    server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
     block = ids.new_id()
     cid = ids.chunk_id(block, 0)
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
-        await client.put(cid, os.urandom(10_000), capability.issue(secret, block, ["n1"]))
+        await client.put(cid, os.urandom(10_000), capability.issue(secret, block, [NODE]))
         path = layout.chunk_path(server.data_dir, cid)
         size = path.stat().st_size
         count, used, spares = server.chunk_count, server.used, server.spares.count
@@ -341,21 +328,12 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
     import errno
 
     from chunkstore.client import ChunkClient
-    from chunkstore.server import ChunkStoreServer, StoreConfig
     from tectonic_py import capability, ids, wire
     from tectonic_py.errors import Busy
 
-    config = StoreConfig(
-        data_dir=tmp_path / "data",
-        node_id="n1",
-        failure_domain="rack-1",
-        secret=secret,
-        spare_min=0,
-    )
-    server = ChunkStoreServer(config)
-    _host, port = await nursery.start(server.serve)
+    server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
     block = ids.new_id()
-    cap = capability.issue(secret, block, ["n1"])
+    cap = capability.issue(secret, block, [NODE])
     large, small = os.urandom(2 << 20), os.urandom(1000)
 
     def no_fds(*_args: object) -> int:
