@@ -294,16 +294,18 @@ class _Outbox:
             try:
                 while self._frames:
                     frames, self._frames = self._frames[:IOV_MAX], self._frames[IOV_MAX:]
-                    self._taken.set()
-                    self._taken = trio.Event()
+                    self._release_waiters()
                     self._stats.reply_writes += 1
                     await _send_pieces(self.sock, frames, None)
             finally:
                 self.lock.release()
         finally:
             self._flushing = False
-            self._taken.set()  # (senders still waiting go; the next sender flushes)
-            self._taken = trio.Event()
+            self._release_waiters()  # (they go; the next sender flushes what is left)
+
+    def _release_waiters(self) -> None:
+        self._taken.set()
+        self._taken = trio.Event()
 
 
 def _unshared(buf: mmap.mmap) -> bool:
