@@ -168,12 +168,13 @@ async def run_case(
             }
 
         results.append(await run("put"))
-        for path in (data_dir / "chunks").rglob("*.*"):
+        chunk_files = list((data_dir / "chunks").rglob("*.*"))
+        for path in chunk_files:
             drop_file_cache(path)
         results.append(await run("get"))
         # The same files read straight from disk, the same number at once: the disk's own
         # speed for the reads gets make (``ceilings.files_read_direct``).
-        files = files_read_direct(list((data_dir / "chunks").rglob("*.*")), inflight)
+        files = files_read_direct(chunk_files, inflight)
         results[-1]["files_mbps"] = files["mbps"]
         results[-1]["files_ratio"] = results[-1]["mbps"] / files["mbps"]
         async with trio.open_nursery() as n:
@@ -283,18 +284,20 @@ def main() -> int:
                 else f" {'-':>10} {'-':>6}"
             )
         )
+
+    def median(key: str, op: str, size: int) -> float:
+        return statistics.median(
+            r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
+        )
+
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:
-            ratios = [r["ratio"] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB]
-            print(f"  {op} {size // MiB} MiB: {statistics.median(ratios):.2f}")
+            print(f"  {op} {size // MiB} MiB: {median('ratio', op, size):.2f}")
     print("gets as a ratio to the same chunk files read straight from disk (files MB/s: one")
     print("O_DIRECT read per file, as many at once as gets in flight; no target, for context):")
     for size in sizes:
-        ratios = [
-            r["files_ratio"] for r in rows if r["op"] == "get" and r["chunk_mib"] == size / MiB
-        ]
-        print(f"  get {size // MiB} MiB: {statistics.median(ratios):.2f}")
+        print(f"  get {size // MiB} MiB: {median('files_ratio', 'get', size):.2f}")
     if args.json:
         print(json.dumps(rows))
     return 0

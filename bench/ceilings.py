@@ -38,6 +38,7 @@ import trio
 import zfec
 
 from bench.common import print_results
+from chunkstore.layout import direct_span
 from tectonic_py import wire
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     """
     files = [Path(p) for p in paths]
     sizes = {path: path.stat().st_size for path in files}
-    span = -(-max(sizes.values(), default=1) // 4096) * 4096
+    span = direct_span(max(sizes.values(), default=1))
     todo = iter(files)
     lock = threading.Lock()
 
@@ -149,7 +150,7 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
                     path = next(todo, None)
                 if path is None:
                     return
-                want = -(-sizes[path] // 4096) * 4096
+                want = direct_span(sizes[path])
                 try:
                     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
                 except OSError:
