@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -133,7 +132,8 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     sends the disk few large requests; a chunk get is one ~1 MiB read of its own file, so a
     disk (or a virtual disk) that pays per request serves gets at its small-file speed, which
     can be half its sequential speed. Run on a chunk store's own chunk files, this is what
-    its disk does for exactly the reads its gets make, with no daemon in the way.
+    its disk does for exactly the reads its gets make, with no daemon in the way. The reads
+    go into huge-page buffers, as the chunk store's do (``wire.huge_page_buffer``).
     """
     files = [Path(p) for p in paths]
     sizes = {path: path.stat().st_size for path in files}
@@ -142,7 +142,7 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     lock = threading.Lock()
 
     def reader() -> None:
-        buf = mmap.mmap(-1, span)  # page aligned, as O_DIRECT wants
+        buf = wire.huge_page_buffer(-(-span // wire.HUGE_PAGE) * wire.HUGE_PAGE)
         view = memoryview(buf)
         try:
             while True:

@@ -181,7 +181,7 @@ class _ReplyBudget:
         self.peak = 0
         self.waiting = 0
         self._lot = trio.lowlevel.ParkingLot()
-        self.spares = wire.SpareBuffers(min(capacity // 4, 80 * MiB))
+        self.spares = wire.SpareBuffers(min(capacity // 4, 80 * MiB), huge=True)
 
     async def acquire(self, n: int) -> None:
         # A request larger than the whole budget still runs, alone.
@@ -196,10 +196,13 @@ class _ReplyBudget:
 
     async def take(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:
         """Event loop: wait for budget, then a buffer of at least ``n`` bytes. It goes into
-        ``taken``; ``give_back(taken)`` returns budget and buffers."""
-        await self.acquire(n)
+        ``taken``; ``give_back(taken)`` returns budget and buffers. The budget is charged
+        the buffer's whole size, which for O_DIRECT reads into huge pages can be twice
+        ``n``: the bound is on memory, not on bytes asked for."""
+        size = self.spares.size_class(n)
+        await self.acquire(size)
         buf = self.spares.take(n)
-        taken.append((buf, n))
+        taken.append((buf, size))
         return buf
 
     def alloc(self, n: int, taken: list[tuple[Buffer, int]]) -> Buffer:

@@ -326,6 +326,27 @@ def _anonymous(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
+HUGE_PAGE = 2 * MiB
+
+
+def huge_page_buffer(size: int) -> mmap.mmap:
+    """Private anonymous memory of ``size`` bytes (a whole number of ``HUGE_PAGE``), advised
+    for transparent huge pages.
+
+    Why: an O_DIRECT transfer into 4 KiB pages is cut into a device request per 254 pages
+    (the queue's segment limit), at least two for a 1 MiB chunk and its header, and a
+    virtio disk pays per request. A buffer in 2 MiB pages is one segment per page, so one
+    request up to the queue's ``max_sectors_kb``: chunk-file reads here ran 2.3-2.9 GB/s
+    instead of 1.0-1.1. The memory must be private: ``mmap(-1, n)`` is shared, and shared
+    anonymous memory is shmem, which the default ``shmem_enabled=never`` keeps in small
+    pages. The kernel aligns anonymous mappings of whole huge pages to a huge page, and
+    where THP is off the buffer is an ordinary one."""
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
 class SpareBuffers:
     """Large payload buffers, reused instead of allocated per request or reply.
 
@@ -346,21 +367,28 @@ class SpareBuffers:
 
     MIN_SIZE = 64 * 1024
 
-    def __init__(self, keep: int, make: Callable[[int], mmap.mmap] | None = None) -> None:
+    def __init__(
+        self, keep: int, make: Callable[[int], mmap.mmap] | None = None, *, huge: bool = False
+    ) -> None:
         """``make(size)``: a new buffer (an anonymous mmap by default; the chunk store makes
-        them shared with its writer process, ``chunkstore.writer_process``)."""
+        them shared with its writer process, ``chunkstore.writer_process``). ``huge``: the
+        buffers are for O_DIRECT transfers, so those over half a huge page are whole huge
+        pages (``huge_page_buffer``), which spends up to twice the memory on them."""
         self.keep = keep
-        self._make = make or _anonymous
+        self._huge = huge
+        self._make = make or (huge_page_buffer if huge else _anonymous)
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: list[mmap.mmap] = []
         self._bytes = 0  # free and pending
         self.reused = 0
 
-    @classmethod
-    def size_class(cls, n: int) -> int:
-        """``n`` rounded up to one of eight steps per power of two (at most 1/8 more)."""
-        if n < cls.MIN_SIZE:
+    def size_class(self, n: int) -> int:
+        """The size of the buffer ``take(n)`` gives: ``n`` rounded up to one of eight steps
+        per power of two (at most 1/8 more), or to whole huge pages for a ``huge`` pool."""
+        if n < self.MIN_SIZE:
             return n
+        if self._huge and n > HUGE_PAGE // 2:
+            return -(-n // HUGE_PAGE) * HUGE_PAGE
         step = max(4096, 1 << ((n - 1).bit_length() - 4))
         return -(-n // step) * step
 

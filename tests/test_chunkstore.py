@@ -956,6 +956,9 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
     # 18 gets of two buffer sizes, each buffer back before the next get: all but the first
     # of each size can reuse one (a few may find theirs still viewed by a worker thread).
     assert server._replies.spares.reused >= 12
+    # A whole get reads into whole huge pages (one disk request per chunk, wire.HUGE_PAGE).
+    assert all(size % wire.HUGE_PAGE == 0 for size in server._replies.spares._free if size > MiB)
+    assert any(size > MiB for size in server._replies.spares._free)
 
 
 @pytest.mark.parametrize("length", [1, 4095, 65536, 4 * MiB, 4 * MiB + 777])

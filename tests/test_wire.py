@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import struct
 
@@ -482,6 +483,52 @@ def test_spare_buffer_is_not_handed_out_while_a_view_lives():
     assert spares.take(100_000) is buf and spares.reused == 1
     spares.give_back(bytearray(100_000))  # not one of ours: never kept
     assert spares.take(1000) == bytearray(1000)
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _vma_flags(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def test_huge_spare_buffers_are_whole_huge_pages_of_private_memory():
+    """O_DIRECT buffers: sizes over half a huge page take whole huge pages, and the memory
+    is private and advised for THP (shared anonymous memory is shmem, kept in small pages
+    by default), so the kernel can back it with 2 MiB pages."""
+    MiB = 1024 * 1024
+    spares = wire.SpareBuffers(keep=16 * MiB, huge=True)
+    assert spares.size_class(1028 * 1024) == 2 * MiB
+    assert spares.size_class(4 * MiB + 4096) == 6 * MiB
+    assert spares.size_class(MiB) == wire.SpareBuffers(0).size_class(MiB) == MiB
+    buf = spares.take(1028 * 1024)
+    assert len(buf) == 2 * MiB
+    buf[:] = b"x" * len(buf)  # fault it in
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert address % 4096 == 0
+    vma = _vma_flags(address)
+    assert vma, "mapping not found in smaps"
+    if _thp_mode() in ("always", "madvise"):
+        assert vma.get("THPeligible") == "1", vma
+    spares.give_back(buf)
+    assert spares.take(1100 * 1024) is buf and spares.reused == 1
 
 
 def test_spare_buffers_make_room_for_a_new_size():
