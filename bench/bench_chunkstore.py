@@ -29,8 +29,11 @@ It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw w
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon
 (with its writer process), which are steadier than MB/s on a shared machine.
 ``--disk-workers threads`` runs the daemon's puts and deletes on its own threads instead, for
-comparison. Nothing here is asserted: the test suite
-only runs ``--smoke`` so this script cannot rot.
+comparison. ``--huge-pages N`` (root) reserves N more huge pages (``vm.nr_hugepages``) for
+the run and gives them back after, so that the daemon makes its put buffers of them
+(``chunkstore.writer_process.SharedBuffers``, docs/operations.md); without it the run
+measures whatever the host has reserved, and prints how many put buffers got huge pages.
+Nothing here is asserted: the test suite only runs ``--smoke`` so this script cannot rot.
 """
 
 from __future__ import annotations
@@ -106,6 +109,25 @@ def start_daemon(
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     raise SystemExit("chunk store did not become ready")
+
+
+HUGE_PAGES = Path("/proc/sys/vm/nr_hugepages")
+
+
+def _reserve_huge_pages(count: int) -> int:
+    """Add ``count`` huge pages to the host's reserved pool; the pool's size before."""
+    before = int(HUGE_PAGES.read_text())
+    HUGE_PAGES.write_text(str(before + count))
+    got = int(HUGE_PAGES.read_text()) - before
+    if got < count:
+        print(f"reserved {got} of {count} huge pages (memory too fragmented)", file=sys.stderr)
+    return before
+
+
+async def _hugetlb_counts(port: int, secret: bytes) -> tuple[int, int]:
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        f = (await conn.call("node_stats")).fields
+    return int(f.get("hugetlb_buffers", 0)), int(f.get("hugetlb_short", 0))
 
 
 async def run_case(
@@ -215,6 +237,12 @@ def main() -> int:
         default="process",
         help="the chunk store's --disk-workers (where its puts and deletes run)",
     )
+    parser.add_argument(
+        "--huge-pages",
+        type=int,
+        default=0,
+        help="reserve this many more huge pages for the run (root; given back after)",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
     total = (8 if args.smoke else args.total_mib) * MiB
@@ -222,6 +250,8 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-chunkstore-", dir=args.dir))
     proc = None
     rows: list[dict[str, Any]] = []
+    reserved_before = _reserve_huge_pages(args.huge_pages) if args.huge_pages else None
+    huge: tuple[int, int] = (0, 0)
     try:
         secret = secrets.token_hex(32).encode()
         secret_file = scratch / "secret"
@@ -256,11 +286,14 @@ def main() -> int:
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
                 before = after
+        huge = trio.run(_hugetlb_counts, port, secret)
     finally:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)
+        if reserved_before is not None:
+            HUGE_PAGES.write_text(str(reserved_before))
     print(
         f"chunk store over loopback, {args.inflight} requests in flight,"
         f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
@@ -290,6 +323,10 @@ def main() -> int:
             r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
         )
 
+    print(
+        f"put payload buffers in reserved huge pages: {huge[0]}; beyond the reservation,"
+        f" in small pages: {huge[1]} (vm.nr_hugepages, --huge-pages)"
+    )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:

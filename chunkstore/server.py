@@ -227,8 +227,9 @@ class ChunkStoreServer:
         writers_name = f"chunkstore[{config.node_id}] writer"
         self._writers: WriterProcess | DiskWorkers
         make_buffer = None
+        self._shared: SharedBuffers | None = None
         if config.disk_workers == "process" and hasattr(os, "memfd_create"):
-            shared = SharedBuffers()
+            shared = self._shared = SharedBuffers()
             make_buffer = shared.new
             self._writers = WriterProcess(writers_name, config.max_concurrent_writes, shared)
         else:
@@ -248,6 +249,7 @@ class ChunkStoreServer:
             config.limits,
             payload_room={"put": layout.put_room},
             make_buffer=make_buffer,
+            huge_buffers=self._shared is not None and self._shared.huge,
         )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
@@ -600,6 +602,10 @@ class ChunkStoreServer:
             "bytes_in": self.rpc.stats.bytes_in,
             "bytes_out": self.rpc.stats.bytes_out,
             **self.spares.stats(),
+            # payload buffers made of reserved huge pages (vm.nr_hugepages), and whole-huge-
+            # page ones made small because the reservation was used up (writer_process)
+            "hugetlb_buffers": 0 if self._shared is None else self._shared.hugetlb,
+            "hugetlb_short": 0 if self._shared is None else self._shared.hugetlb_short,
         }
 
     # --- membership --------------------------------------------------------------------------

@@ -373,7 +373,8 @@ class SpareBuffers:
         """``make(size)``: a new buffer (an anonymous mmap by default; the chunk store makes
         them shared with its writer process, ``chunkstore.writer_process``). ``huge``: the
         buffers are for O_DIRECT transfers, so those over half a huge page are whole huge
-        pages (``huge_page_buffer``), which spends up to twice the memory on them."""
+        pages (``huge_page_buffer`` unless ``make`` is given), which spends up to twice the
+        memory on them."""
         self.keep = keep
         self._huge = huge
         self._make = make or (huge_page_buffer if huge else _anonymous)
@@ -640,11 +641,13 @@ class RpcServer:
         limits: Limits = DEFAULT_LIMITS,
         payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
         make_buffer: Callable[[int], mmap.mmap] | None = None,
+        huge_buffers: bool = False,
     ) -> None:
         """``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
         ``offset`` of a page-aligned buffer of ``size`` bytes, given to the handler as
         ``Request.buffer`` (the chunk store receives a put where its file image needs it).
-        ``make_buffer``: how large payload buffers are made (``SpareBuffers``)."""
+        ``make_buffer``: how large payload buffers are made, ``huge_buffers``: in whole huge
+        pages (``SpareBuffers``)."""
         self.name = name
         self.payload_room = dict(payload_room or {})
         self._secret = secret
@@ -652,7 +655,9 @@ class RpcServer:
         self.limits = limits
         self.stats = ServerStats()
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
-        self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB), make_buffer)
+        self._spares = SpareBuffers(
+            min(limits.payload_budget // 4, 80 * MiB), make_buffer, huge=huge_buffers
+        )
 
     async def serve(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import socket
 import struct
 
@@ -12,7 +11,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wire_helpers import raw_authenticated
+from wire_helpers import address_of, raw_authenticated, vma_fields
 
 from tectonic_py import wire
 from tectonic_py.errors import (
@@ -493,22 +492,6 @@ def _thp_mode() -> str:
         return "never"
 
 
-def _vma_flags(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds ``address``."""
-    fields: dict[str, str] = {}
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-    return fields
-
-
 def test_huge_spare_buffers_are_whole_huge_pages_of_private_memory():
     """O_DIRECT buffers: sizes over half a huge page take whole huge pages, and the memory
     is private and advised for THP (shared anonymous memory is shmem, kept in small pages
@@ -521,9 +504,9 @@ def test_huge_spare_buffers_are_whole_huge_pages_of_private_memory():
     buf = spares.take(1028 * 1024)
     assert len(buf) == 2 * MiB
     buf[:] = b"x" * len(buf)  # fault it in
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    address = address_of(buf)
     assert address % 4096 == 0
-    vma = _vma_flags(address)
+    vma = vma_fields(address)
     assert vma, "mapping not found in smaps"
     if _thp_mode() in ("always", "madvise"):
         assert vma.get("THPeligible") == "1", vma

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 from test_chunkstore import NODE, start_store
+from wire_helpers import address_of, vma_fields
 
 from chunkstore import layout, writer_process
 from chunkstore.writer_process import SharedBuffers, WriterProcess
+from tectonic_py import wire
 from tectonic_py.errors import InvalidArgument, Unavailable, WriterLost
 
 
@@ -24,6 +26,31 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+RESERVED = 4  # huge pages a test reserves
+
+
+@pytest.fixture
+def reserved_huge_pages():
+    """``RESERVED`` more huge pages in the host's pool (``vm.nr_hugepages``) for the test,
+    given back after it; skipped where that cannot be done (not root, no hugetlb)."""
+    path = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        before = int(path.read_text())
+        path.write_text(str(before + RESERVED))
+    except (OSError, ValueError):
+        pytest.skip("cannot reserve huge pages here")
+    try:
+        if int(path.read_text()) < before + RESERVED or not writer_process.hugetlb_available():
+            pytest.skip("the kernel found no memory for huge pages")
+        yield RESERVED
+    finally:
+        path.write_text(str(before))
+
+
+def _page_kib(buf: object) -> int:
+    return int(vma_fields(address_of(buf))["KernelPageSize"].split()[0])
 
 
 def _maps_payload(pid: int) -> bool:
@@ -354,3 +381,51 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
         await client.put(ids.chunk_id(block, 0), large, cap)
         assert bytes(await client.get(ids.chunk_id(block, 0))) == large
         assert bytes(await client.get(ids.chunk_id(block, 1))) == small
+
+
+def test_without_reserved_huge_pages_buffers_are_ordinary_memfds() -> None:
+    buffers = SharedBuffers(hugetlb=False)
+    assert not buffers.huge
+    buf = buffers.new(2 * wire.HUGE_PAGE)
+    buf[:] = b"x" * len(buf)
+    assert _page_kib(buf) == 4 and buffers.hugetlb == buffers.hugetlb_short == 0
+
+
+async def test_reserved_huge_pages_back_whole_huge_page_buffers_until_used_up(
+    nursery, reserved_huge_pages: int
+) -> None:
+    """Where the host has reserved huge pages, a buffer of whole huge pages is a hugetlb
+    memfd the writer process maps too; once the reservation is used up, buffers are ordinary
+    memfds again and nothing fails."""
+    buffers = SharedBuffers()
+    assert buffers.huge
+    pool = WriterProcess("test", 1, buffers)
+    await nursery.start(pool.serve)
+    bufs = [buffers.new(wire.HUGE_PAGE) for _ in range(reserved_huge_pages + 1)]
+    for buf in bufs:
+        memoryview(buf)[:] = os.urandom(len(buf))
+        assert await pool.run(zlib.crc32, memoryview(buf)[4096:]) == zlib.crc32(buf[4096:])
+    assert [_page_kib(buf) for buf in bufs] == [2048] * reserved_huge_pages + [4]
+    assert buffers.hugetlb == reserved_huge_pages and buffers.hugetlb_short == 1
+    assert buffers.new(wire.HUGE_PAGE // 2) is not None  # not whole pages: never tried
+    assert buffers.hugetlb_short == 1
+
+
+async def test_a_chunk_store_puts_from_reserved_huge_pages(
+    nursery, tmp_path: Path, secret: bytes, reserved_huge_pages: int
+) -> None:
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    data = [os.urandom(1 << 20), os.urandom(1000), os.urandom(3 << 20)]
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        for i, chunk in enumerate(data):
+            await client.put(ids.chunk_id(block, i), chunk, cap)
+        for i, chunk in enumerate(data):
+            assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
+    stats = await server.node_stats()
+    assert stats["hugetlb_buffers"] >= 1
