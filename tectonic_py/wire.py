@@ -329,9 +329,11 @@ def _anonymous(size: int) -> mmap.mmap:
 HUGE_PAGE = 2 * MiB
 
 
-def huge_page_buffer(size: int) -> mmap.mmap:
+def huge_page_buffer(size: int, used: int | None = None) -> mmap.mmap:
     """Private anonymous memory of ``size`` bytes (a whole number of ``HUGE_PAGE``), advised
-    for transparent huge pages.
+    for transparent huge pages where ``used`` bytes (all by default) fill more than half a
+    huge page: a 4 MiB chunk and its 4 KiB header take two huge pages and one small one,
+    not three huge ones, each of which the kernel zeroes whole when it is first touched.
 
     Why: an O_DIRECT transfer into 4 KiB pages is cut into a device request per 254 pages
     (the queue's segment limit), at least two for a 1 MiB chunk and its header, and a
@@ -342,8 +344,12 @@ def huge_page_buffer(size: int) -> mmap.mmap:
     pages. The kernel aligns anonymous mappings of whole huge pages to a huge page, and
     where THP is off the buffer is an ordinary one."""
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
+    used = size if used is None else min(used, size)
+    huge = used // HUGE_PAGE * HUGE_PAGE
+    if used - huge > HUGE_PAGE // 2:
+        huge += HUGE_PAGE
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE, 0, huge)
     return buf
 
 
@@ -377,7 +383,7 @@ class SpareBuffers:
         memory on them."""
         self.keep = keep
         self._huge = huge
-        self._make = make or (huge_page_buffer if huge else _anonymous)
+        self._make = make
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: list[mmap.mmap] = []
         self._bytes = 0  # free and pending
@@ -410,7 +416,9 @@ class SpareBuffers:
             self._bytes -= size
             self.reused += 1
             return free.pop()
-        return self._make(size)
+        if self._make is not None:
+            return self._make(size)
+        return huge_page_buffer(size, n) if self._huge else _anonymous(size)
 
     def give_back(self, buf: Buffer) -> None:
         """Keep ``buf`` for reuse if there is room (reused once no view of it is alive)."""

@@ -512,6 +512,14 @@ def test_huge_spare_buffers_are_whole_huge_pages_of_private_memory():
         assert vma.get("THPeligible") == "1", vma
     spares.give_back(buf)
     assert spares.take(1100 * 1024) is buf and spares.reused == 1
+    # A huge page the buffer would use less than half of stays in small pages: a 4 MiB
+    # chunk and its header take two huge pages and a small one, not three huge pages.
+    big = spares.take(4 * MiB + 4096)
+    assert len(big) == 6 * MiB
+    if _thp_mode() == "madvise":
+        base = address_of(big)
+        assert vma_fields(base).get("THPeligible") == "1"
+        assert vma_fields(base + 4 * MiB).get("THPeligible") == "0"
 
 
 def test_spare_buffers_make_room_for_a_new_size():
