@@ -110,6 +110,17 @@ def hugetlb_available() -> bool:
     return True
 
 
+def _memfd_buffer(size: int, flags: int = 0) -> tuple[int, mmap.mmap]:
+    """A new memfd of ``size`` bytes and its shared mapping; nothing left open on failure."""
+    fd = os.memfd_create("tectonic-payload", os.MFD_CLOEXEC | flags)
+    try:
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class SharedBuffers:
     """Makes the RPC server's large payload buffers (``wire.SpareBuffers(make=...)``): an
     mmap of a memfd each, so that the writer process can map the same pages. A buffer's memfd
@@ -160,34 +171,24 @@ class SharedBuffers:
 
     def new_shared(self, size: int) -> mmap.mmap:
         """A buffer the writer process can map; OSError (EMFILE) when out of descriptors."""
-        buf = fd = None
+        made = None
         if self.huge and size % HUGE_PAGE == 0:
-            fd = os.memfd_create("tectonic-payload", os.MFD_CLOEXEC | os.MFD_HUGETLB)
             try:
-                os.ftruncate(fd, size)
-                buf = mmap.mmap(fd, size)
+                made = _memfd_buffer(size, os.MFD_HUGETLB)
                 self.hugetlb += 1
             except OSError as e:
-                os.close(fd)
-                fd = None
-                if e.errno not in (errno.ENOMEM, errno.EINVAL, errno.ENOSPC):
+                if e.errno in (errno.EMFILE, errno.ENFILE):
                     raise
+                # The reservation is used up (ENOMEM), or the host will not give huge
+                # pages after all: this buffer, and the put, go on in small pages.
                 self.hugetlb_short += 1
                 if self.hugetlb_short == 1 or self.hugetlb_short % 1000 == 0:
                     log.info(
-                        "reserved huge pages used up (%s); %d payload buffers in small pages",
+                        "no reserved huge page left (%s); %d payload buffers in small pages",
                         e,
                         self.hugetlb_short,
                     )
-        if buf is None:
-            fd = os.memfd_create("tectonic-payload", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-                buf = mmap.mmap(fd, size)
-            except BaseException:
-                os.close(fd)
-                raise
-        assert fd is not None
+        fd, buf = made or _memfd_buffer(size)
         self._next += 1
         key = id(buf)
         self._by_obj[key] = (self._next, fd, size)

@@ -429,3 +429,26 @@ async def test_a_chunk_store_puts_from_reserved_huge_pages(
             assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
     stats = await server.node_stats()
     assert stats["hugetlb_buffers"] >= 1
+
+
+def test_a_host_that_refuses_huge_pages_after_all_gets_small_ones(monkeypatch) -> None:
+    """Whatever the hugetlb memfd fails with (EPERM from a sandbox, ENOMEM), the buffer is
+    made in small pages; only running out of descriptors is the caller's to handle."""
+    import errno
+
+    real = os.memfd_create
+    refusal = [errno.EPERM]
+
+    def memfd_create(name: str, flags: int = 0) -> int:
+        if flags & os.MFD_HUGETLB:
+            raise OSError(refusal[0], os.strerror(refusal[0]))
+        return real(name, flags)
+
+    buffers = SharedBuffers(hugetlb=False)
+    buffers.huge = True  # as if the probe at start had found pages
+    monkeypatch.setattr(os, "memfd_create", memfd_create)
+    buf = buffers.new(wire.HUGE_PAGE)
+    buf[:] = b"x" * len(buf)
+    assert _page_kib(buf) == 4 and buffers.hugetlb == 0 and buffers.hugetlb_short == 1
+    refusal[0] = errno.EMFILE
+    assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
