@@ -142,7 +142,7 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     lock = threading.Lock()
 
     def reader() -> None:
-        buf = wire.huge_page_buffer(-(-span // wire.HUGE_PAGE) * wire.HUGE_PAGE)
+        buf = wire.huge_page_buffer(span)
         view = memoryview(buf)
         try:
             while True:

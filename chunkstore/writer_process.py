@@ -97,16 +97,11 @@ def hugetlb_available() -> bool:
     if not flag:
         return False
     try:
-        fd = os.memfd_create("tectonic-probe", os.MFD_CLOEXEC | flag)
+        fd, buf = _memfd_buffer(HUGE_PAGE, flag)
     except OSError:
         return False
-    try:
-        os.ftruncate(fd, HUGE_PAGE)
-        mmap.mmap(fd, HUGE_PAGE).close()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    buf.close()
+    os.close(fd)
     return True
 
 

@@ -329,11 +329,16 @@ def _anonymous(size: int) -> mmap.mmap:
 HUGE_PAGE = 2 * MiB
 
 
-def huge_page_buffer(size: int, used: int | None = None) -> mmap.mmap:
-    """Private anonymous memory of ``size`` bytes (a whole number of ``HUGE_PAGE``), advised
-    for transparent huge pages where ``used`` bytes (all by default) fill more than half a
-    huge page: a 4 MiB chunk and its 4 KiB header take two huge pages and one small one,
-    not three huge ones, each of which the kernel zeroes whole when it is first touched.
+def whole_huge_pages(n: int) -> int:
+    """``n`` rounded up to a whole number of ``HUGE_PAGE``."""
+    return -(-n // HUGE_PAGE) * HUGE_PAGE
+
+
+def huge_page_buffer(used: int) -> mmap.mmap:
+    """Private anonymous memory for ``used`` bytes, ``whole_huge_pages(used)`` long, advised
+    for transparent huge pages where ``used`` fills more than half a huge page: a 4 MiB
+    chunk and its 4 KiB header take two huge pages and one small one, not three huge ones,
+    each of which the kernel zeroes whole when it is first touched.
 
     Why: an O_DIRECT transfer into 4 KiB pages is cut into a device request per 254 pages
     (the queue's segment limit), at least two for a 1 MiB chunk and its header, and a
@@ -343,8 +348,7 @@ def huge_page_buffer(size: int, used: int | None = None) -> mmap.mmap:
     anonymous memory is shmem, which the default ``shmem_enabled=never`` keeps in small
     pages. The kernel aligns anonymous mappings of whole huge pages to a huge page, and
     where THP is off the buffer is an ordinary one."""
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    used = size if used is None else min(used, size)
+    buf = mmap.mmap(-1, whole_huge_pages(used), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     huge = used // HUGE_PAGE * HUGE_PAGE
     if used - huge > HUGE_PAGE // 2:
         huge += HUGE_PAGE
@@ -395,7 +399,7 @@ class SpareBuffers:
         if n < self.MIN_SIZE:
             return n
         if self._huge and n > HUGE_PAGE // 2:
-            return -(-n // HUGE_PAGE) * HUGE_PAGE
+            return whole_huge_pages(n)
         step = max(4096, 1 << ((n - 1).bit_length() - 4))
         return -(-n // step) * step
 
@@ -418,7 +422,7 @@ class SpareBuffers:
             return free.pop()
         if self._make is not None:
             return self._make(size)
-        return huge_page_buffer(size, n) if self._huge else _anonymous(size)
+        return huge_page_buffer(n) if self._huge and n > HUGE_PAGE // 2 else _anonymous(size)
 
     def give_back(self, buf: Buffer) -> None:
         """Keep ``buf`` for reuse if there is room (reused once no view of it is alive)."""
