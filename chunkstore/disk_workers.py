@@ -154,6 +154,9 @@ class DiskWorkers:
                     token.run_sync_soon(self._deliver)
                 except trio.RunFinishedError:
                     pass
+            # An idle thread must not keep its last job alive while it waits for the next:
+            # the result (a chunk's bytes, say) and the caller's task would live on in it.
+            del job, result
 
     def _deliver(self) -> None:
         """Event loop: wake the callers of every job finished since the last delivery (one

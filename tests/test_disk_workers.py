@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import trio
@@ -25,6 +27,25 @@ async def test_results_and_exceptions_come_back_to_the_caller() -> None:
         with pytest.raises(ChunkCorrupt, match="bad bytes"):
             await pool.run(fail)
         assert pool.busy == 0 and pool.queued == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_thread_keeps_nothing_of_its_last_job() -> None:
+    class Result:
+        pass
+
+    pool = DiskWorkers("test", 1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        result = await pool.run(Result)
+        gone = weakref.ref(result)
+        del result
+        with trio.fail_after(10):
+            while pool.idle < pool.workers:  # the thread is back, waiting for a job
+                await trio.sleep(0.01)
+        await trio.lowlevel.checkpoint()  # (trio's run loop holds the last value it sent a task until then)
+        gc.collect()
+        assert gone() is None
         nursery.cancel_scope.cancel()
 
 
