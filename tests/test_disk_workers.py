@@ -43,7 +43,8 @@ async def test_an_idle_thread_keeps_nothing_of_its_last_job() -> None:
         with trio.fail_after(10):
             while pool.idle < pool.workers:  # the thread is back, waiting for a job
                 await trio.sleep(0.01)
-        await trio.lowlevel.checkpoint()  # (trio's run loop holds the last value it sent a task until then)
+        # (trio's run loop holds the last value it sent a task until the next checkpoint)
+        await trio.lowlevel.checkpoint()
         gc.collect()
         assert gone() is None
         nursery.cancel_scope.cancel()
