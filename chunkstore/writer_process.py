@@ -31,8 +31,9 @@ writer is waited for, since a half-done disk operation cannot be abandoned safel
 
 A writer that dies (kill -9, a crash) fails the jobs it had with ``WriterLost`` (retryable:
 each may or may not have happened, and puts and deletes are idempotent) and is restarted. A
-writer whose daemon dies is killed by the kernel (``PR_SET_PDEATHSIG``): it runs no job that
-nobody waits for, and the chunk store's rename protocol makes that safe at any instant.
+writer whose daemon dies kills itself at once (it watches a pidfd of the daemon): it runs no
+job that nobody waits for, and the chunk store's rename protocol makes that safe at any
+instant.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import logging
 import mmap
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
@@ -665,12 +667,26 @@ def _serve_jobs(sock: socket.socket, maps: _Mappings) -> None:
 
 
 def _die_with(parent: int) -> None:
-    """Be killed when the daemon dies (a job nobody waits for is not worth running)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the prctl
+    """Be killed when the daemon process dies (a job nobody waits for is not worth running).
+
+    Why not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started this process ends,
+    and trio starts processes from a worker thread of its cache, which ends after 10 s idle.
+    With it, an idle chunk store's writer was killed ten seconds after each start (and
+    restarted), failing a put in flight at that moment with ``WriterLost``. A pidfd of the
+    daemon becomes readable when the whole process has gone.
+    """
+    try:
+        pidfd = os.pidfd_open(parent)
+    except OSError:  # gone already
         os._exit(0)
+    if os.getppid() != parent:  # it died before the pidfd was opened (its pid may be reused)
+        os._exit(0)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="daemon watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:

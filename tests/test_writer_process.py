@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -452,3 +453,69 @@ def test_a_host_that_refuses_huge_pages_after_all_gets_small_ones(monkeypatch) -
     assert _page_kib(buf) == 4 and buffers.hugetlb == 0 and buffers.hugetlb_short == 1
     refusal[0] = errno.EMFILE
     assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may take its time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_writer_outlives_the_thread_that_started_it_and_dies_with_its_daemon(
+    tmp_path: Path,
+) -> None:
+    """trio starts processes from a worker thread that ends when idle; the writer must not
+    die with that thread (PR_SET_PDEATHSIG did that: an idle store lost its writer every ten
+    seconds), only with its daemon."""
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "daemon.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, socket, subprocess, sys, threading, time
+            from chunkstore.writer_process import READY
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            started = []
+            def start():  # as trio's worker thread: it ends once the writer is up
+                started.append(subprocess.Popen(
+                    [sys.executable, "-m", "chunkstore.writer_process", str(child.fileno()),
+                     "1", str(os.getpid()), "test"],
+                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL))
+                assert parent.recv(64) == READY
+            starter = threading.Thread(target=start)
+            starter.start()
+            starter.join()
+            print(started[0].pid, flush=True)
+            time.sleep(120)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    daemon = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    writer = None
+    try:
+        assert daemon.stdout is not None
+        writer = int(daemon.stdout.readline())
+        time.sleep(1.0)
+        assert _running(writer)
+        daemon.kill()
+        daemon.wait()
+        deadline = time.monotonic() + 10
+        while _running(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(writer)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+        if daemon.stdout is not None:
+            daemon.stdout.close()
+        if writer is not None and _running(writer):
+            os.kill(writer, signal.SIGKILL)
