@@ -38,8 +38,9 @@ error frame for that request and the connection keeps serving. Domain errors rai
 handler are encoded to their code here, in ``error_to_header``, the only place that does so.
 
 Admission control: each connection has at most ``max_inflight`` requests being handled (the
-reader stops reading, so TCP pushes back on the client); payload bytes held in memory across
-all connections are bounded by ``payload_budget``; when more than ``max_payload_waiters``
+reader stops reading, so TCP pushes back on the client); the memory of payloads held across all
+connections (each charged the size of the buffer it lies in) is bounded by
+``payload_budget``; when more than ``max_payload_waiters``
 requests wait for budget, new ones are refused with the retryable ``Busy`` (their payload is
 drained off the socket first, so the connection stays usable).
 
@@ -790,8 +791,14 @@ class RpcServer:
                     payload: memoryview | None = None
                     whole: memoryview | None = None
                     buf: bytearray | mmap.mmap | None = None
+                    charge = 0  # payload budget taken: the size of the buffer it lies in
                     if plen:
-                        if self._budget._free < plen and not self._budget.can_queue():
+                        room = self.payload_room.get(op)
+                        start, size = room(plen) if room is not None else (0, plen)
+                        # (a buffer of whole huge pages can be twice the payload: the budget
+                        # bounds memory, as the chunk store's reply budget does)
+                        charge = self._spares.size_class(size)
+                        if self._budget._free < charge and not self._budget.can_queue():
                             await _drain(sock, plen)
                             self.stats.busy_refusals += 1
                             async with send_lock:
@@ -803,10 +810,8 @@ class RpcServer:
                                     ),
                                 )
                             continue
-                        await self._budget.acquire(plen)
+                        await self._budget.acquire(charge)
                         try:
-                            room = self.payload_room.get(op)
-                            start, size = room(plen) if room is not None else (0, plen)
                             buf = self._spares.take(size)
                             whole = memoryview(buf)[:size]
                             payload = whole[start : start + plen]
@@ -814,7 +819,7 @@ class RpcServer:
                                 whole = None
                             await _recv_exactly(sock, payload)
                         except BaseException:
-                            self._budget.release(plen)
+                            self._budget.release(charge)
                             raise
                     await inflight.acquire()
                     nursery.start_soon(
@@ -824,7 +829,7 @@ class RpcServer:
                         handler,
                         Request(op, fields, payload, peer, whole),
                         rid,
-                        plen,
+                        charge,
                         buf,
                     )
                     # Only the handler may refer to the buffer now, so that it can be reused.
@@ -840,15 +845,16 @@ class RpcServer:
         handler: Handler,
         request: Request,
         rid: int,
-        plen: int,
+        charged: int,
         buf: bytearray | mmap.mmap | None = None,
     ) -> None:
         """Answer one request; then offer its payload buffer for reuse. The answering is a
         call of its own so that every view it made of the payload (the reply, a view the
-        handler returned) is gone when the buffer is checked for live views."""
+        handler returned) is gone when the buffer is checked for live views. ``charged``:
+        the payload budget the request holds, given back once its handler returns."""
         sent: list[Callable[[], None]] = []
         try:
-            await self._answer(outbox, handler, request, rid, plen, sent)
+            await self._answer(outbox, handler, request, rid, charged, sent)
         finally:
             inflight.release()
             for callback in sent:
@@ -862,7 +868,7 @@ class RpcServer:
         handler: Handler,
         request: Request,
         rid: int,
-        plen: int,
+        charged: int,
         sent: list[Callable[[], None]],
     ) -> None:
         self.stats.requests += 1
@@ -886,8 +892,8 @@ class RpcServer:
                 header, out_payload = error_to_header(rid, e), None
             finally:
                 request.payload = request.buffer = None
-                if plen:
-                    self._budget.release(plen)
+                if charged:
+                    self._budget.release(charged)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes
             frame = _pack_frame(header, size)
             if not size:
