@@ -29,10 +29,12 @@ It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw w
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon
 (with its writer process), which are steadier than MB/s on a shared machine.
 ``--disk-workers threads`` runs the daemon's puts and deletes on its own threads instead, for
-comparison. ``--huge-pages N`` (root) reserves N more huge pages (``vm.nr_hugepages``) for
-the run and gives them back after, so that the daemon makes its put buffers of them
-(``chunkstore.writer_process.SharedBuffers``, docs/operations.md); without it the run
-measures whatever the host has reserved, and prints how many put buffers got huge pages.
+comparison. The daemon's put buffers are huge pages of a tmpfs of its own where it can make
+one (``chunkstore.huge_tmpfs``; the run prints ``thp-tmpfs``); ``--no-payload-tmpfs`` turns
+that off, and then ``--huge-pages N`` (root) reserves N more huge pages
+(``vm.nr_hugepages``) for the run and gives them back after, so that the daemon makes its put
+buffers of them (``chunkstore.writer_process.SharedBuffers``, docs/operations.md), and the
+run prints how many got huge pages.
 Nothing here is asserted: the test suite only runs ``--smoke`` so this script cannot rot.
 """
 
@@ -124,10 +126,15 @@ def _reserve_huge_pages(count: int) -> int:
     return before
 
 
-async def _hugetlb_counts(port: int, secret: bytes) -> tuple[int, int]:
+async def _payload_pages(port: int, secret: bytes) -> tuple[str, int, int]:
+    """Where the daemon's put buffers came from, and its hugetlb counts (``node_stats``)."""
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
         f = (await conn.call("node_stats")).fields
-    return int(f.get("hugetlb_buffers", 0)), int(f.get("hugetlb_short", 0))
+    return (
+        str(f.get("payload_pages", "?")),
+        int(f.get("hugetlb_buffers", 0)),
+        int(f.get("hugetlb_short", 0)),
+    )
 
 
 async def run_case(
@@ -243,6 +250,13 @@ def main() -> int:
         default=0,
         help="reserve this many more huge pages for the run (root; given back after)",
     )
+    parser.add_argument(
+        "--no-payload-tmpfs",
+        dest="payload_tmpfs",
+        action="store_false",
+        help="the chunk store's --no-payload-tmpfs: put buffers in memfds (small pages, or"
+        " reserved huge pages with --huge-pages)",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
     total = (8 if args.smoke else args.total_mib) * MiB
@@ -251,7 +265,7 @@ def main() -> int:
     proc = None
     rows: list[dict[str, Any]] = []
     reserved_before = _reserve_huge_pages(args.huge_pages) if args.huge_pages else None
-    huge: tuple[int, int] = (0, 0)
+    pages: tuple[str, int, int] = ("?", 0, 0)
     try:
         secret = secrets.token_hex(32).encode()
         secret_file = scratch / "secret"
@@ -259,7 +273,10 @@ def main() -> int:
         data_dir = scratch / "data"
         raw_dir = scratch / "raw"
         raw_dir.mkdir()
-        proc, port = start_daemon(data_dir, secret_file, ["--disk-workers", args.disk_workers])
+        daemon_args = ["--disk-workers", args.disk_workers]
+        if not args.payload_tmpfs:
+            daemon_args.append("--no-payload-tmpfs")
+        proc, port = start_daemon(data_dir, secret_file, daemon_args)
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
         # is bracketed by ceilings measured on the same disk just before and just after it,
@@ -286,7 +303,7 @@ def main() -> int:
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
                 before = after
-        huge = trio.run(_hugetlb_counts, port, secret)
+        pages = trio.run(_payload_pages, port, secret)
     finally:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -323,10 +340,14 @@ def main() -> int:
             r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
         )
 
-    print(
-        f"put payload buffers in reserved huge pages: {huge[0]}; beyond the reservation,"
-        f" in small pages: {huge[1]} (vm.nr_hugepages, --huge-pages)"
-    )
+    kind, hugetlb, short = pages
+    if kind == "hugetlb":
+        print(
+            f"put payload buffers in reserved huge pages: {hugetlb}; beyond the reservation,"
+            f" in small pages: {short} (vm.nr_hugepages, --huge-pages)"
+        )
+    else:  # thp-tmpfs: the daemon's own tmpfs of huge pages; small: memfds
+        print(f"put payload buffers: {kind} (node_stats payload_pages)")
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:

@@ -41,6 +41,13 @@ def register(subparsers: Any) -> None:
         default="process",
         help="run puts and deletes in a writer process (off the daemon's GIL) or in threads",
     )
+    p.add_argument(
+        "--payload-tmpfs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share put payloads with the writer process in a private tmpfs of huge pages"
+        " where one can be made (--no-payload-tmpfs: memfds)",
+    )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
         "--payload-budget",
@@ -115,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         max_concurrent_writes=args.max_concurrent_writes,
         disk_workers=args.disk_workers,
+        payload_tmpfs=args.payload_tmpfs,
         max_concurrent_reads=args.max_concurrent_reads,
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,

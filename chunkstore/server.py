@@ -97,6 +97,10 @@ class StoreConfig:
     # off this process's GIL) or "threads" (chunkstore.disk_workers; also where memfd_create
     # is missing).
     disk_workers: str = "process"
+    # Put payloads shared with the writer process in files of a private tmpfs of huge pages
+    # (chunkstore.huge_tmpfs) where one can be made; off: memfds (hugetlb ones where the host
+    # has reserved huge pages).
+    payload_tmpfs: bool = True
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
@@ -229,7 +233,7 @@ class ChunkStoreServer:
         make_buffer = None
         self._shared: SharedBuffers | None = None
         if config.disk_workers == "process" and hasattr(os, "memfd_create"):
-            shared = self._shared = SharedBuffers()
+            shared = self._shared = SharedBuffers(tmpfs=config.payload_tmpfs)
             make_buffer = shared.new
             self._writers = WriterProcess(writers_name, config.max_concurrent_writes, shared)
         else:
@@ -602,8 +606,10 @@ class ChunkStoreServer:
             "bytes_in": self.rpc.stats.bytes_in,
             "bytes_out": self.rpc.stats.bytes_out,
             **self.spares.stats(),
-            # payload buffers made of reserved huge pages (vm.nr_hugepages), and whole-huge-
-            # page ones made small because the reservation was used up (writer_process)
+            # where put payload buffers come from (writer_process.SharedBuffers.pages);
+            # those made of reserved huge pages (vm.nr_hugepages), and whole-huge-page ones
+            # made small because the reservation was used up
+            "payload_pages": "private" if self._shared is None else self._shared.pages,
             "hugetlb_buffers": 0 if self._shared is None else self._shared.hugetlb,
             "hugetlb_short": 0 if self._shared is None else self._shared.hugetlb_short,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import sys
 import time
@@ -15,7 +16,7 @@ import trio
 from test_chunkstore import NODE, start_store
 from wire_helpers import address_of, vma_fields
 
-from chunkstore import layout, writer_process
+from chunkstore import huge_tmpfs, layout, writer_process
 from chunkstore.writer_process import SharedBuffers, WriterProcess
 from tectonic_py import wire
 from tectonic_py.errors import InvalidArgument, Unavailable, WriterLost
@@ -374,6 +375,7 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
         assert server.spares.count == 1
         with monkeypatch.context() as m:
             m.setattr(os, "memfd_create", no_fds)
+            m.setattr(huge_tmpfs, "tmpfile_buffer", no_fds)
             with pytest.raises(Busy):
                 await client.put(ids.chunk_id(block, 0), large, cap)
             assert server.spares.count == 1  # taken for the put, and given back
@@ -385,8 +387,8 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
 
 
 def test_without_reserved_huge_pages_buffers_are_ordinary_memfds() -> None:
-    buffers = SharedBuffers(hugetlb=False)
-    assert not buffers.huge
+    buffers = SharedBuffers(hugetlb=False, tmpfs=False)
+    assert not buffers.huge and buffers.pages == "small"
     buf = buffers.new(2 * wire.HUGE_PAGE)
     buf[:] = b"x" * len(buf)
     assert _page_kib(buf) == 4 and buffers.hugetlb == buffers.hugetlb_short == 0
@@ -397,9 +399,9 @@ async def test_reserved_huge_pages_back_whole_huge_page_buffers_until_used_up(
 ) -> None:
     """Where the host has reserved huge pages, a buffer of whole huge pages is a hugetlb
     memfd the writer process maps too; once the reservation is used up, buffers are ordinary
-    memfds again and nothing fails."""
-    buffers = SharedBuffers()
-    assert buffers.huge
+    memfds again and nothing fails. (Where a private tmpfs can be made, it comes first.)"""
+    buffers = SharedBuffers(tmpfs=False)
+    assert buffers.huge and buffers.pages == "hugetlb"
     pool = WriterProcess("test", 1, buffers)
     await nursery.start(pool.serve)
     bufs = [buffers.new(wire.HUGE_PAGE) for _ in range(reserved_huge_pages + 1)]
@@ -418,7 +420,7 @@ async def test_a_chunk_store_puts_from_reserved_huge_pages(
     from chunkstore.client import ChunkClient
     from tectonic_py import capability, ids
 
-    server, port = await start_store(nursery, tmp_path / "data", secret)
+    server, port = await start_store(nursery, tmp_path / "data", secret, payload_tmpfs=False)
     block = ids.new_id()
     cap = capability.issue(secret, block, [NODE])
     data = [os.urandom(1 << 20), os.urandom(1000), os.urandom(3 << 20)]
@@ -445,14 +447,138 @@ def test_a_host_that_refuses_huge_pages_after_all_gets_small_ones(monkeypatch) -
             raise OSError(refusal[0], os.strerror(refusal[0]))
         return real(name, flags)
 
-    buffers = SharedBuffers(hugetlb=False)
-    buffers.huge = True  # as if the probe at start had found pages
+    monkeypatch.setattr(writer_process, "hugetlb_available", lambda: True)  # found at start
+    buffers = SharedBuffers(tmpfs=False)
     monkeypatch.setattr(os, "memfd_create", memfd_create)
     buf = buffers.new(wire.HUGE_PAGE)
     buf[:] = b"x" * len(buf)
     assert _page_kib(buf) == 4 and buffers.hugetlb == 0 and buffers.hugetlb_short == 1
     refusal[0] = errno.EMFILE
     assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
+
+
+# --- a private tmpfs of huge pages (chunkstore.huge_tmpfs) ------------------------------------
+
+
+@pytest.fixture
+def payload_tmpfs() -> int:
+    root = huge_tmpfs.private_tmpfs()
+    if root is None:
+        pytest.skip("no private tmpfs can be made here (no mount or user namespace)")
+    return root
+
+
+def _pmd_mapped_kib(smaps_block: dict[str, str]) -> int:
+    return int(smaps_block.get("ShmemPmdMapped", "0 kB").split()[0])
+
+
+def _smaps_block(smaps: str, name: str) -> dict[str, str]:
+    """The fields of the one mapping of file ``name`` in a /proc/PID/smaps text."""
+    blocks: list[dict[str, str]] = []
+    for line in smaps.splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            parts = line.split(maxsplit=5)
+            blocks.append({"name": parts[5].strip() if len(parts) > 5 else ""})
+        elif blocks:
+            key, _, value = line.partition(":")
+            blocks[-1][key] = value.strip()
+    found = [block for block in blocks if block["name"] == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _smaps(pid: int) -> str:
+    with open(f"/proc/{pid}/smaps") as f:
+        return f.read()
+
+
+def _mount_table() -> str:
+    with open("/proc/self/mountinfo") as f:
+        return f.read()
+
+
+def _mapping_name(buf: object) -> str:
+    start = address_of(buf)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= start < hi:
+                return line.split(maxsplit=5)[5].strip()
+    raise AssertionError("buffer not mapped")
+
+
+async def test_payload_buffers_are_huge_pages_of_a_tmpfs_no_one_else_sees(
+    nursery, payload_tmpfs: int
+) -> None:
+    """By default a buffer is a file of the daemon's own tmpfs of huge pages: transparent
+    huge pages in this process and in the writer process, the same pages in both, and no
+    mount on this host's mount table."""
+    buffers = SharedBuffers(hugetlb=False)
+    assert buffers.pages == "thp-tmpfs" and buffers.huge
+    pool = WriterProcess("test", 1, buffers)
+    await nursery.start(pool.serve)
+    buf = buffers.new(2 * wire.HUGE_PAGE)
+    memoryview(buf)[:] = os.urandom(len(buf))
+    assert _pmd_mapped_kib(vma_fields(address_of(buf))) == 4096
+    name = _mapping_name(buf)
+    assert "tectonic-payload" in name and name.endswith("(deleted)")
+    assert await pool.run(zlib.crc32, memoryview(buf)) == zlib.crc32(buf)  # (maps it there)
+    assert pool.pid is not None
+    assert _pmd_mapped_kib(_smaps_block(_smaps(pool.pid), name)) == 4096
+    assert "tectonic-payload" not in _mount_table()
+
+
+def test_where_no_tmpfs_can_be_made_the_helper_says_why(monkeypatch) -> None:
+    refuse = "import sys; print('unshare: Operation not permitted', file=sys.stderr); sys.exit(1)"
+    monkeypatch.setattr(huge_tmpfs, "helper_command", lambda: [sys.executable, "-c", refuse])
+    with pytest.raises(OSError, match=r"exit status 1\): unshare: Operation not permitted"):
+        huge_tmpfs.open_private_tmpfs()
+
+
+def test_without_a_tmpfs_buffers_are_memfds(monkeypatch) -> None:
+    monkeypatch.setattr(huge_tmpfs, "private_tmpfs", lambda: None)
+    buffers = SharedBuffers(hugetlb=False)
+    assert buffers.pages == "small" and not buffers.huge
+    buf = buffers.new(wire.HUGE_PAGE)
+    assert "memfd:tectonic-payload" in _mapping_name(buf)
+
+
+def test_a_tmpfs_that_refuses_a_file_gives_a_memfd_instead(monkeypatch, payload_tmpfs) -> None:
+    """A full tmpfs (it may hold half the memory) costs the buffer its huge pages, not the
+    put; running out of descriptors is still the caller's to handle (a private buffer)."""
+    import errno
+
+    refusal = [errno.ENOSPC]
+
+    def refuse(*_args: object) -> None:
+        raise OSError(refusal[0], os.strerror(refusal[0]))
+
+    buffers = SharedBuffers(hugetlb=False)
+    monkeypatch.setattr(huge_tmpfs, "tmpfile_buffer", refuse)
+    buf = buffers.new(wire.HUGE_PAGE)
+    assert "memfd:tectonic-payload" in _mapping_name(buf) and buffers.tmpfs_short == 1
+    refusal[0] = errno.EMFILE
+    assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
+
+
+async def test_a_chunk_store_puts_from_its_tmpfs_of_huge_pages(
+    nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int
+) -> None:
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    data = [os.urandom(1 << 20), os.urandom(1000), os.urandom(4 << 20)]
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        for i, chunk in enumerate(data):
+            await client.put(ids.chunk_id(block, i), chunk, cap)
+        for i, chunk in enumerate(data):
+            assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
+    stats = await server.node_stats()
+    assert stats["payload_pages"] == "thp-tmpfs" and stats["hugetlb_buffers"] == 0
 
 
 def _running(pid: int) -> bool:
