@@ -672,6 +672,11 @@ class RpcServer:
             min(limits.payload_budget // 4, 80 * MiB), make_buffer, huge=huge_buffers
         )
 
+    @property
+    def buffers(self) -> SpareBuffers:
+        """The pool large request payloads are received into (a handler may share it)."""
+        return self._spares
+
     async def serve(
         self,
         host: str,

@@ -581,6 +581,31 @@ async def test_a_chunk_store_puts_from_its_tmpfs_of_huge_pages(
     assert stats["payload_pages"] == "thp-tmpfs" and stats["hugetlb_buffers"] == 0
 
 
+async def test_gets_and_puts_share_the_tmpfs_buffers(
+    nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int
+) -> None:
+    """A buffer a put gave back serves the next get of that size, instead of each kind
+    freeing huge pages that the other then faults in afresh; with memfds for puts, gets
+    keep their own pool of private huge pages."""
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    other, _ = await start_store(nursery, tmp_path / "other", secret, payload_tmpfs=False)
+    assert server._replies is not None and other._replies is not None
+    assert server._replies.spares is server.rpc.buffers
+    assert other._replies.spares is not other.rpc.buffers
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    chunk = os.urandom(1 << 20)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        await client.put(ids.chunk_id(block, 0), chunk, cap)
+        reused = server.rpc.buffers.reused
+        assert bytes(await client.get(ids.chunk_id(block, 0))) == chunk
+        assert server.rpc.buffers.reused == reused + 1
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's reaper may take its time)."""
     try:
