@@ -528,6 +528,60 @@ async def test_payload_buffers_are_huge_pages_of_a_tmpfs_no_one_else_sees(
     assert "tectonic-payload" not in _mount_table()
 
 
+_AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_a_daemon_that_is_not_root_gets_its_tmpfs_through_a_user_namespace() -> None:
+    """The helper's other path: an unprivileged daemon (uid nobody here) gets a tmpfs of
+    huge pages too, through a user namespace of the helper's own, and may make files in it."""
+    import shutil
+    import subprocess
+    import tempfile
+    import textwrap
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (to become nobody) and setpriv")
+    probe = subprocess.run(
+        [*_AS_NOBODY, "unshare", "--user", "--map-current-user", "true"],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip("unprivileged user namespaces are off here")
+    # The module needs nothing but the standard library: a copy nobody can read will do.
+    home = Path(tempfile.mkdtemp(prefix="tectonic-nobody-"))
+    try:
+        home.chmod(0o755)
+        shutil.copy(huge_tmpfs.__file__, home / "huge_tmpfs.py")
+        (home / "huge_tmpfs.py").chmod(0o644)
+        script = textwrap.dedent(
+            r"""
+            import re
+            import huge_tmpfs
+            root = huge_tmpfs.open_private_tmpfs()
+            fd, buf = huge_tmpfs.tmpfile_buffer(root, 4 << 20)
+            buf[:] = b"x" * len(buf)
+            smaps = open("/proc/self/smaps").read()
+            for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps):
+                if "tectonic-payload" in block.split("\n")[0]:
+                    print(re.search(r"ShmemPmdMapped:\s+(\d+) kB", block).group(1))
+            """
+        )
+        done = subprocess.run(
+            [*_AS_NOBODY, "/usr/bin/python3", "-c", script],
+            cwd=home,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["4096"]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_where_no_tmpfs_can_be_made_the_helper_says_why(monkeypatch) -> None:
     refuse = "import sys; print('unshare: Operation not permitted', file=sys.stderr); sys.exit(1)"
     monkeypatch.setattr(huge_tmpfs, "helper_command", lambda: [sys.executable, "-c", refuse])
