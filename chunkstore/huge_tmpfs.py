@@ -41,6 +41,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tectonic_py.process_env import child_env
+
 log = logging.getLogger(__name__)
 
 MOUNT_OPTIONS = "huge=within_size,mode=0700"
@@ -67,9 +69,6 @@ def open_private_tmpfs() -> int:
     shows; OSError saying why where one cannot be made here."""
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with parent, child:
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         try:
             done = subprocess.run(
                 [*helper_command(), str(child.fileno())],
@@ -77,7 +76,7 @@ def open_private_tmpfs() -> int:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                env=env,
+                env=child_env(),
                 timeout=HELPER_TIMEOUT,
                 check=False,
             )

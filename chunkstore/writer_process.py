@@ -55,7 +55,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import outcome
@@ -64,6 +63,7 @@ import trio
 from chunkstore import huge_tmpfs
 from tectonic_py.aio import acquire_soon
 from tectonic_py.errors import Busy, TectonicError, Unavailable, WriterLost
+from tectonic_py.process_env import child_env
 from tectonic_py.wire import HUGE_PAGE
 
 log = logging.getLogger(__name__)
@@ -468,9 +468,6 @@ class WriterProcess:
     async def _start(self) -> _Writer:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            env = dict(os.environ)
-            root = str(Path(__file__).resolve().parent.parent)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
             proc = await trio.lowlevel.open_process(
                 [
                     sys.executable,
@@ -483,7 +480,7 @@ class WriterProcess:
                 ],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=child_env(),
             )
         except BaseException:
             parent.close()

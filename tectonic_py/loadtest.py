@@ -64,6 +64,7 @@ import trio
 
 from tectonic_py.checksum import checksum
 from tectonic_py.errors import ConfigError, TectonicError
+from tectonic_py.process_env import child_env
 
 log = logging.getLogger(__name__)
 
@@ -676,7 +677,7 @@ async def _coordinate(cfg: LoadtestConfig, backend: Any, show_progress: bool) ->
                 [sys.executable, "-m", "tectonic_py.loadtest", "--worker", spec],
                 stdin=-1,
                 stdout=-1,
-                env={**os.environ, "PYTHONPATH": _repo_pythonpath()},
+                env=child_env(),
             )
             assert proc.stdout is not None and proc.stdin is not None
             workers.append(_Worker(i, ranks, proc, _Lines(proc.stdout)))
@@ -907,13 +908,6 @@ def _gbps(phases: list[dict[str, Any]]) -> float:
     """Aggregate GB/s over bursts: bytes moved over the sum of their pauses."""
     seconds = sum(p["seconds"] for p in phases)
     return sum(p["bytes"] for p in phases) / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def _repo_pythonpath() -> str:
-    """Workers import this package from the same tree as the coordinator."""
-    root = str(Path(__file__).resolve().parent.parent)
-    existing = os.environ.get("PYTHONPATH")
-    return root if not existing else f"{root}{os.pathsep}{existing}"
 
 
 class _ProgressBar:

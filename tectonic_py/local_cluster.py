@@ -42,10 +42,10 @@ from tectonic_py import cluster_file
 from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
 from tectonic_py.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.errors import ConfigError, Timeout
+from tectonic_py.process_env import PROJECT_ROOT, child_env
 
 log = logging.getLogger(__name__)
 
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 
 
@@ -77,10 +77,7 @@ class _Daemon:
 
     def spawn(self, argv: list[str]) -> None:
         self.ready_file.unlink(missing_ok=True)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(_PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        )
+        env = child_env()
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
                 argv,
@@ -88,7 +85,7 @@ class _Daemon:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                cwd=str(_PROJECT_ROOT),
+                cwd=str(PROJECT_ROOT),
                 env=env,
             )
 
@@ -435,12 +432,9 @@ class LocalCluster:
         if ECPolicy.parse(self.ec) == DEFAULT_POLICY:
             return
         argv = self._cli() + ["mkdir", str(self.cluster_file), "/", "-p", "--ec", self.ec]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(_PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        )
+        env = child_env()
         r = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.start_timeout,
-                           cwd=str(_PROJECT_ROOT), env=env)
+                           cwd=str(PROJECT_ROOT), env=env)
         if r.returncode != 0:
             raise ConfigError(f"cannot set the root EC policy to {self.ec}: {r.stderr.strip()}")
 

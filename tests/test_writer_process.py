@@ -548,16 +548,25 @@ def test_a_daemon_that_is_not_root_gets_its_tmpfs_through_a_user_namespace() -> 
     )
     if probe.returncode != 0:
         pytest.skip("unprivileged user namespaces are off here")
-    # The module needs nothing but the standard library: a copy nobody can read will do.
+    # The module needs only the standard library and tectonic_py.process_env: a copy of
+    # those that nobody can read will do (the checkout itself may be closed to nobody).
+    repo = Path(huge_tmpfs.__file__).resolve().parent.parent
     home = Path(tempfile.mkdtemp(prefix="tectonic-nobody-"))
     try:
         home.chmod(0o755)
-        shutil.copy(huge_tmpfs.__file__, home / "huge_tmpfs.py")
-        (home / "huge_tmpfs.py").chmod(0o644)
+        for module in (
+            "chunkstore/__init__.py",
+            "chunkstore/huge_tmpfs.py",
+            "tectonic_py/__init__.py",
+            "tectonic_py/process_env.py",
+        ):
+            (home / module).parent.mkdir(mode=0o755, exist_ok=True)
+            shutil.copy(repo / module, home / module)
+            (home / module).chmod(0o644)
         script = textwrap.dedent(
             r"""
             import re
-            import huge_tmpfs
+            from chunkstore import huge_tmpfs
             root = huge_tmpfs.open_private_tmpfs()
             fd, buf = huge_tmpfs.tmpfile_buffer(root, 4 << 20)
             buf[:] = b"x" * len(buf)
