@@ -120,6 +120,13 @@ def _memfd_buffer(size: int, flags: int = 0) -> tuple[int, mmap.mmap]:
         raise
 
 
+def _now_and_then(level: int, count: int, message: str, error: OSError) -> None:
+    """Log ``message % (error, count)`` for the first of a kind of fallback and every
+    thousandth after: a host short of something says so without a line per request."""
+    if count == 1 or count % 1000 == 0:
+        log.log(level, message, error, count)
+
+
 class SharedBuffers:
     """Makes the RPC server's large payload buffers (``wire.SpareBuffers(make=...)``): a
     shared mapping of a file each (the descriptor travels with a job), so that the writer
@@ -175,49 +182,46 @@ class SharedBuffers:
             if e.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             self.private += 1
-            if self.private == 1 or self.private % 1000 == 0:
-                log.warning(
-                    "out of file descriptors for shared payload buffers (%s); %d payloads"
-                    " received into private ones",
-                    e,
-                    self.private,
-                )
+            _now_and_then(
+                logging.WARNING,
+                self.private,
+                "out of file descriptors for shared payload buffers (%s); %d payloads"
+                " received into private ones",
+                e,
+            )
             return mmap.mmap(-1, size)
 
     def new_shared(self, size: int) -> mmap.mmap:
         """A buffer the writer process can map; OSError (EMFILE) when out of descriptors."""
         made = None
-        if self._tmpfs is not None:
-            try:
+        try:
+            if self._tmpfs is not None:
                 made = huge_tmpfs.tmpfile_buffer(self._tmpfs, size)
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    raise
-                # The tmpfs is full (it may take half the memory) or refuses for a reason
-                # of its own: this buffer is a memfd, and the put goes on.
-                self.tmpfs_short += 1
-                if self.tmpfs_short == 1 or self.tmpfs_short % 1000 == 0:
-                    log.warning(
-                        "no file in the payload tmpfs (%s); %d payload buffers made memfds",
-                        e,
-                        self.tmpfs_short,
-                    )
-        elif self._hugetlb and size % HUGE_PAGE == 0:
-            try:
+            elif self._hugetlb and size % HUGE_PAGE == 0:
                 made = _memfd_buffer(size, os.MFD_HUGETLB)
                 self.hugetlb += 1
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    raise
-                # The reservation is used up (ENOMEM), or the host will not give huge
-                # pages after all: this buffer, and the put, go on in small pages.
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
+            # The tmpfs is full (it may take half the memory) or refuses for a reason of its
+            # own; the reservation is used up (ENOMEM), or the host will not give huge pages
+            # after all: this buffer is an ordinary memfd, and the put goes on.
+            if self._tmpfs is not None:
+                self.tmpfs_short += 1
+                _now_and_then(
+                    logging.WARNING,
+                    self.tmpfs_short,
+                    "no file in the payload tmpfs (%s); %d payload buffers made memfds",
+                    e,
+                )
+            else:
                 self.hugetlb_short += 1
-                if self.hugetlb_short == 1 or self.hugetlb_short % 1000 == 0:
-                    log.info(
-                        "no reserved huge page left (%s); %d payload buffers in small pages",
-                        e,
-                        self.hugetlb_short,
-                    )
+                _now_and_then(
+                    logging.INFO,
+                    self.hugetlb_short,
+                    "no reserved huge page left (%s); %d payload buffers in small pages",
+                    e,
+                )
         fd, buf = made or _memfd_buffer(size)
         self._next += 1
         key = id(buf)
