@@ -414,22 +414,27 @@ async def test_reserved_huge_pages_back_whole_huge_page_buffers_until_used_up(
     assert buffers.hugetlb_short == 1
 
 
-async def test_a_chunk_store_puts_from_reserved_huge_pages(
-    nursery, tmp_path: Path, secret: bytes, reserved_huge_pages: int
-) -> None:
+async def _round_trip(port: int, secret: bytes, sizes: list[int]) -> None:
+    """Put chunks of ``sizes`` bytes to the store on ``port``, then get each back whole."""
     from chunkstore.client import ChunkClient
     from tectonic_py import capability, ids
 
-    server, port = await start_store(nursery, tmp_path / "data", secret, payload_tmpfs=False)
     block = ids.new_id()
     cap = capability.issue(secret, block, [NODE])
-    data = [os.urandom(1 << 20), os.urandom(1000), os.urandom(3 << 20)]
+    data = [os.urandom(n) for n in sizes]
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
         for i, chunk in enumerate(data):
             await client.put(ids.chunk_id(block, i), chunk, cap)
         for i, chunk in enumerate(data):
             assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
+
+
+async def test_a_chunk_store_puts_from_reserved_huge_pages(
+    nursery, tmp_path: Path, secret: bytes, reserved_huge_pages: int
+) -> None:
+    server, port = await start_store(nursery, tmp_path / "data", secret, payload_tmpfs=False)
+    await _round_trip(port, secret, [1 << 20, 1000, 3 << 20])
     stats = await server.node_stats()
     assert stats["hugetlb_buffers"] >= 1
 
@@ -627,19 +632,8 @@ def test_a_tmpfs_that_refuses_a_file_gives_a_memfd_instead(monkeypatch, payload_
 async def test_a_chunk_store_puts_from_its_tmpfs_of_huge_pages(
     nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int
 ) -> None:
-    from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
-
     server, port = await start_store(nursery, tmp_path / "data", secret)
-    block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
-    data = [os.urandom(1 << 20), os.urandom(1000), os.urandom(4 << 20)]
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        client = ChunkClient(conn)
-        for i, chunk in enumerate(data):
-            await client.put(ids.chunk_id(block, i), chunk, cap)
-        for i, chunk in enumerate(data):
-            assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
+    await _round_trip(port, secret, [1 << 20, 1000, 4 << 20])
     stats = await server.node_stats()
     assert stats["payload_pages"] == "thp-tmpfs" and stats["hugetlb_buffers"] == 0
 
