@@ -38,11 +38,11 @@ error frame for that request and the connection keeps serving. Domain errors rai
 handler are encoded to their code here, in ``error_to_header``, the only place that does so.
 
 Admission control: each connection has at most ``max_inflight`` requests being handled (the
-reader stops reading, so TCP pushes back on the client); the memory of payloads held across all
-connections (each charged the size of the buffer it lies in) is bounded by
-``payload_budget``; when more than ``max_payload_waiters``
-requests wait for budget, new ones are refused with the retryable ``Busy`` (their payload is
-drained off the socket first, so the connection stays usable).
+reader stops reading, so TCP pushes back on the client); the memory of payloads held across
+all connections (each charged the size of the buffer it lies in) is bounded by
+``payload_budget``; when more than ``max_payload_waiters`` requests wait for budget, new ones
+are refused with the retryable ``Busy`` (their payload is drained off the socket first, so
+the connection stays usable).
 
 TLS: the frame layer needs only a byte stream it can read and write by file descriptor; an
 untrusted network would wrap the socket in TLS below this layer (kTLS keeps plain reads and
