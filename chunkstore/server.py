@@ -14,7 +14,8 @@ crashing the node:
   the writer process (``chunkstore.writer_process``: off this process's GIL, reading each
   payload from the buffer it was received into, shared with it) or, with
   ``disk_workers="threads"``, of a ``DiskWorkers`` pool (``chunkstore.disk_workers``), and at
-  most ``max_concurrent_reads`` gets, each in a worker thread (``trio.to_thread.run_sync``);
+  most ``max_concurrent_reads`` gets, each on a read thread of the writer process where the
+  reply buffers are shared with it, else in a worker thread (``trio.to_thread.run_sync``);
   the rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes;
 * get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
   burst, or readers slower than the disk, make further gets wait instead of holding a chunk
@@ -55,7 +56,12 @@ from chunkstore import layout
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
-from chunkstore.writer_process import SharedBuffers, WriterProcess
+from chunkstore.writer_process import (
+    BufferTooSmall,
+    SharedBuffers,
+    WriterProcess,
+    read_chunk_into,
+)
 from tectonic_py import capability, wire
 from tectonic_py.aio import acquire_soon
 from tectonic_py.errors import (
@@ -236,10 +242,23 @@ class ChunkStoreServer:
         self._writers: WriterProcess | DiskWorkers
         make_buffer = None
         self._shared: SharedBuffers | None = None
+        # Gets read into the put payload buffers' pool where those are huge pages of the
+        # daemon's tmpfs: a buffer a put gave back serves the next get and the other way
+        # round, instead of each kind freeing huge pages the other then faults in afresh
+        # (on this VM, whose freed memory goes back to the host, about 4 ms per 2 MiB).
+        # Their buffers are then shared with the writer process, whose read threads read
+        # whole chunks into them (``_read_by_writer``).
+        self._shared_pool = False
         if config.disk_workers == "process" and hasattr(os, "memfd_create"):
             shared = self._shared = SharedBuffers(tmpfs=config.payload_tmpfs)
             make_buffer = shared.new
-            self._writers = WriterProcess(writers_name, config.max_concurrent_writes, shared)
+            self._shared_pool = shared.pages == "thp-tmpfs"
+            self._writers = WriterProcess(
+                writers_name,
+                config.max_concurrent_writes,
+                shared,
+                config.max_concurrent_reads if self._shared_pool else 0,
+            )
         else:
             self._writers = DiskWorkers(writers_name, config.max_concurrent_writes)
         self.rpc = wire.RpcServer(
@@ -282,13 +301,8 @@ class ChunkStoreServer:
         self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the data directory, recover, listen; ``started((host, port))`` after bind."""
-        # Gets read into the put payload buffers' pool where those are huge pages of the
-        # daemon's tmpfs: a buffer a put gave back serves the next get and the other way
-        # round, instead of each kind freeing huge pages the other then faults in afresh
-        # (on this VM, whose freed memory goes back to the host, about 4 ms per 2 MiB).
-        shared_pool = self._shared is not None and self._shared.pages == "thp-tmpfs"
         self._replies = _ReplyBudget(
-            self.config.reply_budget, self.rpc.buffers if shared_pool else None
+            self.config.reply_budget, self.rpc.buffers if self._shared_pool else None
         )
         await trio.to_thread.run_sync(self._open_data_dir)
         try:
@@ -504,24 +518,33 @@ class ChunkStoreServer:
                     guess = 0
                 elif length is None:
                     guess = self._whole_span
-                else:  # what a whole read of a chunk of ``length`` bytes takes, at most
-                    guess = layout.direct_span(layout.file_size_for(length))
+                else:  # what a read of ``length`` bytes from the start takes, at most: of a
+                    # whole chunk of that length, or of the segments of a longer one's prefix
+                    guess = max(
+                        layout.direct_span(layout.file_size_for(length)),
+                        layout.segment_count(length) * layout.SEGMENT_SIZE,
+                    )
                 ready: list[Buffer] = []
                 try:
+                    read = None
                     if guess:
                         # The buffer the read will ask for, most likely, taken here: the
                         # worker thread then does not come back to the event loop for it
                         # (a trip that cost as much as the rest of the get's hand-offs).
                         ready.append(await replies.take(guess, taken))
+                        if not offset:
+                            read = await self._read_by_writer(chunk_id, length, ready[0])
+                    if read is None:
 
-                    def alloc(n: int) -> Buffer:
-                        if ready and n <= guess:
-                            return ready.pop()
-                        return replies.alloc(n, taken)
+                        def alloc(n: int) -> Buffer:
+                            if ready and n <= guess:
+                                return ready.pop()
+                            return replies.alloc(n, taken)
 
-                    header, data, crc = await trio.to_thread.run_sync(
-                        layout.read_chunk, self.data_dir, chunk_id, offset, length, alloc
-                    )
+                        read = await trio.to_thread.run_sync(
+                            layout.read_chunk, self.data_dir, chunk_id, offset, length, alloc
+                        )
+                    header, data, crc = read
                 except BaseException:
                     replies.give_back(taken)
                     raise
@@ -533,6 +556,30 @@ class ChunkStoreServer:
             self._outstanding -= 1
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
         return fields, data, lambda: replies.give_back(taken)
+
+    async def _read_by_writer(
+        self, chunk_id: str, length: int | None, buf: Buffer
+    ) -> tuple[layout.ChunkHeader, memoryview, int] | None:
+        """Read a chunk from its start into ``buf`` on a read thread of the writer process;
+        None where that cannot be done (no read threads, a buffer not shared or too small,
+        no writer up, or it died during the read), for the caller to read in a thread of its
+        own (a get can be repeated)."""
+        writers = self._writers
+        if not isinstance(writers, WriterProcess) or not writers.read_threads:
+            return None
+        view = memoryview(buf)
+        if writers.pid is None or not writers.shares(view):
+            return None
+        try:
+            header, start, n, crc = await writers.read(
+                read_chunk_into, self.data_dir, chunk_id, 0, length, view
+            )
+        except BufferTooSmall:
+            return None
+        except (WriterLost, Unavailable) as e:
+            log.warning("%s: get of %s read in a thread instead: %s", self.data_dir, chunk_id, e)
+            return None
+        return header, view[start : start + n], crc
 
     async def _delete(self, req: wire.Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)

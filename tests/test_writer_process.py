@@ -727,3 +727,142 @@ def test_the_writer_outlives_the_thread_that_started_it_and_dies_with_its_daemon
             daemon.stdout.close()
         if writer is not None and _running(writer):
             os.kill(writer, signal.SIGKILL)
+
+
+# --- gets on the writer's read threads -------------------------------------------------------
+
+
+async def test_reads_have_threads_and_a_limit_of_their_own(nursery) -> None:
+    buffers = SharedBuffers()
+    pool = WriterProcess("test", 1, buffers, read_threads=2)
+    await nursery.start(pool.serve)
+    async with trio.open_nursery() as n:
+        n.start_soon(pool.run, time.sleep, 3.0)
+        with trio.fail_after(10):
+            while pool.busy < 1:
+                await trio.sleep(0.01)
+        # The one write thread is busy: a read goes on a thread of its own, not after it.
+        assert await pool.read(os.getpid) == pool.pid
+        assert pool.busy == 1 and pool.sent == 1 and pool.reading == 0
+        seen: list[int] = []
+        async with trio.open_nursery() as reads:
+            for _ in range(3):
+                reads.start_soon(pool.read, time.sleep, 0.3)
+            while pool.reading or not seen:
+                seen.append(pool.reading)
+                await trio.sleep(0.01)
+        assert max(seen) == 2  # three reads, two read threads
+        assert pool.busy == 1
+        n.cancel_scope.cancel()
+    with pytest.raises(ValueError, match="shared"):  # where ``fn`` would write into a copy
+        await pool.read(zlib.crc32, memoryview(bytearray(10)))
+    assert await pool.read(zlib.crc32, memoryview(buffers.new(4096))) == zlib.crc32(bytes(4096))
+
+
+async def test_a_pool_without_read_threads_takes_no_read(nursery) -> None:
+    pool = WriterProcess("test", 1, SharedBuffers())
+    await nursery.start(pool.serve)
+    with pytest.raises(ValueError, match="no read threads"):
+        await pool.read(os.getpid)
+
+
+@pytest.fixture
+def daemon_reads(monkeypatch) -> list[int]:
+    """Counts the chunk reads this process (the daemon) does itself, in its threads."""
+    calls: list[int] = []
+    real = layout.read_chunk
+
+    def read_chunk(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layout, "read_chunk", read_chunk)
+    return calls
+
+
+async def test_whole_gets_are_read_by_the_writers_read_threads(
+    nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int, daemon_reads: list[int]
+) -> None:
+    """A get from a chunk's start is read into its reply buffer by the writer process once
+    the daemon knows what buffer a chunk takes; a ranged get, a first get and a chunk larger
+    than the buffer are read in the daemon's threads. Errors come back as themselves."""
+    from test_chunkstore import flip_byte
+
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+    from tectonic_py.errors import ChunkCorrupt, ChunkNotFound
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    assert isinstance(server._writers, WriterProcess)
+    assert server._writers.read_threads == server.config.max_concurrent_reads
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    sizes = [1 << 20, 1000, 4 << 20]
+    data = [os.urandom(n) for n in sizes]
+    cids = [ids.chunk_id(block, i) for i in range(len(sizes))]
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        for cid, chunk in zip(cids, data):
+            await client.put(cid, chunk, cap)
+
+        async def get(i: int, *range_: int) -> int:
+            got = await client.get(cids[i], *range_)
+            want = data[i][range_[0] : range_[0] + range_[1]] if range_ else data[i]
+            assert bytes(got) == want
+            return len(daemon_reads)
+
+        assert await get(0) == 1  # the first: no buffer size known yet
+        assert await get(0) == 1
+        assert await get(0, 0, 4096) == 1  # from the start: the same read, cut short
+        assert await get(0, 100, 4096) == 2  # ranged
+        assert await get(1) == 2  # fits the 1 MiB chunk's buffer
+        assert await get(2) == 3  # larger than the small chunk's buffer: read again here
+        assert await get(2) == 3
+        with pytest.raises(ChunkNotFound):
+            await client.get(ids.chunk_id(block, 9))
+        path = layout.chunk_path(server.data_dir, cids[2])
+        flip_byte(path, layout.read_header(path).data_offset + 12345)
+        with pytest.raises(ChunkCorrupt):
+            await client.get(cids[2])
+        assert len(daemon_reads) == 3
+        # Every reply buffer went back to the budget, those of the errors too.
+        assert server.reply_bytes_held == 0
+
+
+async def test_a_get_whose_writer_dies_is_read_again_in_a_thread(
+    nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int, daemon_reads: list[int]
+) -> None:
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    assert isinstance(server._writers, WriterProcess)
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    cid = ids.chunk_id(block, 0)
+    chunk = os.urandom(1 << 20)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        await client.put(cid, chunk, cap)
+        assert bytes(await client.get(cid)) == chunk
+        assert len(daemon_reads) == 1
+        first = server._writers.pid
+        assert first is not None
+        os.kill(first, signal.SIGSTOP)  # the read job waits in the writer's socket
+        got: list[bytes] = []
+
+        async def get() -> None:
+            got.append(bytes(await client.get(cid)))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(get)
+            with trio.fail_after(10):
+                while not server._writers.reading:
+                    await trio.sleep(0.005)
+            os.kill(first, signal.SIGKILL)
+        assert got == [chunk] and len(daemon_reads) == 2
+        with trio.fail_after(30):
+            while server._writers.pid in (None, first):
+                await trio.sleep(0.05)
+        assert bytes(await client.get(cid)) == chunk
+        assert len(daemon_reads) == 2  # the new writer reads again
