@@ -126,15 +126,11 @@ def _reserve_huge_pages(count: int) -> int:
     return before
 
 
-async def _payload_pages(port: int, secret: bytes) -> tuple[str, int, int]:
-    """Where the daemon's put buffers came from, and its hugetlb counts (``node_stats``)."""
+async def _node_stats(port: int, secret: bytes) -> dict[str, Any]:
+    """The daemon's ``node_stats``: where its put buffers came from, its hugetlb counts,
+    where its gets were read."""
     async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        f = (await conn.call("node_stats")).fields
-    return (
-        str(f.get("payload_pages", "?")),
-        int(f.get("hugetlb_buffers", 0)),
-        int(f.get("hugetlb_short", 0)),
-    )
+        return dict((await conn.call("node_stats")).fields)
 
 
 async def run_case(
@@ -303,7 +299,7 @@ def main() -> int:
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
                 before = after
-        pages = trio.run(_payload_pages, port, secret)
+        stats = trio.run(_node_stats, port, secret)
     finally:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -340,7 +336,8 @@ def main() -> int:
             r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
         )
 
-    kind, hugetlb, short = pages
+    kind = str(stats.get("payload_pages", "?"))
+    hugetlb, short = int(stats.get("hugetlb_buffers", 0)), int(stats.get("hugetlb_short", 0))
     if kind == "hugetlb":
         print(
             f"put payload buffers in reserved huge pages: {hugetlb}; beyond the reservation,"
@@ -348,6 +345,10 @@ def main() -> int:
         )
     else:  # thp-tmpfs: the daemon's own tmpfs of huge pages; small: memfds
         print(f"put payload buffers: {kind} (node_stats payload_pages)")
+    print(
+        f"gets read on the writer process's read threads: {stats.get('gets_by_writer', 0)},"
+        f" on the daemon's threads: {stats.get('gets_by_daemon', 0)}"
+    )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:

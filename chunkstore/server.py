@@ -294,6 +294,8 @@ class ChunkStoreServer:
         )
         self._puts_in_flight = 0
         self._whole_span = 0  # buffer size of the last whole get (``_get``)
+        self.gets_by_writer = 0  # gets read on the writer process's read threads
+        self.gets_by_daemon = 0  # and on this process's threads
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -534,7 +536,10 @@ class ChunkStoreServer:
                         ready.append(await replies.take(guess, taken))
                         if not offset:
                             read = await self._read_by_writer(chunk_id, length, ready[0])
-                    if read is None:
+                    if read is not None:
+                        self.gets_by_writer += 1
+                    else:
+                        self.gets_by_daemon += 1
 
                         def alloc(n: int) -> Buffer:
                             if ready and n <= guess:
@@ -574,7 +579,9 @@ class ChunkStoreServer:
             header, start, n, crc = await writers.read(
                 read_chunk_into, self.data_dir, chunk_id, 0, length, view
             )
-        except BufferTooSmall:
+        except BufferTooSmall as e:
+            if length is None:  # the gets after this one take a buffer of the right size
+                self._whole_span = e.need
             return None
         except (WriterLost, Unavailable) as e:
             log.warning("%s: get of %s read in a thread instead: %s", self.data_dir, chunk_id, e)
@@ -670,6 +677,10 @@ class ChunkStoreServer:
             "payload_pages": "private" if self._shared is None else self._shared.pages,
             "hugetlb_buffers": 0 if self._shared is None else self._shared.hugetlb,
             "hugetlb_short": 0 if self._shared is None else self._shared.hugetlb_short,
+            # where gets were read: on the writer's read threads, or this process's threads
+            # (ranged gets, first gets, fallbacks, all of them without shared buffers)
+            "gets_by_writer": self.gets_by_writer,
+            "gets_by_daemon": self.gets_by_daemon,
         }
 
     # --- membership --------------------------------------------------------------------------

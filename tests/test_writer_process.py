@@ -827,6 +827,8 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
         assert len(daemon_reads) == 3
         # Every reply buffer went back to the budget, those of the errors too.
         assert server.reply_bytes_held == 0
+    stats = await server.node_stats()
+    assert (stats["gets_by_writer"], stats["gets_by_daemon"]) == (4, 3)
 
 
 async def test_a_get_whose_writer_dies_is_read_again_in_a_thread(
