@@ -868,3 +868,44 @@ async def test_a_get_whose_writer_dies_is_read_again_in_a_thread(
                 await trio.sleep(0.05)
         assert bytes(await client.get(cid)) == chunk
         assert len(daemon_reads) == 2  # the new writer reads again
+
+
+async def test_a_get_cancelled_while_the_writer_reads_it_gives_its_buffer_back(
+    nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int
+) -> None:
+    """The client goes away while its get is in the writer: the read is waited for (a job
+    sent cannot be taken back), then its buffer and budget are returned, and the store
+    serves on."""
+    from chunkstore.client import ChunkClient
+    from tectonic_py import capability, ids
+
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    assert isinstance(server._writers, WriterProcess)
+    block = ids.new_id()
+    cap = capability.issue(secret, block, [NODE])
+    cid = ids.chunk_id(block, 0)
+    chunk = os.urandom(1 << 20)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        client = ChunkClient(conn)
+        await client.put(cid, chunk, cap)
+        assert bytes(await client.get(cid)) == chunk
+    pid = server._writers.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with wire.open_connection("127.0.0.1", port, secret) as conn:
+            async with trio.open_nursery() as n:
+                n.start_soon(ChunkClient(conn).get, cid)
+                with trio.fail_after(10):
+                    while not server._writers.reading:
+                        await trio.sleep(0.005)
+                n.cancel_scope.cancel()
+        assert server.reply_bytes_held > 0  # held while the writer still has the job
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with trio.fail_after(10):
+        while server._writers.reading or server.reply_bytes_held:
+            await trio.sleep(0.01)
+    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        assert bytes(await ChunkClient(conn).get(cid)) == chunk
+    assert server._writers.pid == pid and server.reply_bytes_held == 0
