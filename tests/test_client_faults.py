@@ -217,7 +217,10 @@ async def test_a_hung_chunk_store_does_not_stall_a_write(local_cluster, caplog):
     local_cluster.add_chunkstore()  # 11 stores: two spares per RS(6,3) block
     pid = local_cluster.chunkstore_pids()[2]
     assert pid is not None
-    data = _data(4 * 6 * 64 * 1024, seed=41)
+    # 8 blocks: each puts its 9 chunks on 9 of the 11 stores, picked at random, so the hung
+    # one takes none of them with a chance of (2/11)^8 (with 4 blocks, 1 in 900: a CI run
+    # saw it once, and the write then had nothing to hedge).
+    data = _data(8 * 6 * 64 * 1024, seed=41)
     async with open_client(local_cluster.cluster_file, write_hedge_s=0.5,
                            chunk_timeout=60.0) as client:
         os.kill(pid, signal.SIGSTOP)
