@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import signal
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 from test_chunkstore import NODE, start_store
-from wire_helpers import address_of, vma_fields
+from wire_helpers import address_of, mapping_at, mappings, vma_fields
 
 from chunkstore import huge_tmpfs, layout, writer_process
 from chunkstore.writer_process import SharedBuffers, WriterProcess
@@ -477,39 +476,15 @@ def _pmd_mapped_kib(smaps_block: dict[str, str]) -> int:
     return int(smaps_block.get("ShmemPmdMapped", "0 kB").split()[0])
 
 
-def _smaps_block(smaps: str, name: str) -> dict[str, str]:
-    """The fields of the one mapping of file ``name`` in a /proc/PID/smaps text."""
-    blocks: list[dict[str, str]] = []
-    for line in smaps.splitlines():
-        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-            parts = line.split(maxsplit=5)
-            blocks.append({"name": parts[5].strip() if len(parts) > 5 else ""})
-        elif blocks:
-            key, _, value = line.partition(":")
-            blocks[-1][key] = value.strip()
-    found = [block for block in blocks if block["name"] == name]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def _smaps(pid: int) -> str:
-    with open(f"/proc/{pid}/smaps") as f:
-        return f.read()
-
-
 def _mount_table() -> str:
     with open("/proc/self/mountinfo") as f:
         return f.read()
 
 
 def _mapping_name(buf: object) -> str:
-    start = address_of(buf)
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= start < hi:
-                return line.split(maxsplit=5)[5].strip()
-    raise AssertionError("buffer not mapped")
+    found = mapping_at(address_of(buf))
+    assert found is not None, "buffer not mapped"
+    return found.name
 
 
 async def test_payload_buffers_are_huge_pages_of_a_tmpfs_no_one_else_sees(
@@ -529,7 +504,9 @@ async def test_payload_buffers_are_huge_pages_of_a_tmpfs_no_one_else_sees(
     assert "tectonic-payload" in name and name.endswith("(deleted)")
     assert await pool.run(zlib.crc32, memoryview(buf)) == zlib.crc32(buf)  # (maps it there)
     assert pool.pid is not None
-    assert _pmd_mapped_kib(_smaps_block(_smaps(pool.pid), name)) == 4096
+    there = [m for m in mappings(pool.pid) if m.name == name]
+    assert len(there) == 1, there
+    assert _pmd_mapped_kib(there[0].fields) == 4096
     assert "tectonic-payload" not in _mount_table()
 
 
@@ -893,13 +870,15 @@ async def test_a_get_cancelled_while_the_writer_reads_it_gives_its_buffer_back(
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
-        async with wire.open_connection("127.0.0.1", port, secret) as conn:
-            async with trio.open_nursery() as n:
-                n.start_soon(ChunkClient(conn).get, cid)
-                with trio.fail_after(10):
-                    while not server._writers.reading:
-                        await trio.sleep(0.005)
-                n.cancel_scope.cancel()
+        async with (
+            wire.open_connection("127.0.0.1", port, secret) as conn,
+            trio.open_nursery() as n,
+        ):
+            n.start_soon(ChunkClient(conn).get, cid)
+            with trio.fail_after(10):
+                while not server._writers.reading:
+                    await trio.sleep(0.005)
+            n.cancel_scope.cancel()
         assert server.reply_bytes_held > 0  # held while the writer still has the job
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -8,6 +8,7 @@ that has passed the handshake but sends bytes no ``wire.Connection`` would send.
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import trio
 
@@ -27,21 +28,38 @@ async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
     return sock
 
 
-def vma_fields(address: int, pid: int | str = "self") -> dict[str, str]:
-    """The /proc/PID/smaps fields (``KernelPageSize``, ``THPeligible``...) of the mapping
-    that holds ``address``; empty if none does."""
-    fields: dict[str, str] = {}
-    inside = False
+class Mapping(NamedTuple):
+    start: int
+    end: int
+    name: str  # the file's path, ``[heap]``..., or "" for anonymous memory
+    fields: dict[str, str]  # ``KernelPageSize``, ``THPeligible``, ``ShmemPmdMapped``...
+
+
+def mappings(pid: int | str = "self") -> list[Mapping]:
+    """The mappings of /proc/PID/smaps, with their fields."""
+    found: list[Mapping] = []
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
-            head = line.split()[0]
+            head = line.split(maxsplit=1)[0]
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside:
+                parts = line.split(maxsplit=5)
+                found.append(Mapping(lo, hi, parts[5].strip() if len(parts) > 5 else "", {}))
+            elif found:
                 key, _, value = line.partition(":")
-                fields[key] = value.strip()
-    return fields
+                found[-1].fields[key] = value.strip()
+    return found
+
+
+def mapping_at(address: int, pid: int | str = "self") -> Mapping | None:
+    """The mapping that holds ``address``, None if none does."""
+    return next((m for m in mappings(pid) if m.start <= address < m.end), None)
+
+
+def vma_fields(address: int, pid: int | str = "self") -> dict[str, str]:
+    """The smaps fields of the mapping that holds ``address``; empty if none does."""
+    found = mapping_at(address, pid)
+    return {} if found is None else found.fields
 
 
 def address_of(buf: object) -> int:
