@@ -261,7 +261,7 @@ def main() -> int:
     proc = None
     rows: list[dict[str, Any]] = []
     reserved_before = _reserve_huge_pages(args.huge_pages) if args.huge_pages else None
-    pages: tuple[str, int, int] = ("?", 0, 0)
+    stats: dict[str, Any] = {}
     try:
         secret = secrets.token_hex(32).encode()
         secret_file = scratch / "secret"
