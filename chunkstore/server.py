@@ -58,6 +58,7 @@ from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
 from chunkstore.writer_process import (
     BufferTooSmall,
+    NotShared,
     SharedBuffers,
     WriterProcess,
     read_chunk_into,
@@ -572,13 +573,15 @@ class ChunkStoreServer:
         writers = self._writers
         if not isinstance(writers, WriterProcess) or not writers.read_threads:
             return None
-        view = memoryview(buf)
-        if writers.pid is None or not writers.shares(view):
+        if writers.pid is None:
             return None
+        view = memoryview(buf)
         try:
             header, start, n, crc = await writers.read(
                 read_chunk_into, self.data_dir, chunk_id, 0, length, view
             )
+        except NotShared:  # (a private buffer: the daemon was out of file descriptors)
+            return None
         except BufferTooSmall as e:
             if length is None:  # the gets after this one take a buffer of the right size
                 self._whole_span = e.need

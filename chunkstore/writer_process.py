@@ -102,6 +102,10 @@ class BufferTooSmall(Exception):
         self.need = need
 
 
+class NotShared(ValueError):
+    """A read's buffer is not one the writer process maps: it would read into a copy."""
+
+
 def read_chunk_into(
     data_dir: Path, chunk_id: str, offset: int, length: int | None, buf: memoryview
 ) -> tuple[layout.ChunkHeader, int, int, int]:
@@ -408,15 +412,11 @@ class WriterProcess:
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """``run`` on a read thread: up to ``read_threads`` at once, whatever the writes do.
-        A memoryview argument must lie in a shared buffer (``shares``): ``fn`` may write
-        into it, where ``run`` would pass a copy of one that does not."""
+        A memoryview argument must lie in a shared buffer, else NotShared before anything is
+        sent: ``fn`` may write into it, where ``run`` would pass a copy of one that does not."""
         if not self.read_threads:
             raise ValueError(f"{self.name}: no read threads")
         return await self._run(fn, args, read=True)
-
-    def shares(self, view: memoryview) -> bool:
-        """True if the writer sees ``view`` itself, not a copy."""
-        return self.buffers.locate(view, []) is not None
 
     async def _run(self, fn: Callable[..., T], args: tuple[Any, ...], read: bool) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -447,7 +447,7 @@ class WriterProcess:
         view = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
         shared = self.buffers.locate(view, fds)
         if shared is None and read:
-            raise ValueError(f"{self.name}: a read's buffer must be shared")
+            raise NotShared(f"{self.name}: a read's buffer must be shared")
         if shared is None:
             if view.nbytes <= MAX_INLINE:
                 return bytes(view)
