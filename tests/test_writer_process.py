@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_chunkstore import NODE, start_store
+from test_chunkstore import NODE, new_chunk, open_client, start_store
 from wire_helpers import address_of, mapping_at, mappings, vma_fields
 
 from chunkstore import huge_tmpfs, layout, writer_process
-from chunkstore.writer_process import SharedBuffers, WriterProcess
+from chunkstore.server import ChunkStoreServer
+from chunkstore.writer_process import NotShared, SharedBuffers, WriterProcess
 from tectonic_py import wire
 from tectonic_py.errors import InvalidArgument, Unavailable, WriterLost
 
@@ -731,7 +732,7 @@ async def test_reads_have_threads_and_a_limit_of_their_own(nursery) -> None:
         assert max(seen) == 2  # three reads, two read threads
         assert pool.busy == 1
         n.cancel_scope.cancel()
-    with pytest.raises(ValueError, match="shared"):  # where ``fn`` would write into a copy
+    with pytest.raises(NotShared, match="shared"):  # where ``fn`` would write into a copy
         await pool.read(zlib.crc32, memoryview(bytearray(10)))
     assert await pool.read(zlib.crc32, memoryview(buffers.new(4096))) == zlib.crc32(bytes(4096))
 
@@ -765,21 +766,17 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
     than the buffer are read in the daemon's threads. Errors come back as themselves."""
     from test_chunkstore import flip_byte
 
-    from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
     from tectonic_py.errors import ChunkCorrupt, ChunkNotFound
 
     server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)
     assert server._writers.read_threads == server.config.max_concurrent_reads
-    block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
     sizes = [1 << 20, 1000, 4 << 20]
     data = [os.urandom(n) for n in sizes]
-    cids = [ids.chunk_id(block, i) for i in range(len(sizes))]
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        client = ChunkClient(conn)
-        for cid, chunk in zip(cids, data):
+    chunks = [new_chunk(secret) for _ in sizes]
+    cids = [cid for cid, _cap in chunks]
+    async with open_client(port, secret) as client:
+        for (cid, cap), chunk in zip(chunks, data):
             await client.put(cid, chunk, cap)
 
         async def get(i: int, *range_: int) -> int:
@@ -796,7 +793,7 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
         assert await get(2) == 3  # larger than the small chunk's buffer: read again here
         assert await get(2) == 3
         with pytest.raises(ChunkNotFound):
-            await client.get(ids.chunk_id(block, 9))
+            await client.get(new_chunk(secret)[0])
         path = layout.chunk_path(server.data_dir, cids[2])
         flip_byte(path, layout.read_header(path).data_offset + 12345)
         with pytest.raises(ChunkCorrupt):
@@ -808,23 +805,28 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
     assert (stats["gets_by_writer"], stats["gets_by_daemon"]) == (4, 3)
 
 
+async def _store_with_a_chunk(
+    nursery, tmp_path: Path, secret: bytes
+) -> tuple[ChunkStoreServer, int, str, bytes]:
+    """A store holding a 1 MiB chunk, got back once: the gets after know its buffer size, so
+    they go to the writer's read threads."""
+    server, port = await start_store(nursery, tmp_path / "data", secret)
+    assert isinstance(server._writers, WriterProcess)
+    cid, cap = new_chunk(secret)
+    chunk = os.urandom(1 << 20)
+    async with open_client(port, secret) as client:
+        await client.put(cid, chunk, cap)
+        assert bytes(await client.get(cid)) == chunk
+    return server, port, cid, chunk
+
+
 async def test_a_get_whose_writer_dies_is_read_again_in_a_thread(
     nursery, tmp_path: Path, secret: bytes, payload_tmpfs: int, daemon_reads: list[int]
 ) -> None:
-    from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
-
-    server, port = await start_store(nursery, tmp_path / "data", secret)
+    server, port, cid, chunk = await _store_with_a_chunk(nursery, tmp_path, secret)
     assert isinstance(server._writers, WriterProcess)
-    block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
-    cid = ids.chunk_id(block, 0)
-    chunk = os.urandom(1 << 20)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        client = ChunkClient(conn)
-        await client.put(cid, chunk, cap)
-        assert bytes(await client.get(cid)) == chunk
-        assert len(daemon_reads) == 1
+    assert len(daemon_reads) == 1
+    async with open_client(port, secret) as client:
         first = server._writers.pid
         assert first is not None
         os.kill(first, signal.SIGSTOP)  # the read job waits in the writer's socket
@@ -853,28 +855,14 @@ async def test_a_get_cancelled_while_the_writer_reads_it_gives_its_buffer_back(
     """The client goes away while its get is in the writer: the read is waited for (a job
     sent cannot be taken back), then its buffer and budget are returned, and the store
     serves on."""
-    from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
-
-    server, port = await start_store(nursery, tmp_path / "data", secret)
+    server, port, cid, chunk = await _store_with_a_chunk(nursery, tmp_path, secret)
     assert isinstance(server._writers, WriterProcess)
-    block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
-    cid = ids.chunk_id(block, 0)
-    chunk = os.urandom(1 << 20)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        client = ChunkClient(conn)
-        await client.put(cid, chunk, cap)
-        assert bytes(await client.get(cid)) == chunk
     pid = server._writers.pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
-        async with (
-            wire.open_connection("127.0.0.1", port, secret) as conn,
-            trio.open_nursery() as n,
-        ):
-            n.start_soon(ChunkClient(conn).get, cid)
+        async with open_client(port, secret) as client, trio.open_nursery() as n:
+            n.start_soon(client.get, cid)
             with trio.fail_after(10):
                 while not server._writers.reading:
                     await trio.sleep(0.005)
@@ -885,6 +873,6 @@ async def test_a_get_cancelled_while_the_writer_reads_it_gives_its_buffer_back(
     with trio.fail_after(10):
         while server._writers.reading or server.reply_bytes_held:
             await trio.sleep(0.01)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        assert bytes(await ChunkClient(conn).get(cid)) == chunk
+    async with open_client(port, secret) as client:
+        assert bytes(await client.get(cid)) == chunk
     assert server._writers.pid == pid and server.reply_bytes_held == 0
