@@ -120,8 +120,9 @@ def bench_chunk_sizes(root: Path, size: int, cores: int, sizes_mib: list[int]) -
     """The same write and read at several chunk sizes C: the measurement behind the default."""
     out = []
     for c in sizes_mib:
-        with LocalCluster(root / f"sweep{c}", chunkstores=9, metadata_servers=2, shards=64,
-                          chunk_size=c * MiB) as cl:
+        with LocalCluster(
+            root / f"sweep{c}", chunkstores=9, metadata_servers=2, shards=64, chunk_size=c * MiB
+        ) as cl:
             for fig in bench_single(cl, size, cores):
                 fig["name"] = f"{fig['name']} C={c}MiB"
                 out.append(fig)
@@ -166,14 +167,17 @@ def _burst_proc(cluster_file: str, proc: int, tasks: int, size: int, q: Any) -> 
     q.put(trio.run(main))
 
 
-def bench_burst(cluster: LocalCluster, procs: int, tasks: int, size: int,
-                cores: int) -> dict[str, Any]:
+def bench_burst(
+    cluster: LocalCluster, procs: int, tasks: int, size: int, cores: int
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     meter = CpuMeter(cluster.pids())
     c0, t0 = meter.read(), time.perf_counter()
-    ps = [ctx.Process(target=_burst_proc, args=(str(cluster.cluster_file), p, tasks, size, q))
-          for p in range(procs)]
+    ps = [
+        ctx.Process(target=_burst_proc, args=(str(cluster.cluster_file), p, tasks, size, q))
+        for p in range(procs)
+    ]
     for p in ps:
         p.start()
     errors = sum(q.get(timeout=1800) for _ in ps)
@@ -182,8 +186,9 @@ def bench_burst(cluster: LocalCluster, procs: int, tasks: int, size: int,
     t1 = time.perf_counter()
     # The burst processes are children of this one: their CPU shows in children_* once joined.
     c1 = meter.read()
-    fig = _figure(f"burst {procs}x{tasks}x{size // MiB}MiB", procs * tasks * size, t1 - t0,
-                  c1 - c0, cores)
+    fig = _figure(
+        f"burst {procs}x{tasks}x{size // MiB}MiB", procs * tasks * size, t1 - t0, c1 - c0, cores
+    )
     fig["errors"] = errors
     return fig
 
@@ -213,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-mib", type=int, default=256)
     parser.add_argument("--no-ceilings", action="store_true")
     parser.add_argument("--chunk-mib", type=int, default=4, help="C of the main run")
-    parser.add_argument("--sweep-chunk-mib", default="",
-                        help="e.g. 1,2,4,8: also write+read --sweep-size-mib at each C")
+    parser.add_argument(
+        "--sweep-chunk-mib",
+        default="",
+        help="e.g. 1,2,4,8: also write+read --sweep-size-mib at each C",
+    )
     parser.add_argument("--sweep-size-mib", type=int, default=512)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where the cluster lives")
@@ -228,11 +236,18 @@ def main(argv: list[str] | None = None) -> int:
             results["ceilings"] = ceilings(root, args.size_mib * MiB)
         if args.sweep_chunk_mib:
             results["chunk_sweep"] = bench_chunk_sizes(
-                root, args.sweep_size_mib * MiB, cores,
+                root,
+                args.sweep_size_mib * MiB,
+                cores,
                 [int(x) for x in args.sweep_chunk_mib.split(",")],
             )
-        with LocalCluster(root / "cluster", chunkstores=9, metadata_servers=2, shards=64,
-                          chunk_size=args.chunk_mib * MiB) as cl:
+        with LocalCluster(
+            root / "cluster",
+            chunkstores=9,
+            metadata_servers=2,
+            shards=64,
+            chunk_size=args.chunk_mib * MiB,
+        ) as cl:
             results["single"] = bench_single(
                 cl, args.size_mib * MiB, cores, window_bytes=args.window_mib * MiB
             )
@@ -249,17 +264,23 @@ def main(argv: list[str] | None = None) -> int:
         print()
     else:
         for c in results.get("ceilings", []):
-            print(f"ceiling {c['name']:>24}: {c.get('mbps') or 0:8.1f} MB/s  "
-                  f"{c.get('cpu_s_per_gib') or 0:6.2f} CPU-s/GiB")
+            print(
+                f"ceiling {c['name']:>24}: {c.get('mbps') or 0:8.1f} MB/s  "
+                f"{c.get('cpu_s_per_gib') or 0:6.2f} CPU-s/GiB"
+            )
         for f in results.get("chunk_sweep", []) + results["single"]:
             rss = f.get("client_rss_growth_MiB")
-            print(f"{f['name']:>6}: {f['MB_per_s']:8.1f} MB/s  {f['cpu_s_per_GiB']:6.2f} CPU-s/GiB"
-                  f"  core utilisation {f['core_utilisation']:.2f}"
-                  + (f"  client RSS +{rss} MiB (window {args.window_mib} MiB)" if rss else ""))
+            print(
+                f"{f['name']:>6}: {f['MB_per_s']:8.1f} MB/s  {f['cpu_s_per_GiB']:6.2f} CPU-s/GiB"
+                f"  core utilisation {f['core_utilisation']:.2f}"
+                + (f"  client RSS +{rss} MiB (window {args.window_mib} MiB)" if rss else "")
+            )
         if "burst" in results:
             b = results["burst"]
-            print(f"{b['name']}: {b['MB_per_s']:.1f} MB/s {b['cpu_s_per_GiB']:.2f} CPU-s/GiB "
-                  f"errors {b['errors']} ratio to single write {b['ratio_to_single_write']}")
+            print(
+                f"{b['name']}: {b['MB_per_s']:.1f} MB/s {b['cpu_s_per_GiB']:.2f} CPU-s/GiB "
+                f"errors {b['errors']} ratio to single write {b['ratio_to_single_write']}"
+            )
     return 0
 
 

@@ -231,9 +231,20 @@ def tectonic_mounted(cluster_file: Path, mountpoint: Path, log_file: Path) -> It
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     with open(log_file, "ab") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tectonic_py.cli", "mount", str(cluster_file), str(mountpoint),
-             "--foreground"],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+            [
+                sys.executable,
+                "-m",
+                "tectonic_py.cli",
+                "mount",
+                str(cluster_file),
+                str(mountpoint),
+                "--foreground",
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
             start_new_session=True,
         )
     try:
@@ -274,8 +285,11 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
     def keep(rs: list[dict[str, Any]]) -> None:
         for r in rs:
             results[r["name"]] = r
-            print(f"  {r['name']}: {r['mbps']:,.0f} MB/s, {r['cpu_s_per_gib']} CPU-s/GiB",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {r['name']}: {r['mbps']:,.0f} MB/s, {r['cpu_s_per_gib']} CPU-s/GiB",
+                file=sys.stderr,
+                flush=True,
+            )
 
     disk = workdir / "disk"
     disk.mkdir()
@@ -284,8 +298,7 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
 
     with nullfs_mounted(workdir / "nullmnt") as null:
         keep(torch_round_trip("nullfs", workdir / "nullmnt", sd, [null.proc.pid], fsync=False))
-        keep(bytes_round_trip("nullfs", workdir / "nullmnt", size, [null.proc.pid],
-                              fsync=False))
+        keep(bytes_round_trip("nullfs", workdir / "nullmnt", size, [null.proc.pid], fsync=False))
 
     with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:
         daemons = c.pids()

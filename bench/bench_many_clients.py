@@ -88,12 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     block = 6 * 4 * MiB
     write_bound = DEFAULT_WINDOW_BYTES + 2 * block
     print(f"{args.writers} x {args.size_mib} MiB in one client process")
-    print(f"write: {total / r['write_s'] / 1e6:.0f} MB/s, client {r['write_client_cpu_s']:.1f}"
-          f" CPU-s, peak RSS growth {r['write_rss_growth'] / MiB:.0f} MiB ="
-          f" {r['write_rss_growth'] / write_bound:.2f} x the window + 2 spare blocks")
-    print(f"read:  {total / r['read_s'] / 1e6:.0f} MB/s, client {r['read_client_cpu_s']:.1f}"
-          f" CPU-s, peak RSS growth {r['read_rss_growth'] / MiB:.0f} MiB ="
-          f" {r['read_rss_growth'] / DEFAULT_CACHE_BYTES:.2f} x the read budget (cache_bytes)")
+    print(
+        f"write: {total / r['write_s'] / 1e6:.0f} MB/s, client {r['write_client_cpu_s']:.1f}"
+        f" CPU-s, peak RSS growth {r['write_rss_growth'] / MiB:.0f} MiB ="
+        f" {r['write_rss_growth'] / write_bound:.2f} x the window + 2 spare blocks"
+    )
+    print(
+        f"read:  {total / r['read_s'] / 1e6:.0f} MB/s, client {r['read_client_cpu_s']:.1f}"
+        f" CPU-s, peak RSS growth {r['read_rss_growth'] / MiB:.0f} MiB ="
+        f" {r['read_rss_growth'] / DEFAULT_CACHE_BYTES:.2f} x the read budget (cache_bytes)"
+    )
     return 0
 
 

@@ -62,8 +62,11 @@ def raw_sqlite(path: Path, commits: int, batch: int) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     conn.close()
     return {
-        "batch": batch, "commits": commits, "seconds": round(seconds, 3),
-        "commits_per_s": round(commits / seconds, 1), "rows_per_s": round(k / seconds, 1),
+        "batch": batch,
+        "commits": commits,
+        "seconds": round(seconds, 3),
+        "commits_per_s": round(commits / seconds, 1),
+        "rows_per_s": round(k / seconds, 1),
     }
 
 
@@ -84,11 +87,27 @@ class Servers:
             with open(self.root / f"meta{i}.log", "ab") as logf:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "tectonic_py.cli", "metadata",
-                         "--data-dir", str(self.root / f"meta{i}"), "--listen", "127.0.0.1:0",
-                         "--shards", f"{lo}-{hi - 1}", "--total-shards", str(self.shards),
-                         "--secret-file", str(self.secret_file), "--ready-file", str(ready)],
-                        cwd=REPO, stdout=subprocess.DEVNULL, stderr=logf,
+                        [
+                            sys.executable,
+                            "-m",
+                            "tectonic_py.cli",
+                            "metadata",
+                            "--data-dir",
+                            str(self.root / f"meta{i}"),
+                            "--listen",
+                            "127.0.0.1:0",
+                            "--shards",
+                            f"{lo}-{hi - 1}",
+                            "--total-shards",
+                            str(self.shards),
+                            "--secret-file",
+                            str(self.secret_file),
+                            "--ready-file",
+                            str(ready),
+                        ],
+                        cwd=REPO,
+                        stdout=subprocess.DEVNULL,
+                        stderr=logf,
                     )
                 )
             readies.append((ready, list(range(lo, hi))))
@@ -229,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         secret_file = root / "secret"
         secret_file.write_bytes(secrets.token_hex(32).encode())
-        raw = [raw_sqlite(root / "raw1.db", raw_commits, 1), raw_sqlite(root / "raw256.db", max(raw_commits // 10, 5), 256)]
+        raw = [
+            raw_sqlite(root / "raw1.db", raw_commits, 1),
+            raw_sqlite(root / "raw256.db", max(raw_commits // 10, 5), 256),
+        ]
         rows = []
         for count in counts:
             run_root = root / f"s{count}"
@@ -242,27 +264,42 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 servers.stop()
     result = {
-        "raw_sqlite": raw, "runs": rows, "tasks": tasks, "files_per_task": files,
-        "shards": shards, "client_processes": 1, "cpus": os.cpu_count(),
+        "raw_sqlite": raw,
+        "runs": rows,
+        "tasks": tasks,
+        "files_per_task": files,
+        "shards": shards,
+        "client_processes": 1,
+        "cpus": os.cpu_count(),
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         one_fsync = raw[0]["commits_per_s"]
-        print(f"raw SQLite (WAL, synchronous=FULL): {one_fsync:.0f} commits/s of 1 row, "
-              f"{raw[1]['rows_per_s']:.0f} rows/s in commits of 256")
-        print(f"(one commit per mutation, 3 mutations per create+seal, in series: about"
-              f" {one_fsync / 3:.0f} create+seal/s)")
-        print(f"{tasks} concurrent client tasks x {files} files, {shards} shards, 1 client process,"
-              f" {os.cpu_count()} CPUs")
-        print("servers  one-dir c+s/s  spread c+s/s  one/spread  one-dir/raw-commit  lookups/s"
-              "  mut/commit  CPU-s/1k client  server  errors")
+        print(
+            f"raw SQLite (WAL, synchronous=FULL): {one_fsync:.0f} commits/s of 1 row, "
+            f"{raw[1]['rows_per_s']:.0f} rows/s in commits of 256"
+        )
+        print(
+            f"(one commit per mutation, 3 mutations per create+seal, in series: about"
+            f" {one_fsync / 3:.0f} create+seal/s)"
+        )
+        print(
+            f"{tasks} concurrent client tasks x {files} files, {shards} shards, 1 client process,"
+            f" {os.cpu_count()} CPUs"
+        )
+        print(
+            "servers  one-dir c+s/s  spread c+s/s  one/spread  one-dir/raw-commit  lookups/s"
+            "  mut/commit  CPU-s/1k client  server  errors"
+        )
         for r in rows:
-            print(f"{r['servers']:>7}  {r['one_dir_per_s']:>13.0f}  {r['spread_per_s']:>12.0f}"
-                  f"  {r['one_over_spread']:>10.2f}  {r['one_dir_per_s'] / one_fsync:>17.2f}x"
-                  f"  {r['lookups_per_s']:>9.0f}  {r['mutations_per_commit']:>10.1f}"
-                  f"  {r['client_cpu_s_per_1k']:>15.2f}  {r['server_cpu_s_per_1k']:>6.2f}"
-                  f"  {r['errors']:>6}")
+            print(
+                f"{r['servers']:>7}  {r['one_dir_per_s']:>13.0f}  {r['spread_per_s']:>12.0f}"
+                f"  {r['one_over_spread']:>10.2f}  {r['one_dir_per_s'] / one_fsync:>17.2f}x"
+                f"  {r['lookups_per_s']:>9.0f}  {r['mutations_per_commit']:>10.1f}"
+                f"  {r['client_cpu_s_per_1k']:>15.2f}  {r['server_cpu_s_per_1k']:>6.2f}"
+                f"  {r['errors']:>6}"
+            )
     return 1 if any(r["errors"] for r in rows) else 0
 
 

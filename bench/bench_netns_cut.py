@@ -26,8 +26,9 @@ SCRIPT = REPO / "deploy" / "netns.sh"
 
 
 def netns(*args: str) -> None:
-    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=300, check=False
+    )
     if proc.returncode != 0:
         raise SystemExit(f"netns.sh {args[0]} failed: {proc.stderr.strip()}")
 
@@ -35,8 +36,15 @@ def netns(*args: str) -> None:
 def cli(tree: Path, *args: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tectonic_py.cli", *args], env=env, cwd=tree,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tectonic_py.cli", *args],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     took = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"tectonic {args[0]} failed: {proc.stderr.strip()}")
@@ -45,9 +53,14 @@ def cli(tree: Path, *args: str) -> float:
 
 def wait_down(tree: Path, cluster: Path, node: str) -> None:
     for _ in range(120):
-        proc = subprocess.run([sys.executable, "-m", "tectonic_py.cli", "status", "--json",
-                               str(cluster)], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                              capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tectonic_py.cli", "status", "--json", str(cluster)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         try:
             nodes = json.loads(proc.stdout)["nodes"]
         except (ValueError, KeyError):
@@ -82,9 +95,15 @@ trio.run(main)
 
 
 def long_lived(tree: Path, cluster: Path, root: Path) -> tuple[float, float]:
-    proc = subprocess.run([sys.executable, "-c", LONG_LIVED, str(cluster), str(SCRIPT), str(root),
-                           "cs2"], env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", LONG_LIVED, str(cluster), str(SCRIPT), str(root), "cs2"],
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"long-lived client failed: {proc.stderr.strip()[-2000:]}")
     healthy, cut, _n = proc.stdout.split()
@@ -107,23 +126,43 @@ def main() -> None:
         cluster = root / "cluster.toml"
         got = Path(tmp) / "got.bin"
         try:
-            netns("up", str(root), "--chunkstores", "7", "--ec", "rs-4-2", "--shards", "8",
-                  "--subnet", "10.213.240", "--prefix", "tbench", "--node-timeout", "2",
-                  "--rate", "500mbit")
+            netns(
+                "up",
+                str(root),
+                "--chunkstores",
+                "7",
+                "--ec",
+                "rs-4-2",
+                "--shards",
+                "8",
+                "--subnet",
+                "10.213.240",
+                "--prefix",
+                "tbench",
+                "--node-timeout",
+                "2",
+                "--rate",
+                "500mbit",
+            )
             cli(REPO, "put", "-q", str(cluster), str(local), "/cut.bin")
             cli(REPO, "put", "-q", str(cluster), str(local), "/warm.bin")
             ll_healthy, ll_cut = long_lived(tree, cluster, root)
             netns("heal", str(root), "cs2")
             for _ in range(120):
-                proc = subprocess.run([sys.executable, "-m", "tectonic_py.cli", "status",
-                                       "--json", str(cluster)], capture_output=True, text=True,
-                                      env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60,
-                                      check=False)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "tectonic_py.cli", "status", "--json", str(cluster)],
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ, PYTHONPATH=str(REPO)),
+                    timeout=60,
+                    check=False,
+                )
                 if '"down"' not in proc.stdout:
                     break
                 time.sleep(0.5)
-            healthy = [cli(tree, "get", "-q", str(cluster), "/cut.bin", str(got))
-                       for _ in range(args.runs)]
+            healthy = [
+                cli(tree, "get", "-q", str(cluster), "/cut.bin", str(got)) for _ in range(args.runs)
+            ]
             netns("cut", str(root), "cs2")
             wait_down(tree, cluster, "cs2")
             cut = []
@@ -134,11 +173,15 @@ def main() -> None:
         finally:
             netns("down", str(root))
     best_h, best_c = min(healthy), min(cut)
-    print(f"client tree {tree}: {args.mb} MB get, healthy {', '.join(f'{t:.2f}' for t in healthy)} s;"
-          f" cs2 cut and down {', '.join(f'{t:.2f}' for t in cut)} s;"
-          f" cut/healthy (best) {best_c / best_h:.2f}x")
-    print(f"long-lived client (connections open at the cut): healthy {ll_healthy:.2f} s,"
-          f" cs2 cut and down {ll_cut:.2f} s; cut/healthy {ll_cut / ll_healthy:.2f}x")
+    print(
+        f"client tree {tree}: {args.mb} MB get, healthy {', '.join(f'{t:.2f}' for t in healthy)} s;"
+        f" cs2 cut and down {', '.join(f'{t:.2f}' for t in cut)} s;"
+        f" cut/healthy (best) {best_c / best_h:.2f}x"
+    )
+    print(
+        f"long-lived client (connections open at the cut): healthy {ll_healthy:.2f} s,"
+        f" cs2 cut and down {ll_cut:.2f} s; cut/healthy {ll_cut / ll_healthy:.2f}x"
+    )
 
 
 if __name__ == "__main__":

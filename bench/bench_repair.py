@@ -76,11 +76,26 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     policy = ECPolicy.parse(args.ec)
     size, wsize = args.size_mib * MiB, args.write_mib * MiB
     cluster = LocalCluster(
-        root / "cluster", chunkstores=9, metadata_servers=2, shards=16, ec=args.ec,
-        chunk_size=args.chunk_kib * 1024, heartbeat_interval=0.5, node_timeout=3.0,
-        maintenance_args=["--interval", "1", "--services", "repair",
-                          "--bandwidth", str(args.bandwidth_mib * MiB),
-                          "--repair-concurrency", "2", "--sweep-interval", "3600"],
+        root / "cluster",
+        chunkstores=9,
+        metadata_servers=2,
+        shards=16,
+        ec=args.ec,
+        chunk_size=args.chunk_kib * 1024,
+        heartbeat_interval=0.5,
+        node_timeout=3.0,
+        maintenance_args=[
+            "--interval",
+            "1",
+            "--services",
+            "repair",
+            "--bandwidth",
+            str(args.bandwidth_mib * MiB),
+            "--repair-concurrency",
+            "2",
+            "--sweep-interval",
+            "3600",
+        ],
     )
     out: dict[str, Any] = {"ec": args.ec, "data_bytes": size, "write_bytes": wsize}
     try:

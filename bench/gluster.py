@@ -75,7 +75,9 @@ def why_unavailable(install: bool = False) -> str | None:
     if shutil.which("glusterd") is None and install:
         r = subprocess.run(
             ["apt-get", "install", "-y", "--no-install-recommends", "glusterfs-server"],
-            capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
         )
         if r.returncode != 0:
             return f"apt-get install glusterfs-server failed: {r.stderr.strip()[-300:]}"
@@ -106,9 +108,7 @@ def why_unavailable(install: bool = False) -> str | None:
 class GlusterVolume:
     """A dispersed volume on this host for the length of a with-statement."""
 
-    def __init__(
-        self, root: str | os.PathLike[str], bricks: int = 6, redundancy: int = 2
-    ) -> None:
+    def __init__(self, root: str | os.PathLike[str], bricks: int = 6, redundancy: int = 2) -> None:
         self.root = Path(root)
         self.bricks = bricks
         self.redundancy = redundancy
@@ -138,27 +138,46 @@ class GlusterVolume:
             ["glusterd", "--version"], capture_output=True, text=True
         ).stdout.split("\n")[0]
         self.glusterd = subprocess.Popen(
-            ["glusterd", "-N", "-l", str(log_dir / "glusterd.log"),
-             "-p", str(self.root / "glusterd.pid")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                "glusterd",
+                "-N",
+                "-l",
+                str(log_dir / "glusterd.log"),
+                "-p",
+                str(self.root / "glusterd.pid"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 60
         while True:
-            r = subprocess.run(["gluster", "--mode=script", "pool", "list"],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                ["gluster", "--mode=script", "pool", "list"], capture_output=True, text=True
+            )
             if r.returncode == 0:
                 break
             if self.glusterd.poll() is not None or time.monotonic() > deadline:
                 raise GlusterUnavailable(
-                    f"glusterd did not start: {self._tail(log_dir / 'glusterd.log')}")
+                    f"glusterd did not start: {self._tail(log_dir / 'glusterd.log')}"
+                )
             time.sleep(0.3)
         bricks = []
         for i in range(1, self.bricks + 1):
             d = self.root / "bricks" / f"b{i}"
             d.mkdir(parents=True, exist_ok=True)
             bricks.append(f"{self.host}:{d}")
-        _gluster("volume", "create", self.name, "disperse", str(self.bricks),
-                 "redundancy", str(self.redundancy), *bricks, "force")
+        _gluster(
+            "volume",
+            "create",
+            self.name,
+            "disperse",
+            str(self.bricks),
+            "redundancy",
+            str(self.redundancy),
+            *bricks,
+            "force",
+        )
         _gluster("volume", "start", self.name)
         self.mount()
 
@@ -167,7 +186,8 @@ class GlusterVolume:
         while True:
             r = subprocess.run(
                 ["mount", "-t", "glusterfs", f"{self.host}:/{self.name}", self.mountpoint],
-                capture_output=True, text=True,
+                capture_output=True,
+                text=True,
             )
             if r.returncode == 0 and os.path.ismount(self.mountpoint):
                 return
@@ -250,29 +270,55 @@ class GlusterVolume:
 
 
 def loadtest_through(
-    mountpoint: str, ranks: int, shard_size: int, pids: list[int], max_seconds: float,
+    mountpoint: str,
+    ranks: int,
+    shard_size: int,
+    pids: list[int],
+    max_seconds: float,
     processes: int = 0,
 ) -> dict[str, Any]:
     """``tectonic loadtest --through-mount`` as a subprocess; returns its JSON object."""
     with tempfile.TemporaryDirectory(prefix="gluster-loadtest-") as results:
-        return _loadtest_through(mountpoint, ranks, shard_size, pids, max_seconds, processes,
-                                 results)
+        return _loadtest_through(
+            mountpoint, ranks, shard_size, pids, max_seconds, processes, results
+        )
 
 
 def _loadtest_through(
-    mountpoint: str, ranks: int, shard_size: int, pids: list[int], max_seconds: float,
-    processes: int, results_dir: str,
+    mountpoint: str,
+    ranks: int,
+    shard_size: int,
+    pids: list[int],
+    max_seconds: float,
+    processes: int,
+    results_dir: str,
 ) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "tectonic_py.cli", "loadtest", "--through-mount", mountpoint,
-        "--ranks", str(ranks), "--shard-size", str(shard_size), "--json", "--no-progress",
-        "--no-plot", "--results-dir", results_dir, "--max-seconds", str(max_seconds),
-        "--watch-pids", ",".join(map(str, pids)),
+        sys.executable,
+        "-m",
+        "tectonic_py.cli",
+        "loadtest",
+        "--through-mount",
+        mountpoint,
+        "--ranks",
+        str(ranks),
+        "--shard-size",
+        str(shard_size),
+        "--json",
+        "--no-progress",
+        "--no-plot",
+        "--results-dir",
+        results_dir,
+        "--max-seconds",
+        str(max_seconds),
+        "--watch-pids",
+        ",".join(map(str, pids)),
     ]
     if processes:
         cmd += ["--processes", str(processes)]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT,
-                       timeout=max_seconds + 120)
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=max_seconds + 120
+    )
     try:
         return dict(json.loads(r.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
@@ -301,7 +347,8 @@ def measure(
                 result.update(torch_workload(vol.mountpoint, size, vol.pids, vol.remount))
                 if loadtest_ranks:
                     result["loadtest"] = loadtest_through(
-                        vol.mountpoint, loadtest_ranks, shard_size, vol.pids(), max_seconds)
+                        vol.mountpoint, loadtest_ranks, shard_size, vol.pids(), max_seconds
+                    )
         except GlusterUnavailable as e:
             return {"available": False, "reason": str(e)}
     return result

@@ -82,8 +82,10 @@ def dd_workload(
     out: dict[str, dict[str, Any]] = {}
     try:
         for name, cmd in (
-            ("dd_write", ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}",
-                          "conv=fsync"]),
+            (
+                "dd_write",
+                ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fsync"],
+            ),
             ("dd_read", ["dd", f"if={path}", "of=/dev/null", f"bs={block}"]),
         ):
             if name == "dd_read":
@@ -91,8 +93,14 @@ def dd_workload(
             meter = CpuMeter(daemon_pids())
             seconds, client = run_timed(cmd)
             daemons = meter.used()
-            out[name] = _figure(name, nbytes, seconds, client + daemons,
-                                client_cpu_s=round(client, 3), daemon_cpu_s=round(daemons, 3))
+            out[name] = _figure(
+                name,
+                nbytes,
+                seconds,
+                client + daemons,
+                client_cpu_s=round(client, 3),
+                daemon_cpu_s=round(daemons, 3),
+            )
     finally:
         try:
             os.unlink(path)
@@ -121,8 +129,12 @@ def torch_workload(
             pids = daemon_pids()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.mount_workloads", verb, path, str(size)],
-                cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, env=TORCH_ENV,
+                cwd=REPO_ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=TORCH_ENV,
             )
             assert proc.stdout is not None and proc.stdin is not None
             ready = proc.stdout.readline()  # the state dict is built; start measuring
@@ -136,8 +148,12 @@ def torch_workload(
                 raise RuntimeError(f"torch {verb} failed: {stderr[-800:]}")
             r = json.loads(stdout.strip().splitlines()[-1])
             out[name] = _figure(
-                name, r["bytes"], r["seconds"], r["cpu_s"] + daemons,
-                client_cpu_s=round(r["cpu_s"], 3), daemon_cpu_s=round(daemons, 3),
+                name,
+                r["bytes"],
+                r["seconds"],
+                r["cpu_s"] + daemons,
+                client_cpu_s=round(r["cpu_s"], 3),
+                daemon_cpu_s=round(daemons, 3),
                 **{k: v for k, v in r.items() if k not in ("bytes", "seconds", "cpu_s")},
             )
             if verb == "load" and not r.get("verified"):

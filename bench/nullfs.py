@@ -289,7 +289,9 @@ def serve(mountpoint: str, ready_file: str | None, stats_file: str | None) -> No
 
             nursery.start_soon(on_signal)
             if ready_file:
-                _write_atomic(ready_file, json.dumps({"mountpoint": mountpoint, "pid": os.getpid()}))
+                _write_atomic(
+                    ready_file, json.dumps({"mountpoint": mountpoint, "pid": os.getpid()})
+                )
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 
@@ -396,8 +398,16 @@ def mount_nullfs(
     ready, stats_file = os.path.join(workdir, "ready"), os.path.join(workdir, "stats")
     with open(os.path.join(workdir, "stderr"), "wb") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.nullfs", mountpoint, "--ready-file", ready,
-             "--stats-file", stats_file],
+            [
+                sys.executable,
+                "-m",
+                "bench.nullfs",
+                mountpoint,
+                "--ready-file",
+                ready,
+                "--stats-file",
+                stats_file,
+            ],
             cwd=REPO_ROOT,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -450,8 +460,10 @@ def dd_through(mountpoint: str, size: int, block: int = MiB) -> dict[str, Any]:
     count = max(1, size // block)
     out: dict[str, Any] = {}
     for name, cmd in (
-        ("dd_write", ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}",
-                      "conv=fsync"]),
+        (
+            "dd_write",
+            ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fsync"],
+        ),
         ("dd_read", ["dd", f"if={path}", "of=/dev/null", f"bs={block}"]),
     ):
         if name == "dd_read":
@@ -486,8 +498,13 @@ def measure(size: int = 2 * 1024 * MiB) -> dict[str, Any]:
     for key in ("dd_write", "dd_read"):
         results[key]["name"] = f"nullfs_{key}"
     results["cpu_s_per_gib"] = round(
-        (results["daemon_cpu_s"] + results["dd_write"]["client_cpu_s"]
-         + results["dd_read"]["client_cpu_s"]) / (2 * gib), 3
+        (
+            results["daemon_cpu_s"]
+            + results["dd_write"]["client_cpu_s"]
+            + results["dd_read"]["client_cpu_s"]
+        )
+        / (2 * gib),
+        3,
     )
     return results
 

@@ -98,8 +98,11 @@ def _python_module(module: str, *args: str, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         r = subprocess.run(
-            [sys.executable, "-m", module, *args], capture_output=True, text=True,
-            cwd=REPO_ROOT, timeout=timeout,
+            [sys.executable, "-m", module, *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return {"status": "failed", "error": f"timed out after {timeout:.0f} s"}
@@ -151,9 +154,19 @@ class TectonicMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tectonic_py.cli", "mount", str(self.cluster_file),
-                 str(self.mountpoint), "--foreground"],
-                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                [
+                    sys.executable,
+                    "-m",
+                    "tectonic_py.cli",
+                    "mount",
+                    str(self.cluster_file),
+                    str(self.mountpoint),
+                    "--foreground",
+                ],
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
                 start_new_session=True,
             )
         deadline = time.monotonic() + 60
@@ -179,14 +192,29 @@ class TectonicMount:
 
 
 def _loadtest(
-    target: list[str], ranks: int, shard: int, watch: list[int], results_dir: Path,
+    target: list[str],
+    ranks: int,
+    shard: int,
+    watch: list[int],
+    results_dir: Path,
     max_seconds: float,
 ) -> dict[str, Any]:
     """One ``tectonic loadtest`` run; returns its full results file (with timeline)."""
     args = [
-        "loadtest", *target, "--ranks", str(ranks), "--shard-size", str(shard), "--json",
-        "--no-progress", "--results-dir", str(results_dir), "--max-seconds", str(max_seconds),
-        "--watch-pids", ",".join(map(str, watch)),
+        "loadtest",
+        *target,
+        "--ranks",
+        str(ranks),
+        "--shard-size",
+        str(shard),
+        "--json",
+        "--no-progress",
+        "--results-dir",
+        str(results_dir),
+        "--max-seconds",
+        str(max_seconds),
+        "--watch-pids",
+        ",".join(map(str, watch)),
     ]
     slim = _python_module("tectonic_py.cli", *args, timeout=max_seconds + 180)
     mode = "mount" if "--through-mount" in target else "client"
@@ -226,8 +254,11 @@ def _guard(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     try:
         results[key] = fn()
     except Exception as e:
-        results[key] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                        "trace": traceback.format_exc()[-1500:]}
+        results[key] = {
+            "status": "failed",
+            "error": f"{type(e).__name__}: {e}",
+            "trace": traceback.format_exc()[-1500:],
+        }
     log.warning("run_all: %s done in %.1f s", key, time.monotonic() - t0)
     if _PARTIAL:
         root, path = _PARTIAL
@@ -251,23 +282,38 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
     t = p["script_timeout"]
 
     if "ceilings" not in skip:
-        _guard(results, "ceilings", lambda: _python_module(
-            "bench.ceilings", "--json", "--dir", str(workdir), *flag, timeout=t))
+        _guard(
+            results,
+            "ceilings",
+            lambda: _python_module(
+                "bench.ceilings", "--json", "--dir", str(workdir), *flag, timeout=t
+            ),
+        )
     if "nullfs" not in skip:
-        _guard(results, "nullfs", lambda: _python_module(
-            "bench.nullfs", "--measure", "--json", *flag, timeout=t))
+        _guard(
+            results,
+            "nullfs",
+            lambda: _python_module("bench.nullfs", "--measure", "--json", *flag, timeout=t),
+        )
 
     if "tectonic" not in skip:
-        _guard(results, "tectonic",
-               lambda: _tectonic(p, smoke, skip, workdir, results_dir, results))
+        _guard(
+            results, "tectonic", lambda: _tectonic(p, smoke, skip, workdir, results_dir, results)
+        )
 
     if "peer" not in skip:
         from bench import gluster
 
         def peer() -> dict[str, Any]:
             ranks, shard = p["peer_burst"]
-            res = gluster.measure(p["peer_size"], ranks, shard, install=not smoke,
-                                  root=str(workdir), max_seconds=p["loadtest_max_s"])
+            res = gluster.measure(
+                p["peer_size"],
+                ranks,
+                shard,
+                install=not smoke,
+                root=str(workdir),
+                max_seconds=p["loadtest_max_s"],
+            )
             return res
 
         _guard(results, "peer", peer)
@@ -284,17 +330,25 @@ def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[s
                 others[name] = {"status": "skipped", "error": "the script has no --smoke mode"}
                 continue
             extra = flag if smoke else full_args
-            _guard(others, name, lambda name=name, extra=extra: _python_module(
-                f"bench.{name}", "--json", *extra, timeout=t))
+            _guard(
+                others,
+                name,
+                lambda name=name, extra=extra: _python_module(
+                    f"bench.{name}", "--json", *extra, timeout=t
+                ),
+            )
 
     results["load_after"] = os.getloadavg()
-    results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(
-        timespec="seconds")
+    results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return results
 
 
 def _tectonic(
-    p: dict[str, Any], smoke: bool, skip: set[str], workdir: Path, results_dir: Path,
+    p: dict[str, Any],
+    smoke: bool,
+    skip: set[str],
+    workdir: Path,
+    results_dir: Path,
     results: dict[str, Any],
 ) -> dict[str, Any]:
     from tectonic_py.local_cluster import LocalCluster
@@ -305,27 +359,54 @@ def _tectonic(
     cluster.start()
     try:
         cf = str(cluster.cluster_file)
-        out["cluster"] = {"chunkstores": 9, "metadata_servers": 2, "ec": cluster.ec,
-                          "chunk_size": cluster.chunk_size}
+        out["cluster"] = {
+            "chunkstores": 9,
+            "metadata_servers": 2,
+            "ec": cluster.ec,
+            "chunk_size": cluster.chunk_size,
+        }
         # the client library, one stream: a 1-rank loadtest of one large file
         if p["stream_size"]:
-            _guard(out, "client_stream", lambda: _loadtest(
-                [cf], 1, p["stream_size"], cluster.pids(), results_dir, p["loadtest_max_s"]))
+            _guard(
+                out,
+                "client_stream",
+                lambda: _loadtest(
+                    [cf], 1, p["stream_size"], cluster.pids(), results_dir, p["loadtest_max_s"]
+                ),
+            )
         if "fuse" not in skip:
             mount = TectonicMount(cluster.cluster_file, workdir / "mnt", workdir / "mount.log")
             mount.start()
             try:
+
                 def pids() -> list[int]:
                     return cluster.pids() + mount.pids()
 
-                _guard(out, "fuse_dd", lambda: dd_workload(
-                    str(mount.mountpoint), p["fuse_size"], pids, mount.remount))
-                _guard(out, "fuse_torch", lambda: torch_workload(
-                    str(mount.mountpoint), p["fuse_size"], pids, mount.remount))
+                _guard(
+                    out,
+                    "fuse_dd",
+                    lambda: dd_workload(str(mount.mountpoint), p["fuse_size"], pids, mount.remount),
+                )
+                _guard(
+                    out,
+                    "fuse_torch",
+                    lambda: torch_workload(
+                        str(mount.mountpoint), p["fuse_size"], pids, mount.remount
+                    ),
+                )
                 ranks, shard = p["mount_burst"]
-                _guard(out, "mount_burst", lambda: _loadtest(
-                    ["--through-mount", str(mount.mountpoint)], ranks, shard, pids(),
-                    results_dir, p["loadtest_max_s"]))
+                _guard(
+                    out,
+                    "mount_burst",
+                    lambda: _loadtest(
+                        ["--through-mount", str(mount.mountpoint)],
+                        ranks,
+                        shard,
+                        pids(),
+                        results_dir,
+                        p["loadtest_max_s"],
+                    ),
+                )
             finally:
                 mount.stop()
         bursts: list[dict[str, Any]] = []
@@ -333,8 +414,13 @@ def _tectonic(
         for ranks, shard in p["bursts"]:
             box: dict[str, Any] = {}
             key = f"burst {ranks} x {_size_label(shard)}"
-            _guard(box, key, lambda ranks=ranks, shard=shard: _loadtest(
-                [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"]))
+            _guard(
+                box,
+                key,
+                lambda ranks=ranks, shard=shard: _loadtest(
+                    [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"]
+                ),
+            )
             bursts.append(box[key])
     finally:
         cluster.stop()
@@ -344,8 +430,9 @@ def _tectonic(
 def _machine() -> dict[str, Any]:
     import psutil
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO_ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT
+    ).stdout.strip()
     return {
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / GiB, 1),
@@ -398,14 +485,18 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
     m = results.get("machine", {})
     add("# tectonic-py benchmark report")
     add("")
-    add(f"Generated by `python -m bench.run_all` on {results.get('started')} (finished "
+    add(
+        f"Generated by `python -m bench.run_all` on {results.get('started')} (finished "
         f"{results.get('finished')}), commit `{m.get('commit')}`, {m.get('cpus')} vCPU, "
-        f"{m.get('memory_gib')} GiB, kernel {m.get('kernel')}, Python {m.get('python')}.")
+        f"{m.get('memory_gib')} GiB, kernel {m.get('kernel')}, Python {m.get('python')}."
+    )
     lb, la = results.get("load_before") or [0, 0, 0], results.get("load_after") or [0, 0, 0]
-    add(f"Load average at start {lb[0]:.1f}, at end {la[0]:.1f}: the machine's 2 cores are "
+    add(
+        f"Load average at start {lb[0]:.1f}, at end {la[0]:.1f}: the machine's 2 cores are "
         "shared with other engineers' test runs, so MB/s figures are noisy (up to 2x between "
         "runs); CPU-seconds per GiB are steadier. Every ratio is to a ceiling measured in this "
-        "same run.")
+        "same run."
+    )
     if results.get("smoke"):
         add("")
         add("**Smoke run: tiny sizes, figures meaningless.**")
@@ -416,40 +507,78 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
     # headline comparison
     add("## tectonic-py beside its ceilings and the peer (GlusterFS 4+2 dispersed)")
     add("")
-    add("MB/s are 10^6 bytes per second. CPU-s/GiB counts every process involved (the workload, "
+    add(
+        "MB/s are 10^6 bytes per second. CPU-s/GiB counts every process involved (the workload, "
         "the FUSE daemon, metadata servers and chunk stores; for GlusterFS glusterd, the six "
-        "bricks, the self-heal daemon and the FUSE client). Reads are cold (remounted).")
+        "bricks, the self-heal daemon and the FUSE client). Reads are cold (remounted)."
+    )
     add("")
-    add("| workload | tectonic-py MB/s | CPU-s/GiB | ceiling | ceiling MB/s | ratio to ceiling "
-        "| GlusterFS MB/s | GlusterFS CPU-s/GiB | ratio to GlusterFS |")
+    add(
+        "| workload | tectonic-py MB/s | CPU-s/GiB | ceiling | ceiling MB/s | ratio to ceiling "
+        "| GlusterFS MB/s | GlusterFS CPU-s/GiB | ratio to GlusterFS |"
+    )
     add("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     nd_w, nd_r = _get(null, "dd_write", "mbps"), _get(null, "dd_read", "mbps")
     rows = [
-        ("dd write bs=1M conv=fsync (FUSE)", _get(tec, "fuse_dd", "dd_write"), "nullfs dd write",
-         nd_w, _get(peer, "dd_write")),
-        ("dd read bs=1M, cold (FUSE)", _get(tec, "fuse_dd", "dd_read"), "nullfs dd read", nd_r,
-         _get(peer, "dd_read")),
-        ("torch.save + fsync (FUSE)", _get(tec, "fuse_torch", "torch_save"), "nullfs dd write",
-         nd_w, _get(peer, "torch_save")),
-        ("torch.load, cold, verified (FUSE)", _get(tec, "fuse_torch", "torch_load"),
-         "nullfs dd read", nd_r, _get(peer, "torch_load")),
+        (
+            "dd write bs=1M conv=fsync (FUSE)",
+            _get(tec, "fuse_dd", "dd_write"),
+            "nullfs dd write",
+            nd_w,
+            _get(peer, "dd_write"),
+        ),
+        (
+            "dd read bs=1M, cold (FUSE)",
+            _get(tec, "fuse_dd", "dd_read"),
+            "nullfs dd read",
+            nd_r,
+            _get(peer, "dd_read"),
+        ),
+        (
+            "torch.save + fsync (FUSE)",
+            _get(tec, "fuse_torch", "torch_save"),
+            "nullfs dd write",
+            nd_w,
+            _get(peer, "torch_save"),
+        ),
+        (
+            "torch.load, cold, verified (FUSE)",
+            _get(tec, "fuse_torch", "torch_load"),
+            "nullfs dd read",
+            nd_r,
+            _get(peer, "torch_load"),
+        ),
     ]
     for label, ours, cname, cval, theirs in rows:
-        add(f"| {label} | {_fmt(_get(ours, 'mbps'))} | {_fmt(_get(ours, 'cpu_s_per_gib'), 2)} "
+        add(
+            f"| {label} | {_fmt(_get(ours, 'mbps'))} | {_fmt(_get(ours, 'cpu_s_per_gib'), 2)} "
             f"| {cname} | {_fmt(cval)} | {_ratio(_get(ours, 'mbps'), cval)} "
             f"| {_fmt(_get(theirs, 'mbps'))} | {_fmt(_get(theirs, 'cpu_s_per_gib'), 2)} "
-            f"| {_ratio(_get(ours, 'mbps'), _get(theirs, 'mbps'))} |")
+            f"| {_ratio(_get(ours, 'mbps'), _get(theirs, 'mbps'))} |"
+        )
     stream = tec.get("client_stream") or {}
     disk_w, disk_r = _get(ceil, "disk_write_fsync", "mbps"), _get(ceil, "disk_read_cold", "mbps")
     for label, key, cpu_key, cname, cval in (
-        ("client library write, 1 stream", "write_gbps", "cpu_s_per_gib_write",
-         "disk write (fsync)", disk_w),
-        ("client library read, 1 stream", "read_gbps", "cpu_s_per_gib_read",
-         "disk read (cold)", disk_r),
+        (
+            "client library write, 1 stream",
+            "write_gbps",
+            "cpu_s_per_gib_write",
+            "disk write (fsync)",
+            disk_w,
+        ),
+        (
+            "client library read, 1 stream",
+            "read_gbps",
+            "cpu_s_per_gib_read",
+            "disk read (cold)",
+            disk_r,
+        ),
     ):
         mbps = _mbps(stream.get(key))
-        add(f"| {label} | {_fmt(mbps)} | {_fmt(stream.get(cpu_key), 2)} | {cname} | "
-            f"{_fmt(cval)} | {_ratio(mbps, cval)} | - | - | - |")
+        add(
+            f"| {label} | {_fmt(mbps)} | {_fmt(stream.get(cpu_key), 2)} | {cname} | "
+            f"{_fmt(cval)} | {_ratio(mbps, cval)} | - | - | - |"
+        )
     mb = tec.get("mount_burst") or {}
     pl = peer.get("loadtest") or {}
     for label, key, cpu_key, cval in (
@@ -457,28 +586,39 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         ("loadtest --through-mount read", "read_gbps", "cpu_s_per_gib_read", nd_r),
     ):
         ours, theirs = _mbps(mb.get(key)), _mbps(pl.get(key))
-        add(f"| {label} ({_burst_label(mb) if mb.get('ranks') else '-'}) | {_fmt(ours)} "
+        add(
+            f"| {label} ({_burst_label(mb) if mb.get('ranks') else '-'}) | {_fmt(ours)} "
             f"| {_fmt(mb.get(cpu_key), 2)} | nullfs dd | {_fmt(cval)} | {_ratio(ours, cval)} "
-            f"| {_fmt(theirs)} | {_fmt(pl.get(cpu_key), 2)} | {_ratio(ours, theirs)} |")
+            f"| {_fmt(theirs)} | {_fmt(pl.get(cpu_key), 2)} | {_ratio(ours, theirs)} |"
+        )
     add("")
     if mb.get("pause_s") is not None or pl.get("pause_s") is not None:
-        add(f"GPU pause of the {mb.get('ranks') or pl.get('ranks')}-rank burst through the "
+        add(
+            f"GPU pause of the {mb.get('ranks') or pl.get('ranks')}-rank burst through the "
             "mount: tectonic-py "
-            f"{_fmt(mb.get('pause_s'), 2)} s, GlusterFS {_fmt(pl.get('pause_s'), 2)} s.")
+            f"{_fmt(mb.get('pause_s'), 2)} s, GlusterFS {_fmt(pl.get('pause_s'), 2)} s."
+        )
         add("")
     if not peer_ok:
-        add(f"**GlusterFS could not run here:** {peer.get('reason') or peer.get('error') or 'skipped'}")
+        add(
+            f"**GlusterFS could not run here:** {peer.get('reason') or peer.get('error') or 'skipped'}"
+        )
         add("")
     else:
-        add(f"Peer: {peer.get('version')}, {peer.get('volume')}, {peer.get('bricks')} bricks on "
+        add(
+            f"Peer: {peer.get('version')}, {peer.get('volume')}, {peer.get('bricks')} bricks on "
             "this host under a tmp directory, FUSE mount (`mount -t glusterfs`), set up and torn "
-            "down by `bench/gluster.py`.")
+            "down by `bench/gluster.py`."
+        )
         add("")
 
     # targets
     add("## Targets")
     add("")
-    ts, tl = _get(tec, "fuse_torch", "torch_save", "mbps"), _get(tec, "fuse_torch", "torch_load", "mbps")
+    ts, tl = (
+        _get(tec, "fuse_torch", "torch_save", "mbps"),
+        _get(tec, "fuse_torch", "torch_load", "mbps"),
+    )
     gs, gl = _get(peer, "torch_save", "mbps"), _get(peer, "torch_load", "mbps")
     bursts = [b for b in tec.get("bursts") or [] if isinstance(b, dict)]
     base = next((b for b in bursts if b.get("ranks") == 64 and b.get("shard_size") == MiB), None)
@@ -491,45 +631,73 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
 
     if base and big:
         r = big.get("write_gbps", 0) / base["write_gbps"] if base.get("write_gbps") else None
-        target("burst: write GB/s at 4,096 ranks >= 0.8 x at 64 ranks (same 1 MiB shards)",
-               f"{_fmt(big.get('write_gbps'), 3)} / {_fmt(base.get('write_gbps'), 3)} = "
-               f"{_fmt(r, 2)}", None if r is None else r >= 0.8)
+        target(
+            "burst: write GB/s at 4,096 ranks >= 0.8 x at 64 ranks (same 1 MiB shards)",
+            f"{_fmt(big.get('write_gbps'), 3)} / {_fmt(base.get('write_gbps'), 3)} = {_fmt(r, 2)}",
+            None if r is None else r >= 0.8,
+        )
     else:
         target("burst: 4,096 vs 64 ranks >= 0.8", "not measured", None)
     total_errors = sum(int(b.get("errors") or 0) for b in bursts)
-    target("burst: zero errors, every byte verified", f"{total_errors} errors; " + ", ".join(
-        f"{_burst_label(b)}: {_fmt(b.get('bytes_verified'))} of {_fmt(b.get('bytes_written'))} B"
-        for b in bursts), total_errors == 0 and all(
-            b.get("bytes_verified") == b.get("shard_bytes_per_step") for b in bursts)
-        if bursts else None)
-    target("FUSE torch.save >= 2x GlusterFS", f"{_fmt(ts)} vs {_fmt(gs)} MB/s = {_ratio(ts, gs)}",
-           None if not (ts and gs) else ts >= 2 * gs)
-    target("FUSE torch.load >= 2x GlusterFS", f"{_fmt(tl)} vs {_fmt(gl)} MB/s = {_ratio(tl, gl)}",
-           None if not (tl and gl) else tl >= 2 * gl)
+    target(
+        "burst: zero errors, every byte verified",
+        f"{total_errors} errors; "
+        + ", ".join(
+            f"{_burst_label(b)}: {_fmt(b.get('bytes_verified'))} of {_fmt(b.get('bytes_written'))} B"
+            for b in bursts
+        ),
+        total_errors == 0
+        and all(b.get("bytes_verified") == b.get("shard_bytes_per_step") for b in bursts)
+        if bursts
+        else None,
+    )
+    target(
+        "FUSE torch.save >= 2x GlusterFS",
+        f"{_fmt(ts)} vs {_fmt(gs)} MB/s = {_ratio(ts, gs)}",
+        None if not (ts and gs) else ts >= 2 * gs,
+    )
+    target(
+        "FUSE torch.load >= 2x GlusterFS",
+        f"{_fmt(tl)} vs {_fmt(gl)} MB/s = {_ratio(tl, gl)}",
+        None if not (tl and gl) else tl >= 2 * gl,
+    )
     add("")
 
     # bursts
     add("## Checkpoint burst: `tectonic loadtest` through the client library")
     add("")
-    add("Every rank saves one shard at the same moment (a barrier), then every rank reads its "
+    add(
+        "Every rank saves one shard at the same moment (a barrier), then every rank reads its "
         "shard back and checks it by crc32c. Write GB/s = bytes / GPU pause (burst start to the "
-        "last close). CPU-s/GiB includes the workers, the metadata servers and the chunk stores.")
+        "last close). CPU-s/GiB includes the workers, the metadata servers and the chunk stores."
+    )
     add("")
-    add("| ranks x shard | procs | write GB/s | read GB/s | GPU pause s | rank done p50/p90/p99/max s "
-        "| creates/s | errors | bytes verified | CPU-s/GiB w / r | peak RSS worker / daemon |")
+    add(
+        "| ranks x shard | procs | write GB/s | read GB/s | GPU pause s | rank done p50/p90/p99/max s "
+        "| creates/s | errors | bytes verified | CPU-s/GiB w / r | peak RSS worker / daemon |"
+    )
     add("|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|")
     for b in bursts:
         if b.get("status") == "failed" and "ranks" not in b:
             add(f"| failed: {b.get('error', '')[:200]} |||||||||||")
             continue
-        add(f"| {_burst_label(b)} | {b.get('processes')} | {_fmt(b.get('write_gbps'), 3)} "
+        add(
+            f"| {_burst_label(b)} | {b.get('processes')} | {_fmt(b.get('write_gbps'), 3)} "
             f"| {_fmt(b.get('read_gbps'), 3)} | {_fmt(b.get('pause_s'), 2)} | "
-            + "/".join(_fmt(b.get(k), 2) for k in ("rank_write_p50_s", "rank_write_p90_s",
-                                                  "rank_write_p99_s", "rank_write_max_s"))
+            + "/".join(
+                _fmt(b.get(k), 2)
+                for k in (
+                    "rank_write_p50_s",
+                    "rank_write_p90_s",
+                    "rank_write_p99_s",
+                    "rank_write_max_s",
+                )
+            )
             + f" | {_fmt(b.get('creates_per_s'))} | {b.get('errors')} "
             f"| {_fmt(b.get('bytes_verified'))} | {_fmt(b.get('cpu_s_per_gib_write'), 1)} / "
             f"{_fmt(b.get('cpu_s_per_gib_read'), 1)} | {_mib(b.get('worker_max_rss'))} / "
-            f"{_mib(b.get('watched_max_rss'))} |")
+            f"{_mib(b.get('watched_max_rss'))} |"
+        )
     add("")
     for b in bursts:
         if b.get("error_samples"):
@@ -545,16 +713,26 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
     add("| source | creates/s | ceiling: raw SQLite commits/s (batch 1) | ratio |")
     add("|---|---:|---:|---:|")
     md = _get(results, "others", "bench_metadata") or {}
-    raw = next((r.get("commits_per_s") for r in md.get("raw_sqlite") or []
-                if isinstance(r, dict) and r.get("batch") == 1), None)
+    raw = next(
+        (
+            r.get("commits_per_s")
+            for r in md.get("raw_sqlite") or []
+            if isinstance(r, dict) and r.get("batch") == 1
+        ),
+        None,
+    )
     for run_ in md.get("runs") or []:
         if isinstance(run_, dict):
             for key, where in (("one_dir_per_s", "one directory"), ("spread_per_s", "spread")):
-                add(f"| bench_metadata, {run_.get('servers')} server(s), {where} "
-                    f"| {_fmt(run_.get(key))} | {_fmt(raw)} | {_ratio(run_.get(key), raw)} |")
+                add(
+                    f"| bench_metadata, {run_.get('servers')} server(s), {where} "
+                    f"| {_fmt(run_.get(key))} | {_fmt(raw)} | {_ratio(run_.get(key), raw)} |"
+                )
     for b in bursts:
-        add(f"| loadtest burst {_burst_label(b)} (all ranks create at once) "
-            f"| {_fmt(b.get('creates_per_s'))} | {_fmt(raw)} | {_ratio(b.get('creates_per_s'), raw)} |")
+        add(
+            f"| loadtest burst {_burst_label(b)} (all ranks create at once) "
+            f"| {_fmt(b.get('creates_per_s'))} | {_fmt(raw)} | {_ratio(b.get('creates_per_s'), raw)} |"
+        )
     add("")
 
     # ceilings
@@ -566,13 +744,17 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         if isinstance(r, dict) and "mbps" in r:
             add(f"| {name} | {_fmt(r['mbps'])} | {_fmt(r.get('cpu_s_per_gib'), 2)} |")
         elif isinstance(r, dict) and "pack_us" in r:
-            add(f"| msgpack of a 1 MiB payload: pack / unpack µs | {r['pack_us']} / "
-                f"{r['unpack_us']} | |")
+            add(
+                f"| msgpack of a 1 MiB payload: pack / unpack µs | {r['pack_us']} / "
+                f"{r['unpack_us']} | |"
+            )
     for key in ("dd_write", "dd_read"):
         r = null.get(key)
         if isinstance(r, dict):
-            add(f"| nullfs (pyfuse3 + trio, discards data) {key} | {_fmt(r.get('mbps'))} | "
-                f"{_fmt(null.get('cpu_s_per_gib'), 2)} |")
+            add(
+                f"| nullfs (pyfuse3 + trio, discards data) {key} | {_fmt(r.get('mbps'))} | "
+                f"{_fmt(null.get('cpu_s_per_gib'), 2)} |"
+            )
     if ceil.get("status") == "failed" or null.get("status") == "failed":
         add("")
         add(f"Ceilings failed: {ceil.get('error') or ''} {null.get('error') or ''}")
@@ -598,10 +780,12 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         add("")
 
     failures = [
-        (k, v.get("error")) for k, v in (("ceilings", ceil), ("nullfs", null), ("tectonic", tec))
+        (k, v.get("error"))
+        for k, v in (("ceilings", ceil), ("nullfs", null), ("tectonic", tec))
         if isinstance(v, dict) and v.get("status") == "failed"
     ] + [
-        (k, v.get("error")) for k, v in tec.items()
+        (k, v.get("error"))
+        for k, v in tec.items()
         if isinstance(v, dict) and v.get("status") == "failed"
     ]
     if failures:
@@ -615,8 +799,10 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         add("")
         add(notes.strip())
         add("")
-    add("Raw figures: `bench/results.json`; per-burst plots and full results (timelines, "
-        "per-rank times) go to `bench/results/`, which each run rewrites and git ignores.")
+    add(
+        "Raw figures: `bench/results.json`; per-burst plots and full results (timelines, "
+        "per-rank times) go to `bench/results/`, which each run rewrites and git ignores."
+    )
     add("")
     return "\n".join(lines)
 
@@ -656,16 +842,30 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     ax = axes[0][0]
     labels = ["dd write", "dd read", "torch.save", "torch.load"]
-    ours = [_get(tec, "fuse_dd", "dd_write", "mbps"), _get(tec, "fuse_dd", "dd_read", "mbps"),
-            _get(tec, "fuse_torch", "torch_save", "mbps"),
-            _get(tec, "fuse_torch", "torch_load", "mbps")]
-    theirs = [_get(peer, "dd_write", "mbps"), _get(peer, "dd_read", "mbps"),
-              _get(peer, "torch_save", "mbps"), _get(peer, "torch_load", "mbps")]
-    ceiling = [_get(null, "dd_write", "mbps"), _get(null, "dd_read", "mbps"),
-               _get(null, "dd_write", "mbps"), _get(null, "dd_read", "mbps")]
+    ours = [
+        _get(tec, "fuse_dd", "dd_write", "mbps"),
+        _get(tec, "fuse_dd", "dd_read", "mbps"),
+        _get(tec, "fuse_torch", "torch_save", "mbps"),
+        _get(tec, "fuse_torch", "torch_load", "mbps"),
+    ]
+    theirs = [
+        _get(peer, "dd_write", "mbps"),
+        _get(peer, "dd_read", "mbps"),
+        _get(peer, "torch_save", "mbps"),
+        _get(peer, "torch_load", "mbps"),
+    ]
+    ceiling = [
+        _get(null, "dd_write", "mbps"),
+        _get(null, "dd_read", "mbps"),
+        _get(null, "dd_write", "mbps"),
+        _get(null, "dd_read", "mbps"),
+    ]
     xs = list(range(len(labels)))
-    for off, vals, name in ((-0.27, ours, "tectonic-py (FUSE)"), (0.0, theirs, "GlusterFS 4+2"),
-                            (0.27, ceiling, "nullfs ceiling")):
+    for off, vals, name in (
+        (-0.27, ours, "tectonic-py (FUSE)"),
+        (0.0, theirs, "GlusterFS 4+2"),
+        (0.27, ceiling, "nullfs ceiling"),
+    ):
         ax.bar([x + off for x in xs], [v or 0 for v in vals], width=0.27, label=name)
     ax.set_xticks(xs, labels)
     ax.set_ylabel("MB/s")
@@ -673,13 +873,18 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize="small")
 
     ax = axes[0][1]
-    ours_cpu = [_get(tec, "fuse_dd", "dd_write", "cpu_s_per_gib"),
-                _get(tec, "fuse_dd", "dd_read", "cpu_s_per_gib"),
-                _get(tec, "fuse_torch", "torch_save", "cpu_s_per_gib"),
-                _get(tec, "fuse_torch", "torch_load", "cpu_s_per_gib")]
-    theirs_cpu = [_get(peer, "dd_write", "cpu_s_per_gib"), _get(peer, "dd_read", "cpu_s_per_gib"),
-                  _get(peer, "torch_save", "cpu_s_per_gib"),
-                  _get(peer, "torch_load", "cpu_s_per_gib")]
+    ours_cpu = [
+        _get(tec, "fuse_dd", "dd_write", "cpu_s_per_gib"),
+        _get(tec, "fuse_dd", "dd_read", "cpu_s_per_gib"),
+        _get(tec, "fuse_torch", "torch_save", "cpu_s_per_gib"),
+        _get(tec, "fuse_torch", "torch_load", "cpu_s_per_gib"),
+    ]
+    theirs_cpu = [
+        _get(peer, "dd_write", "cpu_s_per_gib"),
+        _get(peer, "dd_read", "cpu_s_per_gib"),
+        _get(peer, "torch_save", "cpu_s_per_gib"),
+        _get(peer, "torch_load", "cpu_s_per_gib"),
+    ]
     for off, vals, name in ((-0.2, ours_cpu, "tectonic-py"), (0.2, theirs_cpu, "GlusterFS 4+2")):
         ax.bar([x + off for x in xs], [v or 0 for v in vals], width=0.4, label=name)
     ax.set_xticks(xs, labels)
@@ -715,17 +920,30 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run every benchmark and write the report")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, report to --out-dir")
-    parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: ceilings,nullfs,tectonic,fuse,others,peer")
-    parser.add_argument("--out-dir", type=Path,
-                        help="where REPORT.md, report.png, results.json go (default bench/; "
-                             "with --smoke a tmp dir)")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma list of parts to skip: ceilings,nullfs,tectonic,fuse,others,peer",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help="where REPORT.md, report.png, results.json go (default bench/; "
+        "with --smoke a tmp dir)",
+    )
     parser.add_argument("--workdir", type=Path, help="scratch directory on the disk to measure")
     parser.add_argument("--notes", type=Path, help="a Markdown file added to the report as Notes")
-    parser.add_argument("--render-only", action="store_true",
-                        help="measure nothing: rewrite REPORT.md from --out-dir's results.json")
-    parser.add_argument("--from", dest="source", type=Path,
-                        help="with --render-only: the results file (e.g. partial-results.json)")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite REPORT.md from --out-dir's results.json",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        help="with --render-only: the results file (e.g. partial-results.json)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     notes = args.notes.read_text() if args.notes else ""
@@ -742,8 +960,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rewrote {out_dir / 'REPORT.md'}")
         return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="bench-smoke-")) if args.smoke
-                               else REPO_ROOT / "bench")
+    out_dir = args.out_dir or (
+        Path(tempfile.mkdtemp(prefix="bench-smoke-")) if args.smoke else REPO_ROOT / "bench"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_dir = out_dir / "results"
     if results_dir.exists():

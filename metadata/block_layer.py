@@ -68,7 +68,9 @@ def grant_more(conn: sqlite3.Connection, block_id: int, nodes: list[str]) -> lis
         raise InvalidArgument(f"block {block_id:016x} is already committed")
     granted = list(msgpack.unpackb(row[1]))
     granted += [n for n in nodes if n not in granted]
-    conn.execute("UPDATE blocks SET nodes = ? WHERE block_id = ?", (msgpack.packb(granted), block_id))
+    conn.execute(
+        "UPDATE blocks SET nodes = ? WHERE block_id = ?", (msgpack.packb(granted), block_id)
+    )
     return granted
 
 
@@ -114,7 +116,13 @@ def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
     conn.execute(
         "UPDATE blocks SET state = 'committed', ec = ?, chunk_len = ?, data_len = ?, file_index = ?"
         " WHERE block_id = ?",
-        (ECPolicy.parse(info.ec).name, info.chunk_len, info.data_len, info.file_index, info.block_id),
+        (
+            ECPolicy.parse(info.ec).name,
+            info.chunk_len,
+            info.data_len,
+            info.file_index,
+            info.block_id,
+        ),
     )
     conn.executemany(
         "INSERT INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
@@ -145,7 +153,11 @@ def locate(conn: sqlite3.Connection, block_ids: list[int]) -> list[BlockInfo]:
         ]
         out.append(
             BlockInfo(
-                block_id=bid, ec=row[0], chunk_len=row[1], data_len=row[2], chunks=chunks,
+                block_id=bid,
+                ec=row[0],
+                chunk_len=row[1],
+                data_len=row[2],
+                chunks=chunks,
                 file_index=row[3],
             )
         )

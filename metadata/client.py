@@ -80,9 +80,20 @@ CALL_TIMEOUT_S = 120.0
 RENAME_DEADLINE_S = 30.0
 _READ_OPS = frozenset(
     {
-        "name.lookup", "name.list", "name.intents", "file.get", "file.blocks", "file.getxattr",
-        "file.listxattr", "file.orphans", "file.gc_blocks", "block.locate", "block.by_node",
-        "node.list", "node.place", "server.stats",
+        "name.lookup",
+        "name.list",
+        "name.intents",
+        "file.get",
+        "file.blocks",
+        "file.getxattr",
+        "file.listxattr",
+        "file.orphans",
+        "file.gc_blocks",
+        "block.locate",
+        "block.by_node",
+        "node.list",
+        "node.place",
+        "server.stats",
     }
 )
 
@@ -203,7 +214,11 @@ class MetadataClient:
         r = await self._shard(self._of(file_id), "file.get", id=file_id)
         attrs = Attrs.from_wire(r["attrs"])
         if attrs.is_dir:
-            self._dir_policy[file_id] = (time.monotonic() + DIR_POLICY_TTL_S, attrs.ec, attrs.chunk_size)
+            self._dir_policy[file_id] = (
+                time.monotonic() + DIR_POLICY_TTL_S,
+                attrs.ec,
+                attrs.chunk_size,
+            )
         return attrs
 
     async def resolve(self, path: str) -> Attrs:
@@ -240,8 +255,16 @@ class MetadataClient:
         policy = ECPolicy.parse(ec or dir_ec).name
         shard = self._rng.randrange(self.config.shards)
         r = await self._shard(
-            shard, "file.create", kind=kind, mode=mode, uid=uid, gid=gid, ec=policy,
-            chunk_size=chunk_size, parent=dir_id, name=name,
+            shard,
+            "file.create",
+            kind=kind,
+            mode=mode,
+            uid=uid,
+            gid=gid,
+            ec=policy,
+            chunk_size=chunk_size,
+            parent=dir_id,
+            name=name,
         )
         attrs = Attrs.from_wire(r["attrs"])
         try:
@@ -309,7 +332,9 @@ class MetadataClient:
     async def unlink(self, dir_id: int, name: str) -> int:
         """Remove a file's name; its blocks are queued for GC. Returns the file's id."""
         validate_name(name)
-        r = await self._shard(self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_FILE)
+        r = await self._shard(
+            self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_FILE
+        )
         file_id: int = r["id"]
         await self._release(file_id, KIND_FILE)
         return file_id
@@ -363,7 +388,9 @@ class MetadataClient:
                     try:
                         await self._shard(self._of(victim.id), "file.revive_dir", id=victim.id)
                     except TectonicError as e:
-                        log.warning("directory %d left dead after a failed rename: %s", victim.id, e)
+                        log.warning(
+                            "directory %d left dead after a failed rename: %s", victim.id, e
+                        )
                 raise
         if result["victim_id"]:
             await self._release(result["victim_id"], result["victim_kind"])
@@ -396,19 +423,35 @@ class MetadataClient:
         src_shard, dst_shard = self._of(src_dir), self._of(dst_dir)
         if src_shard == dst_shard:
             return await self._shard(
-                src_shard, "name.rename", src_dir=src_dir, src_name=src_name, dst_dir=dst_dir,
-                dst_name=dst_name, replace_dir=replace_dir,
+                src_shard,
+                "name.rename",
+                src_dir=src_dir,
+                src_name=src_name,
+                dst_dir=dst_dir,
+                dst_name=dst_name,
+                replace_dir=replace_dir,
             )
         deadline = time.time_ns() + int(RENAME_DEADLINE_S * 1e9)
         prep = await self._shard(
-            src_shard, "name.rename_prepare", src_dir=src_dir, src_name=src_name,
-            dst_dir=dst_dir, dst_name=dst_name, dst_address=self._shard_addr[dst_shard],
+            src_shard,
+            "name.rename_prepare",
+            src_dir=src_dir,
+            src_name=src_name,
+            dst_dir=dst_dir,
+            dst_name=dst_name,
+            dst_address=self._shard_addr[dst_shard],
             deadline_ns=deadline,
         )
         try:
             applied = await self._shard(
-                dst_shard, "name.rename_apply", dst_dir=dst_dir, dst_name=dst_name, id=prep["id"],
-                kind=prep["kind"], deadline_ns=deadline, replace_dir=replace_dir,
+                dst_shard,
+                "name.rename_apply",
+                dst_dir=dst_dir,
+                dst_name=dst_name,
+                id=prep["id"],
+                kind=prep["kind"],
+                deadline_ns=deadline,
+                replace_dir=replace_dir,
             )
         except ShardUnavailable:
             raise  # the intent stays; the recovery pass settles it after the deadline
@@ -430,10 +473,18 @@ class MetadataClient:
         ec: str | None = None,
     ) -> Attrs:
         """Change attributes; ``ec`` on a directory sets the policy new files inherit."""
-        changes = {"mode": mode, "uid": uid, "gid": gid, "atime_ns": atime_ns,
-                   "mtime_ns": mtime_ns, "ec": ec}
+        changes = {
+            "mode": mode,
+            "uid": uid,
+            "gid": gid,
+            "atime_ns": atime_ns,
+            "mtime_ns": mtime_ns,
+            "ec": ec,
+        }
         r = await self._shard(
-            self._of(file_id), "file.setattr", id=file_id,
+            self._of(file_id),
+            "file.setattr",
+            id=file_id,
             **{k: v for k, v in changes.items() if v is not None},
         )
         self._dir_policy.pop(file_id, None)
@@ -444,7 +495,9 @@ class MetadataClient:
         return bytes(r["value"])
 
     async def setxattr(self, file_id: int, name: str, value: bytes) -> None:
-        await self._shard(self._of(file_id), "file.setxattr", id=file_id, name=name, value=bytes(value))
+        await self._shard(
+            self._of(file_id), "file.setxattr", id=file_id, name=name, value=bytes(value)
+        )
 
     async def listxattr(self, file_id: int) -> list[str]:
         r = await self._shard(self._of(file_id), "file.listxattr", id=file_id)
@@ -480,14 +533,15 @@ class MetadataClient:
             self._node_cache[n.node_id] = n
         shard = self._rng.randrange(self.config.shards)
         a = await self._shard(
-            shard, "block.allocate", file_id=file_id, ec=policy.name,
+            shard,
+            "block.allocate",
+            file_id=file_id,
+            ec=policy.name,
             nodes=[n.node_id for n in nodes],
         )
         return BlockGrant(block_id=a["block_id"], nodes=nodes, capability=a["capability"])
 
-    async def more_nodes(
-        self, block_id: int, exclude: Sequence[str], count: int
-    ) -> BlockGrant:
+    async def more_nodes(self, block_id: int, exclude: Sequence[str], count: int) -> BlockGrant:
         """Replacement nodes for a block whose chunk writes failed (same block id)."""
         r = await self._registry("node.place", count=count, minimum=count, exclude=list(exclude))
         nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
@@ -515,7 +569,10 @@ class MetadataClient:
 
         await self._gather([job(s, items) for s, items in by_shard.items()])
         await self._shard(
-            self._of(file_id), "file.commit", id=file_id, token=token,
+            self._of(file_id),
+            "file.commit",
+            id=file_id,
+            token=token,
             entries=[[b.file_index, b.block_id] for b in blocks],
         )
 
@@ -527,7 +584,9 @@ class MetadataClient:
     async def set_size(self, file_id: int, token: int, size: int) -> Attrs:
         """Change the size of a file being written (truncate or grow sparse); blocks wholly
         past the new size are dropped and queued for GC."""
-        r = await self._shard(self._of(file_id), "file.set_size", id=file_id, token=token, size=size)
+        r = await self._shard(
+            self._of(file_id), "file.set_size", id=file_id, token=token, size=size
+        )
         return Attrs.from_wire(r["attrs"])
 
     # --- Read path -----------------------------------------------------------------------------
@@ -607,8 +666,13 @@ class MetadataClient:
         """Point one chunk of a committed block at a new node (repair, rebalance), keeping
         the reverse index in step; refused if the chunk is no longer on ``old_node``."""
         await self._shard(
-            self._of(block_id), "block.replace_chunk", block_id=block_id, index=index,
-            old_node=old_node, new_node=new_node, checksum=checksum,
+            self._of(block_id),
+            "block.replace_chunk",
+            block_id=block_id,
+            index=index,
+            old_node=old_node,
+            new_node=new_node,
+            checksum=checksum,
         )
 
     # --- Node registry ----------------------------------------------------------------------
@@ -623,6 +687,7 @@ class MetadataClient:
         """Cluster capacity: {"capacity", "free", "files"...} from the registry."""
         nodes = await self.nodes()
         up = [n for n in nodes if n.state == "up"]
+
         def job(address: str) -> Callable[[], Awaitable[dict[str, Any]]]:
             return lambda: self._call(address, "server.stats", {})
 
@@ -654,7 +719,9 @@ class MetadataClient:
                 except (FileNotFound, NotADirectory):
                     named = False
                 if named:
-                    await self._shard(shard, "file.link", id=o["id"], parent=o["parent"], name=o["name"])
+                    await self._shard(
+                        shard, "file.link", id=o["id"], parent=o["parent"], name=o["name"]
+                    )
                 else:
                     d = await self._shard(shard, "file.collect_orphan", id=o["id"])
                     collected += bool(d["deleted"])

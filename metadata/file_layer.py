@@ -56,8 +56,19 @@ _COLS = (
 def _row_to_attrs(row: tuple[Any, ...], now_ns: int) -> Attrs:
     (fid, kind, size, mode, uid, gid, at, mt, ct, sealed, ec, cs, nlink, token, lease) = row
     return Attrs(
-        id=fid, kind=kind, size=size, mode=mode, uid=uid, gid=gid, atime_ns=at, mtime_ns=mt,
-        ctime_ns=ct, sealed=bool(sealed), ec=ec, chunk_size=cs, nlink=nlink,
+        id=fid,
+        kind=kind,
+        size=size,
+        mode=mode,
+        uid=uid,
+        gid=gid,
+        atime_ns=at,
+        mtime_ns=mt,
+        ctime_ns=ct,
+        sealed=bool(sealed),
+        ec=ec,
+        chunk_size=cs,
+        nlink=nlink,
         writer=bool(token) and lease > now_ns,
     )
 
@@ -114,10 +125,23 @@ def create(
         " ec, chunk_size, nlink, writer_token, lease_ns, named, parent_id, name, created_ns)"
         " VALUES (?, ?, 0, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
-            fid, kind, spec["mode"], spec["uid"], spec["gid"], now_ns, now_ns, now_ns,
-            spec["ec"], spec["chunk_size"], 2 if kind == KIND_DIR else 1, token,
-            now_ns + lease_ns if token else 0, 1 if file_id else 0, spec.get("parent", 0),
-            spec.get("name", ""), now_ns,
+            fid,
+            kind,
+            spec["mode"],
+            spec["uid"],
+            spec["gid"],
+            now_ns,
+            now_ns,
+            now_ns,
+            spec["ec"],
+            spec["chunk_size"],
+            2 if kind == KIND_DIR else 1,
+            token,
+            now_ns + lease_ns if token else 0,
+            1 if file_id else 0,
+            spec.get("parent", 0),
+            spec.get("name", ""),
+            now_ns,
         ),
     )
     return get(conn, fid, now_ns), token
@@ -141,11 +165,14 @@ def _queue_gc(conn: sqlite3.Connection, block_ids: list[int], now_ns: int) -> No
     )
 
 
-def _drop_blocks_from(conn: sqlite3.Connection, file_id: int, first_index: int, now_ns: int) -> None:
+def _drop_blocks_from(
+    conn: sqlite3.Connection, file_id: int, first_index: int, now_ns: int
+) -> None:
     ids = [
         r[0]
         for r in conn.execute(
-            "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx >= ?", (file_id, first_index)
+            "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx >= ?",
+            (file_id, first_index),
         )
     ]
     _queue_gc(conn, ids, now_ns)
@@ -210,9 +237,7 @@ def _bytes_per_block(row: tuple[Any, ...]) -> int:
     return ECPolicy.parse(row[10]).k * row[11]
 
 
-def set_size(
-    conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int
-) -> Attrs:
+def set_size(conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int) -> Attrs:
     row = _writable(conn, file_id, token)
     per_block = _bytes_per_block(row)
     first_gone = -(-size // per_block)  # blocks starting at or past the new size
@@ -224,9 +249,7 @@ def set_size(
     return get(conn, file_id, now_ns)
 
 
-def seal(
-    conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int
-) -> Attrs:
+def seal(conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int) -> Attrs:
     """Final size, writer token released, sealed, and marked named (the create completed).
     A file unlinked while it was being written is collected here."""
     row = _writable(conn, file_id, token)
@@ -275,7 +298,9 @@ def unlink(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
     if row[0] == KIND_DIR:
         raise IsADirectory(f"{file_id} is a directory")
     if row[1] and row[2] > now_ns:
-        conn.execute("UPDATE files SET nlink = 0, named = 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id))
+        conn.execute(
+            "UPDATE files SET nlink = 0, named = 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id)
+        )
         return
     _delete_record(conn, file_id, now_ns)
 
@@ -352,7 +377,10 @@ def setxattr(conn: sqlite3.Connection, file_id: int, name: str, value: bytes) ->
 
 def listxattr(conn: sqlite3.Connection, file_id: int) -> list[str]:
     _row(conn, file_id)
-    return [r[0] for r in conn.execute("SELECT name FROM xattrs WHERE file_id = ? ORDER BY name", (file_id,))]
+    return [
+        r[0]
+        for r in conn.execute("SELECT name FROM xattrs WHERE file_id = ? ORDER BY name", (file_id,))
+    ]
 
 
 def removexattr(conn: sqlite3.Connection, file_id: int, name: str) -> None:
@@ -386,7 +414,10 @@ def collect_orphan(conn: sqlite3.Connection, file_id: int, now_ns: int) -> bool:
 
 
 def gc_blocks(conn: sqlite3.Connection, limit: int) -> list[int]:
-    return [r[0] for r in conn.execute("SELECT block_id FROM gc_blocks ORDER BY queued_ns LIMIT ?", (limit,))]
+    return [
+        r[0]
+        for r in conn.execute("SELECT block_id FROM gc_blocks ORDER BY queued_ns LIMIT ?", (limit,))
+    ]
 
 
 def count_files(conn: sqlite3.Connection) -> int:

@@ -24,10 +24,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--total-shards", type=int, required=True, help="S, fixed at cluster creation")
     p.add_argument("--secret-file", required=True)
     p.add_argument("--ready-file", help="write {address, pid} as JSON here once serving")
-    p.add_argument("--node-timeout", type=float, default=10.0,
-                   help="seconds without a heartbeat before a chunk store is down")
-    p.add_argument("--writer-lease", type=float, default=60.0,
-                   help="seconds a writer token stays live without renew_lease")
+    p.add_argument(
+        "--node-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat before a chunk store is down",
+    )
+    p.add_argument(
+        "--writer-lease",
+        type=float,
+        default=60.0,
+        help="seconds a writer token stays live without renew_lease",
+    )
     p.set_defaults(func=run)
 
 
@@ -61,8 +69,11 @@ async def _serve_until_signalled(
     (a reply follows its commit), so stopping needs no flush, only closing the databases."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(lambda task_status: server.serve(
-                host, port, ready_file=ready_file, task_status=task_status))
+            await nursery.start(
+                lambda task_status: server.serve(
+                    host, port, ready_file=ready_file, task_status=task_status
+                )
+            )
             async for signum in signals:
                 log.info("metadata server stopping on signal %d", signum)
                 nursery.cancel_scope.cancel()

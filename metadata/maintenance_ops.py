@@ -55,7 +55,9 @@ MAX_SCAN = 10_000
 # --- Block layer functions -----------------------------------------------------------------
 
 
-def scan_blocks(conn: sqlite3.Connection, after: int, limit: int) -> tuple[list[dict[str, Any]], int | None]:
+def scan_blocks(
+    conn: sqlite3.Connection, after: int, limit: int
+) -> tuple[list[dict[str, Any]], int | None]:
     rows = conn.execute(
         "SELECT block_id, state, ec, chunk_len, data_len, file_id, file_index, nodes, allocated_ns"
         " FROM blocks WHERE block_id > ? ORDER BY block_id LIMIT ?",
@@ -72,9 +74,16 @@ def scan_blocks(conn: sqlite3.Connection, after: int, limit: int) -> tuple[list[
         ]
         out.append(
             {
-                "block_id": bid, "state": state, "ec": ec, "chunk_len": cl, "data_len": dl,
-                "file_id": fid, "file_index": fidx, "granted": list(msgpack.unpackb(nodes)),
-                "allocated_ns": alloc, "chunks": chunks,
+                "block_id": bid,
+                "state": state,
+                "ec": ec,
+                "chunk_len": cl,
+                "data_len": dl,
+                "file_id": fid,
+                "file_index": fidx,
+                "granted": list(msgpack.unpackb(nodes)),
+                "allocated_ns": alloc,
+                "chunks": chunks,
             }
         )
     nxt = rows[-1][0] if len(rows) == limit else None
@@ -82,7 +91,11 @@ def scan_blocks(conn: sqlite3.Connection, after: int, limit: int) -> tuple[list[
 
 
 def set_chunk(
-    conn: sqlite3.Connection, block_id: int, index: int, old_node: str, new_node: str,
+    conn: sqlite3.Connection,
+    block_id: int,
+    index: int,
+    old_node: str,
+    new_node: str,
     checksum: int,
 ) -> None:
     """Point chunk ``index`` of a committed block at ``new_node``: a move or repair when
@@ -113,7 +126,10 @@ def set_chunk(
 
 
 def forget_block(
-    conn: sqlite3.Connection, block_id: int, state: str, file_id: int | None,
+    conn: sqlite3.Connection,
+    block_id: int,
+    state: str,
+    file_id: int | None,
     file_index: int | None,
 ) -> bool:
     """Delete a block's record, if it is still in the state the GC saw (and, when given,
@@ -193,7 +209,9 @@ def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list
     ]
 
 
-def recover_lease(conn: sqlite3.Connection, file_id: int, token: int, before_ns: int, now: int) -> str:
+def recover_lease(
+    conn: sqlite3.Connection, file_id: int, token: int, before_ns: int, now: int
+) -> str:
     """Apply the lease recovery rule of the module docstring; returns what was done."""
     from metadata import file_layer
 
@@ -228,7 +246,9 @@ def _pairs(req: wire.Request, field: str, width: int) -> list[tuple[int, ...]]:
         if (
             not isinstance(item, list | tuple)
             or len(item) != width
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in item)
+            or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in item
+            )
         ):
             raise InvalidArgument(f"{req.op}: {field} must be lists of {width} integers")
         out.append(tuple(item))
@@ -251,8 +271,11 @@ class MaintenanceOps:
     async def op_block__set_chunk(self, req: wire.Request) -> None:
         store = self._store(req)
         await store.write(
-            set_chunk, req.int("block_id", lo=1, hi=MAX_ID), req.int("index", hi=255),
-            req.str("old_node", "", max_len=64), req.str("new_node", max_len=64),
+            set_chunk,
+            req.int("block_id", lo=1, hi=MAX_ID),
+            req.int("index", hi=255),
+            req.str("old_node", "", max_len=64),
+            req.str("new_node", max_len=64),
             req.int("checksum", hi=2**32 - 1),
         )
 
@@ -262,8 +285,11 @@ class MaintenanceOps:
         if state not in ("allocated", "committed"):
             raise InvalidArgument(f"block.forget: unknown state {state!r}")
         done = await store.write(
-            forget_block, req.int("block_id", lo=1, hi=MAX_ID), state,
-            req.int("file_id", None, lo=0, hi=MAX_ID), req.int("file_index", None, lo=-1, hi=MAX_ID),
+            forget_block,
+            req.int("block_id", lo=1, hi=MAX_ID),
+            state,
+            req.int("file_id", None, lo=0, hi=MAX_ID),
+            req.int("file_index", None, lo=-1, hi=MAX_ID),
         )
         return {"forgotten": done}
 
@@ -276,7 +302,9 @@ class MaintenanceOps:
     async def op_file__gc_queue(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         rows = store.read(
-            gc_queue, req.int("older_than_ns", hi=2**63 - 1), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
+            gc_queue,
+            req.int("older_than_ns", hi=2**63 - 1),
+            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
         )
         return {"blocks": [list(r) for r in rows]}
 
@@ -294,14 +322,19 @@ class MaintenanceOps:
     async def op_file__expired_leases(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         rows = store.read(
-            expired_leases, req.int("before_ns", hi=2**63 - 1), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
+            expired_leases,
+            req.int("before_ns", hi=2**63 - 1),
+            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
         )
         return {"files": [list(r) for r in rows]}
 
     async def op_file__recover_lease(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         outcome = await store.write(
-            recover_lease, req.int("id", lo=1, hi=MAX_ID), req.int("token", lo=1, hi=MAX_ID),
-            req.int("before_ns", hi=2**63 - 1), now_ns(),
+            recover_lease,
+            req.int("id", lo=1, hi=MAX_ID),
+            req.int("token", lo=1, hi=MAX_ID),
+            req.int("before_ns", hi=2**63 - 1),
+            now_ns(),
         )
         return {"outcome": outcome}

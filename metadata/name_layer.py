@@ -130,12 +130,13 @@ def list_entries(
 
 
 def has_entries(conn: sqlite3.Connection, dir_id: int) -> bool:
-    return conn.execute("SELECT 1 FROM names WHERE dir_id = ? LIMIT 1", (dir_id,)).fetchone() is not None
+    return (
+        conn.execute("SELECT 1 FROM names WHERE dir_id = ? LIMIT 1", (dir_id,)).fetchone()
+        is not None
+    )
 
 
-def remove(
-    conn: sqlite3.Connection, dir_id: int, name: str, kind: str, expect_id: int = 0
-) -> int:
+def remove(conn: sqlite3.Connection, dir_id: int, name: str, kind: str, expect_id: int = 0) -> int:
     """Remove an entry of the given kind; returns the child id.
 
     ``kind`` file: IsADirectory for a directory (unlink). ``kind`` dir: NotADirectory for a
@@ -158,9 +159,7 @@ def remove(
     return child
 
 
-def _replace_check(
-    child_kind: str, victim: tuple[int, str] | None, replace_dir: int
-) -> None:
+def _replace_check(child_kind: str, victim: tuple[int, str] | None, replace_dir: int) -> None:
     if victim is None:
         return
     victim_id, victim_kind = victim
@@ -290,6 +289,15 @@ def intents(conn: sqlite3.Connection, before_ns: int) -> list[dict[str, Any]]:
         " deadline_ns FROM rename_intents WHERE deadline_ns < ? ORDER BY deadline_ns LIMIT 1000",
         (before_ns,),
     ).fetchall()
-    keys = ("intent", "src_dir", "src_name", "dst_dir", "dst_name", "id", "kind", "dst_address",
-            "deadline_ns")
+    keys = (
+        "intent",
+        "src_dir",
+        "src_name",
+        "dst_dir",
+        "dst_name",
+        "id",
+        "kind",
+        "dst_address",
+        "deadline_ns",
+    )
     return [dict(zip(keys, r)) for r in rows]

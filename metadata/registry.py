@@ -33,8 +33,14 @@ def _persist(conn: sqlite3.Connection, node: dict[str, Any], when_ns: int) -> No
     conn.execute(
         "INSERT OR REPLACE INTO nodes (node_id, address, failure_domain, capacity, free,"
         " registered_ns) VALUES (?, ?, ?, ?, ?, ?)",
-        (node["node_id"], node["address"], node["failure_domain"], node["capacity"],
-         node["free"], when_ns),
+        (
+            node["node_id"],
+            node["address"],
+            node["failure_domain"],
+            node["capacity"],
+            node["free"],
+            when_ns,
+        ),
     )
 
 
@@ -49,8 +55,12 @@ class Registry:
             "SELECT node_id, address, failure_domain, capacity, free, registered_ns FROM nodes"
         ):
             self._nodes[node_id] = NodeInfo(
-                node_id=node_id, address=address, failure_domain=domain, capacity=capacity,
-                free=free, last_seen=start,
+                node_id=node_id,
+                address=address,
+                failure_domain=domain,
+                capacity=capacity,
+                free=free,
+                last_seen=start,
             )
 
     async def heartbeat(self, fields: dict[str, Any]) -> None:
@@ -62,13 +72,19 @@ class Registry:
             raise InvalidArgument("failure_domain must be 1..128 characters")
         old = self._nodes.get(node_id)
         changed = old is None or (old.address, old.failure_domain, old.capacity) != (
-            fields["address"], fields["failure_domain"], fields["capacity"]
+            fields["address"],
+            fields["failure_domain"],
+            fields["capacity"],
         )
         if changed:
             await self.store.write(_persist, fields, now_ns())
             if old is None:
-                log.info("registered node %s at %s (%s)", node_id, fields["address"],
-                         fields["failure_domain"])
+                log.info(
+                    "registered node %s at %s (%s)",
+                    node_id,
+                    fields["address"],
+                    fields["failure_domain"],
+                )
         self._nodes[node_id] = NodeInfo(
             node_id=node_id,
             address=fields["address"],
@@ -88,6 +104,4 @@ class Registry:
         ]
 
     def place(self, count: int, minimum: int, exclude: list[str]) -> list[NodeInfo]:
-        return placement.place(
-            self.nodes(), count, minimum=minimum, exclude=exclude, rng=self._rng
-        )
+        return placement.place(self.nodes(), count, minimum=minimum, exclude=exclude, rng=self._rng)

@@ -154,7 +154,9 @@ class MetadataServer(MaintenanceOps):
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot create data directory {str(data_dir)!r}: {e.strerror}") from None
+            raise ConfigError(
+                f"cannot create data directory {str(data_dir)!r}: {e.strerror}"
+            ) from None
         self.total_shards = total_shards
         self.secret = secret
         self.lease_ns = lease_ns
@@ -206,8 +208,14 @@ class MetadataServer(MaintenanceOps):
         if store.reader.execute("SELECT 1 FROM files WHERE id = ?", (ROOT_ID,)).fetchone():
             return
         spec = {
-            "kind": KIND_DIR, "mode": 0o755, "uid": 0, "gid": 0, "ec": DEFAULT_POLICY.name,
-            "chunk_size": DEFAULT_CHUNK_SIZE, "parent": ROOT_ID, "name": "",
+            "kind": KIND_DIR,
+            "mode": 0o755,
+            "uid": 0,
+            "gid": 0,
+            "ec": DEFAULT_POLICY.name,
+            "chunk_size": DEFAULT_CHUNK_SIZE,
+            "parent": ROOT_ID,
+            "name": "",
         }
         await store.write(
             file_layer.create, root_shard, self.total_shards, spec, now_ns(), 0, ROOT_ID
@@ -252,7 +260,10 @@ class MetadataServer(MaintenanceOps):
     async def op_name__remove(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         child = await store.write(
-            name_layer.remove, _id(req, "dir"), _name(req), _kind(req),
+            name_layer.remove,
+            _id(req, "dir"),
+            _name(req),
+            _kind(req),
             req.int("expect_id", 0, hi=MAX_ID),
         )
         return {"id": child}
@@ -260,13 +271,18 @@ class MetadataServer(MaintenanceOps):
     async def op_name__rename(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         src_dir, dst_dir = _id(req, "src_dir"), _id(req, "dst_dir")
-        if shard_of(dst_dir, self.total_shards) != store.shard or shard_of(
-            src_dir, self.total_shards
-        ) != store.shard:
+        if (
+            shard_of(dst_dir, self.total_shards) != store.shard
+            or shard_of(src_dir, self.total_shards) != store.shard
+        ):
             raise InvalidArgument("name.rename: both directories must be in this shard")
         return await store.write(
-            name_layer.rename_local, src_dir, _name(req, "src_name"), dst_dir,
-            _name(req, "dst_name"), req.int("replace_dir", 0, hi=MAX_ID),
+            name_layer.rename_local,
+            src_dir,
+            _name(req, "src_name"),
+            dst_dir,
+            _name(req, "dst_name"),
+            req.int("replace_dir", 0, hi=MAX_ID),
         )
 
     async def op_name__rename_prepare(self, req: wire.Request) -> dict[str, Any]:
@@ -274,16 +290,25 @@ class MetadataServer(MaintenanceOps):
         dst_address = req.str("dst_address", max_len=300)
         wire.parse_address(dst_address)
         return await store.write(
-            name_layer.rename_prepare, _id(req, "src_dir"), _name(req, "src_name"),
-            _id(req, "dst_dir"), _name(req, "dst_name"), dst_address,
+            name_layer.rename_prepare,
+            _id(req, "src_dir"),
+            _name(req, "src_name"),
+            _id(req, "dst_dir"),
+            _name(req, "dst_name"),
+            dst_address,
             req.int("deadline_ns", hi=2**63 - 1),
         )
 
     async def op_name__rename_apply(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         return await store.write(
-            name_layer.rename_apply, _id(req, "dst_dir"), _name(req, "dst_name"), _id(req, "id"),
-            _kind(req), req.int("deadline_ns", hi=2**63 - 1), now_ns(),
+            name_layer.rename_apply,
+            _id(req, "dst_dir"),
+            _name(req, "dst_name"),
+            _id(req, "id"),
+            _kind(req),
+            req.int("deadline_ns", hi=2**63 - 1),
+            now_ns(),
             req.int("replace_dir", 0, hi=MAX_ID),
         )
 
@@ -326,7 +351,10 @@ class MetadataServer(MaintenanceOps):
     async def op_file__open(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         token = await store.write(
-            file_layer.open_for_write, _id(req, "id"), req.bool("truncate", False), now_ns(),
+            file_layer.open_for_write,
+            _id(req, "id"),
+            req.bool("truncate", False),
+            now_ns(),
             self.lease_ns,
         )
         return {"token": token}
@@ -334,7 +362,10 @@ class MetadataServer(MaintenanceOps):
     async def op_file__renew(self, req: wire.Request) -> None:
         store = self._store(req)
         await store.write(
-            file_layer.renew_lease, _id(req, "id"), req.int("token", hi=MAX_ID), now_ns(),
+            file_layer.renew_lease,
+            _id(req, "id"),
+            req.int("token", hi=MAX_ID),
+            now_ns(),
             self.lease_ns,
         )
 
@@ -352,23 +383,32 @@ class MetadataServer(MaintenanceOps):
                 raise InvalidArgument("file.commit: entries must be [index, block_id] pairs")
             entries.append((item[0], item[1]))
         await store.write(
-            file_layer.commit_blocks, _id(req, "id"), req.int("token", hi=MAX_ID), entries,
+            file_layer.commit_blocks,
+            _id(req, "id"),
+            req.int("token", hi=MAX_ID),
+            entries,
             now_ns(),
         )
 
     async def op_file__seal(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         attrs = await store.write(
-            file_layer.seal, _id(req, "id"), req.int("token", hi=MAX_ID),
-            req.int("size", hi=2**62), now_ns(),
+            file_layer.seal,
+            _id(req, "id"),
+            req.int("token", hi=MAX_ID),
+            req.int("size", hi=2**62),
+            now_ns(),
         )
         return {"attrs": _attrs(attrs)}
 
     async def op_file__set_size(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         attrs = await store.write(
-            file_layer.set_size, _id(req, "id"), req.int("token", hi=MAX_ID),
-            req.int("size", hi=2**62), now_ns(),
+            file_layer.set_size,
+            _id(req, "id"),
+            req.int("token", hi=MAX_ID),
+            req.int("size", hi=2**62),
+            now_ns(),
         )
         return {"attrs": _attrs(attrs)}
 
@@ -420,7 +460,9 @@ class MetadataServer(MaintenanceOps):
     async def op_file__setxattr(self, req: wire.Request) -> None:
         store = self._store(req)
         await store.write(
-            file_layer.setxattr, _id(req, "id"), req.str("name", max_len=255),
+            file_layer.setxattr,
+            _id(req, "id"),
+            req.str("name", max_len=255),
             req.bytes("value", max_len=file_layer.MAX_XATTR_VALUE),
         )
 
@@ -436,7 +478,8 @@ class MetadataServer(MaintenanceOps):
         store = self._store(req)
         return {
             "orphans": store.read(
-                file_layer.orphans, req.int("older_than_ns", hi=2**63 - 1),
+                file_layer.orphans,
+                req.int("older_than_ns", hi=2**63 - 1),
                 req.int("limit", 1000, lo=1, hi=10_000),
             )
         }
@@ -447,7 +490,9 @@ class MetadataServer(MaintenanceOps):
 
     async def op_file__gc_blocks(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"block_ids": store.read(file_layer.gc_blocks, req.int("limit", 1000, lo=1, hi=10_000))}
+        return {
+            "block_ids": store.read(file_layer.gc_blocks, req.int("limit", 1000, lo=1, hi=10_000))
+        }
 
     # --- Block layer --------------------------------------------------------------------------
 
@@ -463,8 +508,13 @@ class MetadataServer(MaintenanceOps):
         store = self._store(req)
         nodes = self._node_list(req)
         block_id = await store.write(
-            block_layer.allocate, store.shard, self.total_shards, _id(req, "file_id"),
-            req.str("ec", max_len=16), nodes, now_ns(),
+            block_layer.allocate,
+            store.shard,
+            self.total_shards,
+            _id(req, "file_id"),
+            req.str("ec", max_len=16),
+            nodes,
+            now_ns(),
         )
         return {"block_id": block_id, "capability": capability.issue(self.secret, block_id, nodes)}
 
@@ -498,7 +548,9 @@ class MetadataServer(MaintenanceOps):
     async def op_block__by_node(self, req: wire.Request) -> dict[str, Any]:
         store = self._store(req)
         chunks = store.read(
-            block_layer.by_node, req.str("node_id", max_len=64), req.int("after", 0, hi=MAX_ID),
+            block_layer.by_node,
+            req.str("node_id", max_len=64),
+            req.int("after", 0, hi=MAX_ID),
             req.int("limit", 10_000, lo=1, hi=100_000),
         )
         return {"chunks": [list(c) for c in chunks]}
@@ -506,8 +558,11 @@ class MetadataServer(MaintenanceOps):
     async def op_block__replace_chunk(self, req: wire.Request) -> None:
         store = self._store(req)
         await store.write(
-            block_layer.replace_chunk, _id(req, "block_id"), req.int("index", hi=255),
-            req.str("old_node", max_len=64), req.str("new_node", max_len=64),
+            block_layer.replace_chunk,
+            _id(req, "block_id"),
+            req.int("index", hi=255),
+            req.str("old_node", max_len=64),
+            req.str("new_node", max_len=64),
             req.int("checksum", hi=2**32 - 1),
         )
 
@@ -549,8 +604,10 @@ class MetadataServer(MaintenanceOps):
             count = store.read(file_layer.count_files)
             files += count
             shards[str(s)] = {
-                "files": count, "batches": store.stats.batches,
-                "mutations": store.stats.mutations, "largest_batch": store.stats.largest_batch,
+                "files": count,
+                "batches": store.stats.batches,
+                "mutations": store.stats.mutations,
+                "largest_batch": store.stats.largest_batch,
             }
         return {"files": files, "shards": shards}
 
@@ -573,16 +630,20 @@ class MetadataServer(MaintenanceOps):
                 try:
                     applied = await self._dst_points_at_child(intent)
                 except TectonicError as e:
-                    log.warning("rename intent %d: destination unreachable (%s); later",
-                                intent["intent"], e)
+                    log.warning(
+                        "rename intent %d: destination unreachable (%s); later", intent["intent"], e
+                    )
                     continue
                 try:
                     await store.write(name_layer.rename_finish, intent["intent"], applied)
                 except FileNotFound:
                     continue
                 settled += 1
-                log.info("rename intent %d %s", intent["intent"],
-                         "rolled forward" if applied else "rolled back")
+                log.info(
+                    "rename intent %d %s",
+                    intent["intent"],
+                    "rolled forward" if applied else "rolled back",
+                )
         return settled
 
     async def _dst_points_at_child(self, intent: dict[str, Any]) -> bool:
@@ -597,8 +658,11 @@ class MetadataServer(MaintenanceOps):
                     async with wire.open_connection(host, port, self.secret) as conn:
                         resp = await conn.call(
                             "name.lookup",
-                            {"shard": dst_shard, "dir": intent["dst_dir"],
-                             "name": intent["dst_name"]},
+                            {
+                                "shard": dst_shard,
+                                "dir": intent["dst_dir"],
+                                "name": intent["dst_name"],
+                            },
                         )
                 child = resp.fields["id"]
         except FileNotFound:

@@ -477,9 +477,7 @@ class ChunkPool:
                     host, port, self._secret, nursery=self._nursery
                 )
             assert scope.cancelled_caught
-            raise Unavailable(
-                f"cannot connect to {address}: no answer in {self.connect_timeout}s"
-            )
+            raise Unavailable(f"cannot connect to {address}: no answer in {self.connect_timeout}s")
         except Unavailable:
             if self._view is not None:
                 self._view.failed(address)
@@ -578,8 +576,12 @@ class TectonicClient:
         self.stats = ClientStats()
         self.node_view = NodeView(meta, nursery, node_backoff_s)
         self.pool = ChunkPool(
-            config.secret(), nursery, conns_per_node,
-            view=self.node_view, stats=self.stats, connect_timeout=connect_timeout,
+            config.secret(),
+            nursery,
+            conns_per_node,
+            view=self.node_view,
+            stats=self.stats,
+            connect_timeout=connect_timeout,
         )
         self.buffers = BufferPool(window_bytes, self.stats)
         self.buffers.spill = lambda writer: nursery.start_soon(writer.spill_open)
@@ -803,8 +805,13 @@ class TectonicClient:
                         winner = node
                 except TectonicError as e:
                     self.stats.chunk_write_failures += 1
-                    log.info("chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
-                             i, grant.block_id, node.node_id, e)
+                    log.info(
+                        "chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
+                        i,
+                        grant.block_id,
+                        node.node_id,
+                        e,
+                    )
                 finally:
                     running -= 1
                     if winner is not None or running == 0:
@@ -866,7 +873,9 @@ class TectonicClient:
         if len(results) < n:
             log.warning(
                 "block %016x committed with %d of %d chunks (repair will restore the rest)",
-                grant.block_id, len(results), n,
+                grant.block_id,
+                len(results),
+                n,
             )
         return [results[i] for i in sorted(results)]
 
@@ -911,7 +920,11 @@ class TectonicClient:
             del self.stats.bad_chunks[:5000]
         log.warning(
             "chunk %d of block %016x on %s is %s (%s); reading degraded",
-            pl.index, info.block_id, pl.node_id, reason, error,
+            pl.index,
+            info.block_id,
+            pl.node_id,
+            reason,
+            error,
         )
 
     async def _get_into(
@@ -931,7 +944,9 @@ class TectonicClient:
         cid = chunk_id(info.block_id, pl.index)
         with trio.move_on_after(limit) as scope:
             resp = await self.pool.call(
-                address, "get", {"chunk_id": cid, "offset": offset, "length": into.nbytes},
+                address,
+                "get",
+                {"chunk_id": cid, "offset": offset, "length": into.nbytes},
                 into=into,
             )
         if scope.cancelled_caught:
@@ -1024,7 +1039,8 @@ class TectonicClient:
         by_index = {pl.index: pl for pl in info.chunks}
         view = self.node_view
         avoided = {
-            i for i, pl in by_index.items()
+            i
+            for i, pl in by_index.items()
             if view.avoid(pl.node_id, pl.address or self._addresses.get(pl.node_id, ""))
         }
         # Parity on live nodes first; chunks on avoided nodes only as a last resort.
@@ -1147,7 +1163,10 @@ class TectonicClient:
                 return
             try:
                 await self._get_into(
-                    info, pl, out[r.out_offset : r.out_offset + r.length], r.chunk_offset,
+                    info,
+                    pl,
+                    out[r.out_offset : r.out_offset + r.length],
+                    r.chunk_offset,
                     limit=self.slow_chunk_s,
                 )
             except Timeout:

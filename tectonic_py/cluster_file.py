@@ -146,4 +146,6 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
             path=path,
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"cluster file {str(path)!r} is missing or has a bad field: {e}") from None
+        raise ConfigError(
+            f"cluster file {str(path)!r} is missing or has a bad field: {e}"
+        ) from None

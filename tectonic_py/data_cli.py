@@ -76,8 +76,9 @@ def _remote(path: str) -> str:
     return path
 
 
-async def _put(client: TectonicClient, local: str, remote: str, ec: str | None,
-               quiet: bool) -> dict[str, Any]:
+async def _put(
+    client: TectonicClient, local: str, remote: str, ec: str | None, quiet: bool
+) -> dict[str, Any]:
     try:
         f = await trio.to_thread.run_sync(open, local, "rb")
     except OSError as e:
@@ -106,8 +107,13 @@ async def _put(client: TectonicClient, local: str, remote: str, ec: str | None,
         finally:
             progress.close()
     seconds = time.monotonic() - started
-    return {"path": remote, "bytes": attrs.size, "seconds": round(seconds, 3),
-            "MB_per_s": round(attrs.size / max(seconds, 1e-9) / 1e6, 1), "ec": attrs.ec}
+    return {
+        "path": remote,
+        "bytes": attrs.size,
+        "seconds": round(seconds, 3),
+        "MB_per_s": round(attrs.size / max(seconds, 1e-9) / 1e6, 1),
+        "ec": attrs.ec,
+    }
 
 
 async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> dict[str, Any]:
@@ -136,8 +142,12 @@ async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> 
         progress.close()
         await reader.aclose()
     seconds = time.monotonic() - started
-    return {"path": str(target), "bytes": reader.size, "seconds": round(seconds, 3),
-            "MB_per_s": round(reader.size / max(seconds, 1e-9) / 1e6, 1)}
+    return {
+        "path": str(target),
+        "bytes": reader.size,
+        "seconds": round(seconds, 3),
+        "MB_per_s": round(reader.size / max(seconds, 1e-9) / 1e6, 1),
+    }
 
 
 async def _ls(client: TectonicClient, path: str, long: bool) -> list[dict[str, Any]]:
@@ -171,11 +181,13 @@ async def _rm(client: TectonicClient, paths: list[str], recursive: bool) -> None
 def cmd_put(args: argparse.Namespace) -> int:
     if args.ec:
         ECPolicy.parse(args.ec)  # before a connection or a file is made
-    r = trio.run(_run, args.cluster_file, _put, args.local, _remote(args.remote), args.ec,
-                 args.quiet)
+    r = trio.run(
+        _run, args.cluster_file, _put, args.local, _remote(args.remote), args.ec, args.quiet
+    )
     if not args.quiet:
-        print(f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s, "
-              f"{r['ec']})")
+        print(
+            f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s, {r['ec']})"
+        )
     return 0
 
 
@@ -270,4 +282,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--parents", action="store_true")
     p.add_argument("--ec", help="EC policy that new files in it inherit (rs-6-3, rs-4-2, r3...)")
     p.set_defaults(func=cmd_mkdir)
-

@@ -760,8 +760,9 @@ class Operations(pyfuse3.Operations):
         with trio.CancelScope(shield=True):
             for ofile in list(self.cache.open_files.values()):
                 if ofile.writer is not None:
-                    log.warning("inode %d still open for writing at unmount: left unsealed",
-                                ofile.inode)
+                    log.warning(
+                        "inode %d still open for writing at unmount: left unsealed", ofile.inode
+                    )
                     await _abort(ofile.writer)
                     ofile.writer = None
             for handle in list(self.cache.handles.values()):
@@ -782,4 +783,3 @@ async def _aclose_reader(reader: Any) -> None:
         await reader.aclose()
     except TectonicError as e:
         log.warning("closing reader of file %s failed: %s", getattr(reader, "file_id", "?"), e)
-

@@ -47,9 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("cluster_file", help="the cluster file (cluster.toml)")
     p.add_argument("mountpoint", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
-    p.add_argument(
-        "--allow-other", action="store_true", help="let users other than the mounter in"
-    )
+    p.add_argument("--allow-other", action="store_true", help="let users other than the mounter in")
     p.add_argument(
         "--read-ahead-kb",
         type=int,
@@ -113,9 +111,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return _daemonize(config, mnt, options, args)
 
 
-def _daemonize(
-    config: ClusterConfig, mnt: str, options: set[str], args: argparse.Namespace
-) -> int:
+def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argparse.Namespace) -> int:
     """Fork; the parent waits on a pipe for "ok" or the child's error line."""
     rfd, wfd = os.pipe()
     pid = os.fork()

@@ -202,11 +202,16 @@ class LoadtestConfig:
             from tectonic_py.client import TectonicClient
 
             known = set(inspect.signature(TectonicClient.__init__).parameters) - {
-                "self", "config", "meta", "nursery"}
+                "self",
+                "config",
+                "meta",
+                "nursery",
+            }
             unknown = set(self.client_options) - known
             if unknown:
                 raise ConfigError(
-                    f"unknown --client-opt {sorted(unknown)}; known: {', '.join(sorted(known))}")
+                    f"unknown --client-opt {sorted(unknown)}; known: {', '.join(sorted(known))}"
+                )
         if not self.run_dir.startswith("/") or "//" in self.run_dir or ".." in self.run_dir:
             raise ConfigError("the run directory must be an absolute path without '..'")
 
@@ -457,8 +462,11 @@ async def _worker_main(spec: dict[str, Any]) -> None:
             if cmd is None or cmd["cmd"] == "exit":
                 usage = resource.getrusage(resource.RUSAGE_SELF)
                 await out.send(
-                    {"ev": "bye", "cpu_s": usage.ru_utime + usage.ru_stime,
-                     "max_rss": usage.ru_maxrss * 1024}
+                    {
+                        "ev": "bye",
+                        "cpu_s": usage.ru_utime + usage.ru_stime,
+                        "max_rss": usage.ru_maxrss * 1024,
+                    }
                 )
                 return
             await _run_phase(cfg, backend, data, ranks, cmd, out)
@@ -806,9 +814,7 @@ async def _coordinate(cfg: LoadtestConfig, backend: Any, show_progress: bool) ->
                 meta_seconds_delete.append(time.perf_counter() - t)
                 deleted_steps.append(old)
         if cfg.restore or cfg.verify_only:
-            expected = {
-                int(r): [f["size"], f["crc32c"]] for r, f in index.get("files", {}).items()
-            }
+            expected = {int(r): [f["size"], f["crc32c"]] for r, f in index.get("files", {}).items()}
             phases.append(await run_phase("read", cfg.steps, expected))
         await send_all({"cmd": "exit"})
         for w in workers:
@@ -967,7 +973,10 @@ def summary_table(result: dict[str, Any]) -> Any:
         table.add_row(name, value)
 
     row("errors", str(result["errors"]))
-    row("bytes written / verified", f"{_h(result['bytes_written'])} / {_h(result['bytes_verified'])}")
+    row(
+        "bytes written / verified",
+        f"{_h(result['bytes_written'])} / {_h(result['bytes_verified'])}",
+    )
     row("write GB/s (aggregate)", f"{result['write_gbps']:.3f}")
     row("read GB/s (aggregate)", f"{result['read_gbps']:.3f}")
     row("GPU pause (s, worst step)", f"{result['pause_s']:.3f}")
@@ -975,7 +984,12 @@ def summary_table(result: dict[str, Any]) -> Any:
         "rank write p50/p90/p99/max (s)",
         "/".join(
             f"{result[k]:.3f}"
-            for k in ("rank_write_p50_s", "rank_write_p90_s", "rank_write_p99_s", "rank_write_max_s")
+            for k in (
+                "rank_write_p50_s",
+                "rank_write_p90_s",
+                "rank_write_p99_s",
+                "rank_write_max_s",
+            )
         ),
     )
     row("restore (s)", f"{result['restore_s']:.3f}")
@@ -984,7 +998,10 @@ def summary_table(result: dict[str, Any]) -> Any:
     for key in ("cpu_s_per_gib_write", "cpu_s_per_gib_read"):
         v = result[key]
         row(key.replace("_", " "), "-" if v is None else f"{v:.2f}")
-    row("peak RSS worker / watched", f"{_h(result['worker_max_rss'])} / {_h(result['watched_max_rss'])}")
+    row(
+        "peak RSS worker / watched",
+        f"{_h(result['worker_max_rss'])} / {_h(result['watched_max_rss'])}",
+    )
     return table
 
 
@@ -1096,10 +1113,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--through-mount", metavar="MOUNTPOINT", help="real file I/O on a mount")
     p.add_argument("--ranks", type=int, default=64, help="ranks saving at once (default 64)")
     p.add_argument("--processes", type=int, default=0, help="worker processes (0: auto)")
-    p.add_argument("--shard-size", type=_size_arg, default=16 * MiB,
-                   help="fixed shard size, e.g. 16MiB, 1MB (default 16MiB)")
     p.add_argument(
-        "--size-dist", choices=["fixed", "uniform", "loguniform"], default="fixed",
+        "--shard-size",
+        type=_size_arg,
+        default=16 * MiB,
+        help="fixed shard size, e.g. 16MiB, 1MB (default 16MiB)",
+    )
+    p.add_argument(
+        "--size-dist",
+        choices=["fixed", "uniform", "loguniform"],
+        default="fixed",
         help="shard sizes: fixed (--shard-size) or drawn between --min-size and --max-size",
     )
     p.add_argument("--min-size", type=_size_arg, default=1_000_000, help="default 1MB")
@@ -1112,12 +1135,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop after this long")
     p.add_argument("--keep", action="store_true", help="do not delete what was written")
     p.add_argument(
-        "--verify-only", action="store_true",
+        "--verify-only",
+        action="store_true",
         help="write nothing: restore and verify step --steps of the run in --dir (kept earlier)",
     )
     p.add_argument("--watch-pids", type=_pids, default=[], help="PIDs whose CPU/RSS to count")
     p.add_argument(
-        "--client-opt", action="append", default=[], metavar="KEY=VALUE",
+        "--client-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a tuning keyword of open_client for the workers (e.g. slow_chunk_s=60); repeatable",
     )
     p.add_argument("--results-dir", default="loadtest-results", help="JSON + PNG go here")

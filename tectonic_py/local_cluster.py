@@ -105,8 +105,9 @@ class _Daemon:
                     f"log {self.log_file}:\n{self._log_tail()}"
                 )
             if time.monotonic() > deadline:
-                raise Timeout(f"{self.name} not ready in time; log {self.log_file}:\n"
-                              f"{self._log_tail()}")
+                raise Timeout(
+                    f"{self.name} not ready in time; log {self.log_file}:\n{self._log_tail()}"
+                )
             time.sleep(0.05)
 
     def _log_tail(self, lines: int = 15) -> str:
@@ -285,9 +286,14 @@ class LocalCluster:
         """(Re)start the ``tectonic maintenance`` process with ``maintenance_args``."""
         if not self._maint.running:
             self._maint.spawn(
-                self._cli() + ["maintenance", str(self.cluster_file),
-                               "--ready-file", str(self._maint.ready_file),
-                               *self.maintenance_args]
+                self._cli()
+                + [
+                    "maintenance",
+                    str(self.cluster_file),
+                    "--ready-file",
+                    str(self._maint.ready_file),
+                    *self.maintenance_args,
+                ]
             )
         self._maint.wait_ready(time.monotonic() + self.start_timeout)
 
@@ -357,7 +363,9 @@ class LocalCluster:
     # --- internals -------------------------------------------------------------------------------
 
     def _daemon(self, name: str) -> _Daemon:
-        return _Daemon(name, self.root / "run" / f"{name}.ready", self.root / "logs" / f"{name}.log")
+        return _Daemon(
+            name, self.root / "run" / f"{name}.ready", self.root / "logs" / f"{name}.log"
+        )
 
     @staticmethod
     def _port(address: str) -> int:
@@ -381,13 +389,20 @@ class LocalCluster:
         shards = self.shards_of(i)
         argv = self._cli() + [
             "metadata",
-            "--data-dir", str(data),
-            "--listen", self._listen(d.name, require_same_port),
-            "--shards", f"{shards[0]}-{shards[-1]}",
-            "--total-shards", str(self.shards),
-            "--secret-file", str(self.secret_file),
-            "--ready-file", str(d.ready_file),
-            "--node-timeout", str(self.node_timeout),
+            "--data-dir",
+            str(data),
+            "--listen",
+            self._listen(d.name, require_same_port),
+            "--shards",
+            f"{shards[0]}-{shards[-1]}",
+            "--total-shards",
+            str(self.shards),
+            "--secret-file",
+            str(self.secret_file),
+            "--ready-file",
+            str(d.ready_file),
+            "--node-timeout",
+            str(self.node_timeout),
             *self.metadata_args,
         ]
         d.spawn(argv)
@@ -399,14 +414,22 @@ class LocalCluster:
         assert self.config is not None
         argv = self._cli() + [
             "chunkstore",
-            "--data-dir", str(data),
-            "--listen", self._listen(d.name),
-            "--node-id", self.node_id(i),
-            "--failure-domain", self.failure_domain(i),
-            "--secret-file", str(self.secret_file),
-            "--registry", self.config.registry_address,
-            "--heartbeat-interval", str(self.heartbeat_interval),
-            "--ready-file", str(d.ready_file),
+            "--data-dir",
+            str(data),
+            "--listen",
+            self._listen(d.name),
+            "--node-id",
+            self.node_id(i),
+            "--failure-domain",
+            self.failure_domain(i),
+            "--secret-file",
+            str(self.secret_file),
+            "--registry",
+            self.config.registry_address,
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--ready-file",
+            str(d.ready_file),
             *self.chunkstore_args,
         ]
         d.spawn(argv)
@@ -433,8 +456,15 @@ class LocalCluster:
             return
         argv = self._cli() + ["mkdir", str(self.cluster_file), "/", "-p", "--ec", self.ec]
         env = child_env()
-        r = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.start_timeout,
-                           cwd=str(PROJECT_ROOT), env=env)
+        r = subprocess.run(
+            argv,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=self.start_timeout,
+            cwd=str(PROJECT_ROOT),
+            env=env,
+        )
         if r.returncode != 0:
             raise ConfigError(f"cannot set the root EC policy to {self.ec}: {r.stderr.strip()}")
 

@@ -30,36 +30,49 @@ def register(subparsers: Any) -> None:
     p.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
     p.add_argument(
-        "--grace", type=float, default=3600.0,
+        "--grace",
+        type=float,
+        default=3600.0,
         help="seconds before unreferenced chunks and blocks are collected",
     )
     p.add_argument(
-        "--lease-grace", type=float, default=600.0,
+        "--lease-grace",
+        type=float,
+        default=600.0,
         help="seconds past a writer lease's expiry before its file is recovered",
     )
     p.add_argument(
-        "--sweep-interval", type=float, default=3600.0,
+        "--sweep-interval",
+        type=float,
+        default=3600.0,
         help="seconds between full sweeps (block scan, chunk lists of every node)",
     )
     p.add_argument(
-        "--bandwidth", type=float, default=200 * 1024 * 1024,
+        "--bandwidth",
+        type=float,
+        default=200 * 1024 * 1024,
         help="bytes/s that repair and rebalance read and write together",
     )
     p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
     p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
     p.add_argument(
-        "--rebalance-tolerance", type=float, default=0.1,
+        "--rebalance-tolerance",
+        type=float,
+        default=0.1,
         help="move while fullest - emptiest exceeds this fraction of the mean used bytes",
     )
     p.add_argument("--rebalance-max-moves", type=int, default=256, help="chunk moves per round")
     p.add_argument(
-        "--services", default="repair,gc,rebalance",
+        "--services",
+        default="repair,gc,rebalance",
         help="comma-separated subset of repair,gc,rebalance",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
     p.set_defaults(func=run_maintenance)
 
-    r = subparsers.add_parser("repair", help="repair progress (tectonic repair CLUSTER_FILE --status)")
+    r = subparsers.add_parser(
+        "repair", help="repair progress (tectonic repair CLUSTER_FILE --status)"
+    )
     r.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
     r.add_argument("--status", action="store_true", required=True, help="show repair progress")
     r.add_argument("--json", action="store_true", help="machine-readable output")
@@ -91,9 +104,11 @@ def run_maintenance(args: argparse.Namespace) -> int:
 async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | None) -> None:
     async with open_service_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            await nursery.start(lambda task_status: run_services(
-                config, settings, ready_file=ready_file, task_status=task_status
-            ))
+            await nursery.start(
+                lambda task_status: run_services(
+                    config, settings, ready_file=ready_file, task_status=task_status
+                )
+            )
             async for signum in signals:
                 log.info("signal %d: stopping the maintenance services", signum)
                 nursery.cancel_scope.cancel()

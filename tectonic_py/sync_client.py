@@ -111,13 +111,15 @@ class BlockingClient:
     def rename(self, src: str, dst: str) -> None:
         self._call(self.client.rename, src, dst)
 
-    def open(self, path: str, mode: str = "rb", *, ec: str | None = None,
-             buffer_size: int = 8 * MiB) -> io.BufferedIOBase:
+    def open(
+        self, path: str, mode: str = "rb", *, ec: str | None = None, buffer_size: int = 8 * MiB
+    ) -> io.BufferedIOBase:
         """``"rb"`` or ``"wb"`` (also ``"xb"``: fail if it exists); binary only."""
         if mode == "rb":
             reader = self._call(self.client.open_read, path)
             return io.BufferedReader(_RawReader(self, reader), buffer_size)
         if mode in ("wb", "xb"):
+
             async def create() -> FileWriter:
                 return await self.client.create(path, exclusive=mode == "xb", ec=ec)
 

@@ -538,9 +538,7 @@ class Request:
             raise InvalidArgument(f"{self.op}: field {name!r} longer than {max_len}")
         return value
 
-    def int(
-        self, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 2**64 - 1
-    ) -> Any:
+    def int(self, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 2**64 - 1) -> Any:
         value = self._get(name, int, default)
         if isinstance(value, int) and not lo <= value <= hi:
             raise InvalidArgument(f"{self.op}: field {name!r} outside {lo}..{hi}")
@@ -790,7 +788,9 @@ class RpcServer:
                         async with send_lock:
                             await _send_all(
                                 sock,
-                                _pack_frame(error_to_header(rid, UnknownOp(f"unknown op {op!r}")), 0),
+                                _pack_frame(
+                                    error_to_header(rid, UnknownOp(f"unknown op {op!r}")), 0
+                                ),
                             )
                         continue
                     payload: memoryview | None = None
@@ -810,7 +810,9 @@ class RpcServer:
                                 await _send_all(
                                     sock,
                                     _pack_frame(
-                                        error_to_header(rid, Busy(f"{self.name}: payload queue full")),
+                                        error_to_header(
+                                            rid, Busy(f"{self.name}: payload queue full")
+                                        ),
                                         0,
                                     ),
                                 )

@@ -72,8 +72,17 @@ class Mount:
         )
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tectonic_py.cli", "-v", "mount",
-                 str(self.cluster.cluster_file), str(self.path), "--foreground", *extra],
+                [
+                    sys.executable,
+                    "-m",
+                    "tectonic_py.cli",
+                    "-v",
+                    "mount",
+                    str(self.cluster.cluster_file),
+                    str(self.path),
+                    "--foreground",
+                    *extra,
+                ],
                 cwd=REPO_ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -115,8 +124,9 @@ class Mount:
                     self.proc.kill()
                     self.proc.wait()
             if os.path.ismount(self.path):
-                subprocess.run(["fusermount3", "-uz", str(self.path)], capture_output=True,
-                               check=False)
+                subprocess.run(
+                    ["fusermount3", "-uz", str(self.path)], capture_output=True, check=False
+                )
 
     def log_text(self) -> str:
         try:
@@ -130,7 +140,8 @@ class Mount:
     def problems(self) -> list[str]:
         levels = ["ERROR", "CRITICAL"] + ([] if self.expect_warnings else ["WARNING"])
         return [
-            line for line in self.log_text().splitlines()
+            line
+            for line in self.log_text().splitlines()
             if any(f" {level} " in line for level in levels) or line.startswith("Traceback")
         ]
 

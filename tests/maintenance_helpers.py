@@ -101,7 +101,11 @@ async def open_fresh_client(cluster: LocalCluster) -> AsyncIterator[TectonicClie
 
 
 async def wait_for(
-    what: str, probe: Callable[[], Awaitable[T | None]], *, timeout: float = 90.0, every: float = 0.3
+    what: str,
+    probe: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = 90.0,
+    every: float = 0.3,
 ) -> T:
     """Poll ``probe`` until it returns something truthy; fail with ``what`` after ``timeout``
     (a bound on waiting for background work, not a performance assertion)."""

@@ -41,7 +41,11 @@ async def open_meta_cluster(
         for i in range(servers):
             hosted = list(range(i * shards // servers, (i + 1) * shards // servers))
             server = MetadataServer(
-                root / f"meta{i}", hosted, shards, secret, node_timeout=node_timeout,
+                root / f"meta{i}",
+                hosted,
+                shards,
+                secret,
+                node_timeout=node_timeout,
                 recovery_interval_s=recovery_interval_s,
             )
             host, port = await nursery.start(server.serve, "127.0.0.1", ports[i] if ports else 0)
@@ -59,7 +63,12 @@ async def open_meta_cluster(
 async def register_nodes(client: MetadataClient, count: int, domains: int | None = None) -> None:
     for i in range(count):
         await client._registry(
-            "node.heartbeat", node_id=f"node{i}", address=f"127.0.0.1:{20000 + i}",
-            failure_domain=f"rack{i % (domains or count)}", capacity=10**12, free=10**12 - i,
-            chunk_count=0, queue_depth=0,
+            "node.heartbeat",
+            node_id=f"node{i}",
+            address=f"127.0.0.1:{20000 + i}",
+            failure_domain=f"rack{i % (domains or count)}",
+            capacity=10**12,
+            free=10**12 - i,
+            chunk_count=0,
+            queue_depth=0,
         )

@@ -12,8 +12,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_bench_metadata_smoke(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_metadata", "--smoke", "--json", "--data-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_metadata",
+            "--smoke",
+            "--json",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

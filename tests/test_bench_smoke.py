@@ -25,8 +25,9 @@ MiB = 1024 * 1024
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout
+    )
 
 
 def _mounts() -> str:
@@ -38,9 +39,16 @@ def test_ceilings_smoke(tmp_path):
     r = _run("bench.ceilings", "--smoke", "--json", "--dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    for name in ("disk_write_fsync", "disk_read_cold", "zfec_encode_rs6_3_t1",
-                 "zfec_decode_rs6_3_t2", "tcp_raw_blocking", "tcp_trio_recv_into", "wire_put",
-                 "wire_get"):
+    for name in (
+        "disk_write_fsync",
+        "disk_read_cold",
+        "zfec_encode_rs6_3_t1",
+        "zfec_decode_rs6_3_t2",
+        "tcp_raw_blocking",
+        "tcp_trio_recv_into",
+        "wire_put",
+        "wire_get",
+    ):
         assert out[name]["mbps"] > 0 and out[name]["cpu_s_per_gib"] is not None, name
     assert out["msgpack_1mib"]["pack_us"] > 0
     assert os.listdir(tmp_path) == []  # the disk test file and tmp dir are removed
@@ -137,16 +145,26 @@ def test_gluster_smoke_runs_or_says_why(tmp_path):
     assert out["loadtest"]["errors"] == 0
     assert out["loadtest"]["bytes_verified"] == out["loadtest"]["bytes_written"] > 0
     assert "glusterfs" not in _mounts()
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if "tbench" in " ".join(p.info["cmdline"] or [])]
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if "tbench" in " ".join(p.info["cmdline"] or [])
+    ]
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.fuse
 def test_run_all_smoke_writes_a_report(tmp_path):
     out_dir = tmp_path / "out"
-    r = _run("bench.run_all", "--smoke", "--skip", "ceilings,nullfs,others,peer",
-             "--out-dir", str(out_dir), "--workdir", str(tmp_path), timeout=600)
+    r = _run(
+        "bench.run_all",
+        "--smoke",
+        "--skip",
+        "ceilings,nullfs,others,peer",
+        "--out-dir",
+        str(out_dir),
+        "--workdir",
+        str(tmp_path),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = (out_dir / "REPORT.md").read_text()
     assert "| workload | tectonic-py MB/s" in report and "## Checkpoint burst" in report

@@ -1110,9 +1110,7 @@ async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp
     assert server.spares.reused == 1 and server.spares.recycled == 2
 
 
-async def test_a_full_pool_cuts_larger_spares_and_grows_smaller_ones(
-    nursery, tmp_path, secret
-):
+async def test_a_full_pool_cuts_larger_spares_and_grows_smaller_ones(nursery, tmp_path, secret):
     server, port = await start_store(nursery, tmp_path / "d", secret, spare_min=0, spare_files=1)
     async with open_client(port, secret) as c:
         big, cap = new_chunk(secret)

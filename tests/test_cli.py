@@ -232,7 +232,11 @@ def test_bad_ec_policy_is_refused_before_anything_is_touched(
     cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
     local = tmp_path / "local.bin"
     local.write_bytes(b"x")
-    argv = ["mkdir", str(cluster), "/d"] if command == "mkdir" else ["put", str(cluster), str(local), "/f"]
+    argv = (
+        ["mkdir", str(cluster), "/d"]
+        if command == "mkdir"
+        else ["put", str(cluster), str(local), "/f"]
+    )
     assert_one_line_error(run_cli(*argv, "--ec", "bogus"), "unknown EC policy")
 
 

@@ -41,8 +41,14 @@ async def _put(client: TectonicClient, path: str, data: bytes, ec: str | None = 
 
 async def test_round_trips_every_policy_at_block_boundaries(tmp_path):
     # RS(10,4) needs 14 chunk stores in distinct failure domains.
-    with LocalCluster(tmp_path / "c14", chunkstores=14, metadata_servers=1, shards=8,
-                      chunk_size=TEST_CHUNK_SIZE, heartbeat_interval=0.5) as cluster:
+    with LocalCluster(
+        tmp_path / "c14",
+        chunkstores=14,
+        metadata_servers=1,
+        shards=8,
+        chunk_size=TEST_CHUNK_SIZE,
+        heartbeat_interval=0.5,
+    ) as cluster:
         async with open_client(cluster.cluster_file) as client:
             await _round_trips(client)
 
@@ -202,6 +208,7 @@ async def test_abort_keeps_last_committed_state(client):
 async def test_concurrent_writers_share_the_window(local_cluster):
     # A window of 2 blocks for 8 concurrent writers: they queue for buffers, none fails.
     async with open_client(local_cluster.cluster_file, window_bytes=60 << 20) as client:
+
         async def one(i: int) -> None:
             await _put(client, f"/w{i}", _data(5_000_000, seed=i))
 

@@ -54,8 +54,9 @@ async def test_slow_chunks_never_fail_a_read(local_cluster, caplog):
         fid = (await w.close()).id
         first = (await client.meta.block_list(fid))[0]
     victims = sorted({_node_index(c.node_id) for c in first.chunks})[:4]
-    async with open_client(local_cluster.cluster_file, slow_chunk_s=0.01,
-                           read_hedge_s=0.01) as fresh:
+    async with open_client(
+        local_cluster.cluster_file, slow_chunk_s=0.01, read_hedge_s=0.01
+    ) as fresh:
         r = await fresh.open_read("/slow-read")
         pids = _stop(local_cluster, victims)
         try:
@@ -75,8 +76,9 @@ async def test_slow_chunks_never_fail_a_write(local_cluster, caplog):
     blocks commit with all nine chunks and read back."""
     caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     data = _data(3 * 6 * 64 * 1024, seed=52)
-    async with open_client(local_cluster.cluster_file, chunk_timeout=0.01,
-                           write_hedge_s=0.01) as client:
+    async with open_client(
+        local_cluster.cluster_file, chunk_timeout=0.01, write_hedge_s=0.01
+    ) as client:
         w = await client.create("/slow-write")
         pids = _stop(local_cluster, [0, 1, 2, 3])
         try:
@@ -151,8 +153,9 @@ async def test_many_readers_stay_inside_the_read_budget(local_cluster, caplog):
         assert client.stats.range_reads > 0  # readers without room read ranges
 
 
-async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(local_cluster,
-                                                                              caplog):
+async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(
+    local_cluster, caplog
+):
     """8 sequential readers of 6-block files share a cache of 5 blocks: readahead may only
     evict blocks their readers have finished, so no block is fetched twice (before, readahead
     evicted blocks other readers were about to consume, and they were fetched again)."""
@@ -160,8 +163,9 @@ async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(lo
     block = 6 * 64 * 1024
     files = {f"/s/{i}": _data(6 * block, seed=200 + i) for i in range(8)}
     await _write_files(local_cluster.cluster_file, "/s", files)
-    async with open_client(local_cluster.cluster_file, cache_bytes=5 * block,
-                           readahead_blocks=3) as client:
+    async with open_client(
+        local_cluster.cluster_file, cache_bytes=5 * block, readahead_blocks=3
+    ) as client:
         seen = _count_fetches(client)
 
         async def read_one(path: str) -> None:

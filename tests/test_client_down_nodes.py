@@ -99,7 +99,6 @@ async def test_dead_and_stopped_stores_cost_one_attempt_each(cluster, caplog):
         finally:
             os.kill(stopped_pid, signal.SIGCONT)
 
-
         # bad settings are refused with a clear error
         for bad in ({"connect_timeout": 0}, {"connect_timeout": -1.0}, {"node_backoff_s": -1.0}):
             with pytest.raises(InvalidArgument):

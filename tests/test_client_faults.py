@@ -127,14 +127,21 @@ async def test_large_write_keeps_rss_within_the_window(tmp_path):
     window = 64 * MiB
     proc = psutil.Process()
     # 1 MiB chunks (6 MiB blocks): big enough that the window, not per-chunk costs, matters.
-    with LocalCluster(tmp_path / "c", chunkstores=9, metadata_servers=1, shards=8,
-                      chunk_size=MiB, heartbeat_interval=0.5) as cluster:
+    with LocalCluster(
+        tmp_path / "c",
+        chunkstores=9,
+        metadata_servers=1,
+        shards=8,
+        chunk_size=MiB,
+        heartbeat_interval=0.5,
+    ) as cluster:
         await _write_big(cluster, window, proc)
 
 
 async def _write_big(cluster: LocalCluster, window: int, proc: psutil.Process) -> None:
-    async with open_client(cluster.cluster_file, window_bytes=window,
-                           cache_bytes=32 * MiB) as client:
+    async with open_client(
+        cluster.cluster_file, window_bytes=window, cache_bytes=32 * MiB
+    ) as client:
         piece = _data(8 * MiB, seed=1)
         await _put(client, "/warm", piece)  # connections, threads, zfec tables
         base = proc.memory_info().rss
@@ -179,8 +186,9 @@ async def test_a_hung_chunk_store_is_read_around(local_cluster, caplog):
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
-        async with open_client(local_cluster.cluster_file, read_hedge_s=0.5,
-                               slow_chunk_s=60.0) as fresh:
+        async with open_client(
+            local_cluster.cluster_file, read_hedge_s=0.5, slow_chunk_s=60.0
+        ) as fresh:
             with trio.fail_after(30):  # a bound on the test, not a timing assertion
                 r = await fresh.open_read("/slow")
                 assert await r.read() == data
@@ -221,8 +229,9 @@ async def test_a_hung_chunk_store_does_not_stall_a_write(local_cluster, caplog):
     # one takes none of them with a chance of (2/11)^8 (with 4 blocks, 1 in 900: a CI run
     # saw it once, and the write then had nothing to hedge).
     data = _data(8 * 6 * 64 * 1024, seed=41)
-    async with open_client(local_cluster.cluster_file, write_hedge_s=0.5,
-                           chunk_timeout=60.0) as client:
+    async with open_client(
+        local_cluster.cluster_file, write_hedge_s=0.5, chunk_timeout=60.0
+    ) as client:
         os.kill(pid, signal.SIGSTOP)
         try:
             with trio.fail_after(60):  # a bound on a hang, not a timing assertion

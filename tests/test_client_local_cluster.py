@@ -12,8 +12,15 @@ from tectonic_py.local_cluster import LocalCluster
 
 
 async def test_restart_brings_back_data_on_the_same_ports(tmp_path):
-    cluster = LocalCluster(tmp_path / "c", chunkstores=6, metadata_servers=2, shards=8,
-                           ec="rs-4-2", chunk_size=64 * 1024, heartbeat_interval=0.3)
+    cluster = LocalCluster(
+        tmp_path / "c",
+        chunkstores=6,
+        metadata_servers=2,
+        shards=8,
+        ec="rs-4-2",
+        chunk_size=64 * 1024,
+        heartbeat_interval=0.3,
+    )
     try:
         cluster.start()
         servers = [s.address for s in cluster.config.metadata_servers]
@@ -26,8 +33,9 @@ async def test_restart_brings_back_data_on_the_same_ports(tmp_path):
         assert len(pids) == 8
         cluster.stop()
         assert not cluster.pids()
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                       for p in pids)
+        assert not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+        )
         cluster.start()
         assert [s.address for s in cluster.config.metadata_servers] == servers
         cluster.kill_metadata(1)

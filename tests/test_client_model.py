@@ -36,8 +36,11 @@ def _bytes(n: int, tag: int) -> bytes:
     return (seed * (n // 32 + 1))[:n]
 
 
-@settings(max_examples=20, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(ops)
 async def test_writer_matches_a_bytearray_model(client, sequence):
     name = f"/m{next(_names)}"

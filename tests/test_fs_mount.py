@@ -144,8 +144,12 @@ def test_dcp_four_processes_one_checkpoint(wdir: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ckpt = wdir / "ckpt"
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "4",
-           "GLOO_SOCKET_IFNAME": "lo"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "4",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
     procs = [_python(DCP_RANK, str(ckpt), env={**env, "RANK": str(r)}) for r in range(4)]
     results = [_finish(p) for p in procs]
     for rc, out in results:
@@ -195,8 +199,9 @@ def test_cp_cp_a_tar_round_trips(wdir: Path, tmp_path: Path) -> None:
     subprocess.run(["tar", "cf", str(wdir / "t.tar"), "-C", str(src), "sub"], check=True)
     (wdir / "x").mkdir()
     subprocess.run(["tar", "xf", str(wdir / "t.tar"), "-C", str(wdir / "x")], check=True)
-    subprocess.run(["tar", "cf", str(tmp_path / "back.tar"), "-C", str(wdir / "cpa"), "."],
-                   check=True)
+    subprocess.run(
+        ["tar", "cf", str(tmp_path / "back.tar"), "-C", str(wdir / "cpa"), "."], check=True
+    )
     for name in sizes:
         for copy in (wdir / "cp" / name, wdir / "cpa" / name, wdir / "x" / "sub" / name):
             subprocess.run(["cmp", str(src / "sub" / name), str(copy)], check=True)
@@ -511,15 +516,35 @@ def test_cli_background_mount_umount_and_sigterm(fuse_cluster, tmp_path: Path) -
     ready = tmp_path / "ready.json"
     try:
         r = subprocess.run(
-            [*cli, "mount", str(fuse_cluster.cluster_file), str(mnt), "--ready-file", str(ready),
-             "--log-file", str(tmp_path / "bg.log")],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+            [
+                *cli,
+                "mount",
+                str(fuse_cluster.cluster_file),
+                str(mnt),
+                "--ready-file",
+                str(ready),
+                "--log-file",
+                str(tmp_path / "bg.log"),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert r.returncode == 0, r.stderr
         assert os.path.ismount(mnt) and ready.exists()
         (mnt / "kept").write_bytes(b"kept")
-        r = subprocess.run([*cli, "umount", str(mnt)], cwd=REPO_ROOT, env=env,
-                           capture_output=True, text=True, timeout=120, check=False)
+        r = subprocess.run(
+            [*cli, "umount", str(mnt)],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         assert not os.path.ismount(mnt)
 
@@ -527,7 +552,11 @@ def test_cli_background_mount_umount_and_sigterm(fuse_cluster, tmp_path: Path) -
         with open(fg_log, "wb") as log:
             fg = subprocess.Popen(
                 [*cli, "-v", "mount", str(fuse_cluster.cluster_file), str(mnt), "--foreground"],
-                cwd=REPO_ROOT, env=env, stdout=log, stderr=log, start_new_session=True,
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         try:
             deadline = time.monotonic() + 60

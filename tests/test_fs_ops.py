@@ -76,8 +76,13 @@ async def test_open_trunc_and_setattr_size(ops: Operations) -> None:
     fi = await ops.open(entry.st_ino, os.O_WRONLY | os.O_TRUNC, CTX)
     assert (await ops.getattr(entry.st_ino, CTX)).st_size == 0
     fields = SimpleNamespace(
-        update_size=True, update_mode=False, update_uid=False, update_gid=False,
-        update_atime=False, update_mtime=False, update_ctime=False,
+        update_size=True,
+        update_mode=False,
+        update_uid=False,
+        update_gid=False,
+        update_atime=False,
+        update_mtime=False,
+        update_ctime=False,
     )
     attr = pyfuse3.EntryAttributes()
     attr.st_size = 5000
@@ -150,18 +155,21 @@ async def test_bad_calls_get_their_errno(ops: Operations) -> None:
     await ops.mkdir(ROOT_ID, b"dir", 0o755, CTX)
     fi, _ = await ops.create(ROOT_ID, b"file", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
     await ops.release(fi.fh)
-    assert await _errno(
-        ops.create(ROOT_ID, b"file", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, CTX)
-    ) == errno.EEXIST
+    assert (
+        await _errno(ops.create(ROOT_ID, b"file", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, CTX))
+        == errno.EEXIST
+    )
     assert await _errno(ops.mkdir(ROOT_ID, b"dir", 0o755, CTX)) == errno.EEXIST
     assert await _errno(ops.rmdir(ROOT_ID, b"file", CTX)) == errno.ENOTDIR
     assert await _errno(ops.unlink(ROOT_ID, b"dir", CTX)) == errno.EISDIR
-    assert await _errno(
-        ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_NOREPLACE, CTX)
-    ) == errno.EEXIST
-    assert await _errno(
-        ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_EXCHANGE, CTX)
-    ) == errno.EINVAL
+    assert (
+        await _errno(ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_NOREPLACE, CTX))
+        == errno.EEXIST
+    )
+    assert (
+        await _errno(ops.rename(ROOT_ID, b"file", ROOT_ID, b"dir", pyfuse3.RENAME_EXCHANGE, CTX))
+        == errno.EINVAL
+    )
     assert await _errno(ops.getxattr(ROOT_ID, b"security.capability", CTX)) == pyfuse3.ENOATTR
     assert await _errno(ops.setxattr(ROOT_ID, b"trusted.x", b"1", CTX)) == errno.EOPNOTSUPP
     assert await _errno(ops.setxattr(ROOT_ID, b"user.tectonic.ec", b"rs-1-99", CTX)) == errno.EINVAL

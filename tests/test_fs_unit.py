@@ -219,8 +219,10 @@ def test_mount_refuses_bad_mountpoints(tmp_path, capsys):
 
     missing = tmp_path / "nope"
     cfg = tmp_path / "cluster.toml"
-    cfg.write_text('secret_file = "s"\nshards = 1\n[[metadata_servers]]\n'
-                   'address = "127.0.0.1:1"\nshards = [0]\n')
+    cfg.write_text(
+        'secret_file = "s"\nshards = 1\n[[metadata_servers]]\n'
+        'address = "127.0.0.1:1"\nshards = [0]\n'
+    )
     assert cli.main(["mount", str(cfg), str(missing), "--foreground"]) == 1
     assert "is not a directory" in capsys.readouterr().err
     assert cli.main(["umount", str(tmp_path)]) == 1

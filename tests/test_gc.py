@@ -60,11 +60,15 @@ WRITER = textwrap.dedent(
 
 
 def _spawn_writer(cluster_file: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-c", WRITER, str(cluster_file), EC],
-            stdout=subprocess.PIPE, stderr=log, env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
         )
 
 
@@ -97,14 +101,18 @@ async def _blocks(m: Maintenance) -> list[dict[str, Any]]:
 async def _referenced(m: Maintenance) -> set[tuple[str, str]]:
     return {
         (chunk_id(b["block_id"], i), node)
-        for b in await _blocks(m) if b["state"] == "committed"
+        for b in await _blocks(m)
+        if b["state"] == "committed"
         for i, node, _ in b["chunks"]
     }
 
 
 async def test_killed_writer_orphans_collected_and_file_resolved(tmp_path):
     cluster = make_cluster(
-        tmp_path / "c", chunkstores=7, maintenance_args=GC_FAST, metadata_args=["--writer-lease", "2"]
+        tmp_path / "c",
+        chunkstores=7,
+        maintenance_args=GC_FAST,
+        metadata_args=["--writer-lease", "2"],
     )
     proc = None
     try:
@@ -124,7 +132,9 @@ async def test_killed_writer_orphans_collected_and_file_resolved(tmp_path):
                 blocks = await _blocks(m)
                 return len([b for b in blocks if b["file_index"] >= 4]) >= 2
 
-            await wait_for("the writer to get past its synced size", past_synced, timeout=60, every=0.05)
+            await wait_for(
+                "the writer to get past its synced size", past_synced, timeout=60, every=0.05
+            )
             proc.send_signal(signal.SIGKILL)
             await trio.to_thread.run_sync(proc.wait)
 
@@ -214,8 +224,14 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
         f, tok = await c.create(ROOT_ID, "f", ec="rs-2-1")
         g = await c.allocate_block(f.id, tok, "rs-2-1", hedge=1)
         nodes = [n.node_id for n in g.nodes]
-        info = BlockInfo(g.block_id, "rs-2-1", 100, 150,
-                         [ChunkPlacement(i, nodes[i], 70 + i) for i in range(2)], 0)
+        info = BlockInfo(
+            g.block_id,
+            "rs-2-1",
+            100,
+            150,
+            [ChunkPlacement(i, nodes[i], 70 + i) for i in range(2)],
+            0,
+        )
         await c.commit_blocks(f.id, tok, [info])
         bshard, fshard = shard_of(g.block_id, 4), shard_of(f.id, 4)
 
@@ -223,54 +239,122 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
             return await c._shard(shard, op, **fields)
 
         async def chunks():  # type: ignore[no-untyped-def]
-            return [(x.index, x.node_id, x.checksum) for x in (await c.locate_blocks([g.block_id]))[0].chunks]
+            return [
+                (x.index, x.node_id, x.checksum)
+                for x in (await c.locate_blocks([g.block_id]))[0].chunks
+            ]
 
         before = await chunks()
         # A move from a node that does not hold the chunk (a stale view) is refused.
         with pytest.raises(InvalidArgument):
-            await call(bshard, "block.set_chunk", block_id=g.block_id, index=0, old_node=nodes[1],
-                       new_node=nodes[3], checksum=70)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id,
+                index=0,
+                old_node=nodes[1],
+                new_node=nodes[3],
+                checksum=70,
+            )
         with pytest.raises(InvalidArgument):  # other bytes than the recorded ones
-            await call(bshard, "block.set_chunk", block_id=g.block_id, index=0, old_node=nodes[0],
-                       new_node=nodes[3], checksum=71)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id,
+                index=0,
+                old_node=nodes[0],
+                new_node=nodes[3],
+                checksum=71,
+            )
         with pytest.raises(InvalidArgument):  # the first placement of a chunk that is placed
-            await call(bshard, "block.set_chunk", block_id=g.block_id, index=1, old_node="",
-                       new_node=nodes[3], checksum=71)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id,
+                index=1,
+                old_node="",
+                new_node=nodes[3],
+                checksum=71,
+            )
         with pytest.raises(InvalidArgument):  # outside the code
-            await call(bshard, "block.set_chunk", block_id=g.block_id, index=3, old_node="",
-                       new_node=nodes[3], checksum=1)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id,
+                index=3,
+                old_node="",
+                new_node=nodes[3],
+                checksum=1,
+            )
         with pytest.raises(InvalidArgument):
-            await call(bshard, "block.set_chunk", block_id=g.block_id, index=2, old_node="",
-                       new_node="../etc", checksum=1)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id,
+                index=2,
+                old_node="",
+                new_node="../etc",
+                checksum=1,
+            )
         with pytest.raises(FileNotFound):
-            await call(bshard, "block.set_chunk", block_id=g.block_id + 1, index=0, old_node="",
-                       new_node=nodes[3], checksum=1)
+            await call(
+                bshard,
+                "block.set_chunk",
+                block_id=g.block_id + 1,
+                index=0,
+                old_node="",
+                new_node=nodes[3],
+                checksum=1,
+            )
         assert await chunks() == before
         # The chunk the writer never stored (index 2) may be placed; a real move works.
-        await call(bshard, "block.set_chunk", block_id=g.block_id, index=2, old_node="",
-                   new_node=nodes[2], checksum=99)
-        await call(bshard, "block.set_chunk", block_id=g.block_id, index=0, old_node=nodes[0],
-                   new_node=nodes[3], checksum=70)
+        await call(
+            bshard,
+            "block.set_chunk",
+            block_id=g.block_id,
+            index=2,
+            old_node="",
+            new_node=nodes[2],
+            checksum=99,
+        )
+        await call(
+            bshard,
+            "block.set_chunk",
+            block_id=g.block_id,
+            index=0,
+            old_node=nodes[0],
+            new_node=nodes[3],
+            checksum=70,
+        )
         assert await chunks() == [(0, nodes[3], 70), (1, nodes[1], 71), (2, nodes[2], 99)]
         assert (g.block_id, 0) in await c.blocks_on_node(nodes[3])
         assert (g.block_id, 0) not in await c.blocks_on_node(nodes[0])
         # The chunk sweep's question: the old copy on nodes[0] is dead, the others live.
-        dead = await call(bshard, "block.dead_chunks", node_id=nodes[0],
-                          chunks=[[g.block_id, 0], [g.block_id + 1, 0]])
+        dead = await call(
+            bshard,
+            "block.dead_chunks",
+            node_id=nodes[0],
+            chunks=[[g.block_id, 0], [g.block_id + 1, 0]],
+        )
         assert sorted(map(tuple, dead["dead"])) == sorted([(g.block_id, 0), (g.block_id + 1, 0)])
         live = await call(bshard, "block.dead_chunks", node_id=nodes[3], chunks=[[g.block_id, 0]])
         assert live["dead"] == []
         with pytest.raises(InvalidArgument):
             await call(bshard, "block.dead_chunks", node_id=nodes[0], chunks=[[g.block_id]])
         # A forget that does not match the block's state or file is refused (returns False).
-        for wrong in ({"state": "allocated"}, {"state": "committed", "file_id": f.id + 1, "file_index": 0}):
+        for wrong in (
+            {"state": "allocated"},
+            {"state": "committed", "file_id": f.id + 1, "file_index": 0},
+        ):
             r = await call(bshard, "block.forget", block_id=g.block_id, **wrong)
             assert r["forgotten"] is False
         with pytest.raises(InvalidArgument):
             await call(bshard, "block.forget", block_id=g.block_id, state="sealed")
         assert (await c.locate_blocks([g.block_id]))[0].block_id == g.block_id
         # The file holds the block: referenced. A live lease is not recovered.
-        r = await call(fshard, "file.referenced", refs=[[f.id, 0, g.block_id], [f.id, 1, g.block_id]])
+        r = await call(
+            fshard, "file.referenced", refs=[[f.id, 0, g.block_id], [f.id, 1, g.block_id]]
+        )
         assert r["referenced"] == [True, False]
         r = await call(fshard, "file.recover_lease", id=f.id, token=tok, before_ns=1)
         assert r["outcome"] == "skipped"
@@ -297,8 +381,20 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
 
 def test_maintenance_cli_bad_flags_are_one_line(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", "maintenance", str(tmp_path / "x.toml"),
-         "--interval", "0"], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "tectonic_py.cli",
+            "maintenance",
+            str(tmp_path / "x.toml"),
+            "--interval",
+            "0",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert r.returncode == 1 and "interval must be positive" in r.stderr
     assert "Traceback" not in r.stderr

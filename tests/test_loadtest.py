@@ -97,8 +97,14 @@ async def test_mount_mode_layout_and_cleanup(tmp_path):
 async def test_restore_catches_a_corrupt_byte_and_a_missing_shard(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    base = dict(through_mount=str(mnt), ranks=6, processes=2, shard_size=2 * MiB + 3,
-                run_dir="/run", max_seconds=120)
+    base = dict(
+        through_mount=str(mnt),
+        ranks=6,
+        processes=2,
+        shard_size=2 * MiB + 3,
+        run_dir="/run",
+        max_seconds=120,
+    )
     written = await run_loadtest(LoadtestConfig(**base, keep=True, restore=False))
     assert written["errors"] == 0 and written["bytes_verified"] == 0
     ok = await run_loadtest(LoadtestConfig(**base, verify_only=True))
@@ -123,8 +129,13 @@ async def test_max_seconds_stops_the_run_and_kills_its_workers(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     cfg = LoadtestConfig(
-        through_mount=str(mnt), ranks=4, processes=2, shard_size=64 * MiB, steps=50,
-        run_dir="/slow", max_seconds=1.0,
+        through_mount=str(mnt),
+        ranks=4,
+        processes=2,
+        shard_size=64 * MiB,
+        steps=50,
+        run_dir="/slow",
+        max_seconds=1.0,
     )
     result = await run_loadtest(cfg)
     assert result["timed_out"] and result["errors"] >= 1
@@ -152,7 +163,10 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
     (tmp_path / "c.toml").write_text("")
     refused(cluster_file=str(tmp_path / "c.toml"), client_options={"no_such_knob": 1})
     assert loadtest._client_options(["slow_chunk_s=60", "hedge=3", "x=y"]) == {
-        "slow_chunk_s": 60, "hedge": 3, "x": "y"}
+        "slow_chunk_s": 60,
+        "hedge": 3,
+        "x": "y",
+    }
     for bad in (["novalue"], ["=3"], ["a b=1"]):
         with pytest.raises(ConfigError):
             loadtest._client_options(bad)
@@ -166,15 +180,26 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
 
 def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
     run = [sys.executable, "-m", "tectonic_py.cli", "loadtest"]
-    r = subprocess.run([*run, str(tmp_path / "nope.toml")], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [*run, str(tmp_path / "nope.toml")], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert r.returncode == 1
     assert "not found" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([*run, "--through-mount", str(tmp_path), "--shard-size", "abc"],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [*run, "--through-mount", str(tmp_path), "--shard-size", "abc"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert r.returncode == 2 and "bad size 'abc'" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([*run, "--through-mount", str(tmp_path), "--verify-only"],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [*run, "--through-mount", str(tmp_path), "--verify-only"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert r.returncode == 1 and "--dir" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -182,10 +207,27 @@ def test_cli_json_and_plot(tmp_path):
     mnt, res = tmp_path / "mnt", tmp_path / "res"
     mnt.mkdir()
     r = subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", "loadtest", "--through-mount", str(mnt),
-         "--ranks", "8", "--processes", "2", "--shard-size", "1MB", "--results-dir", str(res),
-         "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "tectonic_py.cli",
+            "loadtest",
+            "--through-mount",
+            str(mnt),
+            "--ranks",
+            "8",
+            "--processes",
+            "2",
+            "--shard-size",
+            "1MB",
+            "--results-dir",
+            str(res),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -52,7 +52,10 @@ async def mkdir_where(client, parent, prefix, want):
 def block(grant, index, ec="rs-2-1", chunk_len=100, data_len=150, checksum=7):
     n = int(ec.split("-")[1]) + int(ec.split("-")[2])
     return BlockInfo(
-        block_id=grant.block_id, ec=ec, chunk_len=chunk_len, data_len=data_len,
+        block_id=grant.block_id,
+        ec=ec,
+        chunk_len=chunk_len,
+        data_len=data_len,
         chunks=[ChunkPlacement(i, grant.nodes[i].node_id, checksum + i) for i in range(n)],
         file_index=index,
     )
@@ -202,7 +205,9 @@ async def test_blocks_commit_locate_replace_and_reverse_index(mc):
     extra = await c.allocate_block(f.id, tok, "rs-2-1", hedge=0)
     await c.commit_blocks(f.id, tok, [block(extra, 1)])
     assert [i.block_id for i in await c.block_list(f.id)] == [
-        g0.block_id, extra.block_id, grants[2].block_id
+        g0.block_id,
+        extra.block_id,
+        grants[2].block_id,
     ]
     fshard = shard_of(f.id, 8)
     queued = await c._shard(fshard, "file.gc_blocks", limit=100)
@@ -306,7 +311,9 @@ async def test_rename_across_directories(mc, same_shard):
     c = mc.client
     a = await c.mkdir(ROOT_ID, "a")
     sa = shard_of(a.id, 8)
-    b = await mkdir_where(c, ROOT_ID, "b", (lambda s: s == sa) if same_shard else (lambda s: s != sa))
+    b = await mkdir_where(
+        c, ROOT_ID, "b", (lambda s: s == sa) if same_shard else (lambda s: s != sa)
+    )
     f, tok = await c.create(a.id, "f")
     await c.seal(f.id, tok, 0)
     victim, vt = await c.create(b.id, "g")
@@ -349,19 +356,51 @@ async def test_cross_shard_rename_recovery_rolls_forward_or_back(mc):
     deadline = 1  # already passed: the recovery pass may settle it
     far = 2**62
     # "one": the client crashed after apply, before finish -> both names visible; roll forward.
-    p1 = await c._shard(sa, "name.rename_prepare", src_dir=a.id, src_name="one", dst_dir=b.id,
-                        dst_name="one", dst_address=c._shard_addr[sb], deadline_ns=far)
-    await c._shard(sb, "name.rename_apply", dst_dir=b.id, dst_name="one", id=f1.id, kind="file",
-                   deadline_ns=far, replace_dir=0)
+    p1 = await c._shard(
+        sa,
+        "name.rename_prepare",
+        src_dir=a.id,
+        src_name="one",
+        dst_dir=b.id,
+        dst_name="one",
+        dst_address=c._shard_addr[sb],
+        deadline_ns=far,
+    )
+    await c._shard(
+        sb,
+        "name.rename_apply",
+        dst_dir=b.id,
+        dst_name="one",
+        id=f1.id,
+        kind="file",
+        deadline_ns=far,
+        replace_dir=0,
+    )
     assert (await c.lookup(a.id, "one")).id == f1.id
     assert (await c.lookup(b.id, "one")).id == f1.id
     # While pinned, the source entry cannot be unlinked (Busy, retried, then surfaced).
     # "two": crashed after prepare -> roll back.
-    p2 = await c._shard(sa, "name.rename_prepare", src_dir=a.id, src_name="two", dst_dir=b.id,
-                        dst_name="two", dst_address=c._shard_addr[sb], deadline_ns=deadline)
+    p2 = await c._shard(
+        sa,
+        "name.rename_prepare",
+        src_dir=a.id,
+        src_name="two",
+        dst_dir=b.id,
+        dst_name="two",
+        dst_address=c._shard_addr[sb],
+        deadline_ns=deadline,
+    )
     with pytest.raises(Exception) as info:
-        await c._shard(sb, "name.rename_apply", dst_dir=b.id, dst_name="two", id=f2.id,
-                       kind="file", deadline_ns=deadline, replace_dir=0)
+        await c._shard(
+            sb,
+            "name.rename_apply",
+            dst_dir=b.id,
+            dst_name="two",
+            id=f2.id,
+            kind="file",
+            deadline_ns=deadline,
+            replace_dir=0,
+        )
     assert info.value.code == "timeout"  # too late: the recovery pass owns this intent now
     settled = sum([await s.recover_intents(before_ns=far + 1) for s in mc.servers])
     assert settled == 2
@@ -474,9 +513,7 @@ async def test_orphan_records_are_collected(mc):
     assert (await c.getattr(orphan)).sealed
 
 
-@pytest.mark.parametrize(
-    "bad", ["", ".", "..", "a/b", "/", "nul\x00", "x" * 256, "é" * 128]
-)
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "/", "nul\x00", "x" * 256, "é" * 128])
 async def test_bad_names_refused_everywhere(mc, bad):
     c = mc.client
     with pytest.raises(InvalidName):
@@ -491,7 +528,9 @@ async def test_bad_names_refused_everywhere(mc, bad):
         await c.rename(ROOT_ID, "x", ROOT_ID, bad)
     # The server checks too (a client that skips validation gets the same answer).
     with pytest.raises(InvalidName):
-        await c._shard(shard_of(ROOT_ID, 8), "name.insert", dir=ROOT_ID, name=bad, id=12345, kind="file")
+        await c._shard(
+            shard_of(ROOT_ID, 8), "name.insert", dir=ROOT_ID, name=bad, id=12345, kind="file"
+        )
     assert (await c.readdir(ROOT_ID))[0] == []
 
 
@@ -518,29 +557,39 @@ async def test_malformed_requests_and_unknown_shards(mc):
         with pytest.raises(InvalidArgument):
             await conn.call("file.get", {"shard": 0, "id": 0})
         with pytest.raises(InvalidArgument):
-            await conn.call("name.insert", {"shard": 0, "dir": 1, "name": "x", "id": 9, "kind": "pipe"})
+            await conn.call(
+                "name.insert", {"shard": 0, "dir": 1, "name": "x", "id": 9, "kind": "pipe"}
+            )
         with pytest.raises(InvalidName):
-            await conn.call("name.insert", {"shard": 0, "dir": 1, "name": 42, "id": 9, "kind": "file"})
+            await conn.call(
+                "name.insert", {"shard": 0, "dir": 1, "name": 42, "id": 9, "kind": "file"}
+            )
         with pytest.raises(InvalidArgument):
             await conn.call("file.commit", {"shard": 0, "id": 9, "token": 1, "entries": [[1]]})
         with pytest.raises(InvalidArgument):
             await conn.call("file.commit", {"shard": 0, "id": 9, "token": 1, "entries": "x"})
         with pytest.raises(InvalidArgument):
-            await conn.call("block.commit", {"shard": 0, "file_id": 9, "blocks": [{"block_id": "x"}]})
+            await conn.call(
+                "block.commit", {"shard": 0, "file_id": 9, "blocks": [{"block_id": "x"}]}
+            )
         with pytest.raises(InvalidArgument):
             await conn.call("block.commit", {"shard": 0, "file_id": 9, "blocks": [7]})
         with pytest.raises(InvalidArgument):
             await conn.call("block.locate", {"shard": 0, "ids": [True]})
         with pytest.raises(InvalidArgument):
-            await conn.call("node.heartbeat", {"node_id": "../etc", "address": "h:1",
-                                               "failure_domain": "a"})
+            await conn.call(
+                "node.heartbeat", {"node_id": "../etc", "address": "h:1", "failure_domain": "a"}
+            )
         with pytest.raises(InvalidArgument):
             await conn.call("node.place", {"count": 0})
         with pytest.raises(UnknownOp):
             await conn.call("name.drop_table", {"shard": 0})
         # The connection survived every refusal.
-        r = await conn.call("file.get", {"shard": shard_of(ROOT_ID, 8), "id": ROOT_ID}) if shard_of(
-            ROOT_ID, 8) < 4 else None
+        r = (
+            await conn.call("file.get", {"shard": shard_of(ROOT_ID, 8), "id": ROOT_ID})
+            if shard_of(ROOT_ID, 8) < 4
+            else None
+        )
         assert r is None or r.fields["attrs"]["id"] == ROOT_ID
     # The registry lives with shard 0: the other server refuses registry ops.
     host, port = wire.parse_address(mc.config.metadata_servers[1].address)
@@ -583,8 +632,16 @@ async def test_registry_liveness_and_persistence(tmp_path, secret_file):
         with pytest.raises(NoSpace):
             await c._registry("node.place", count=4)
         # An address change (restart on a new port) updates the registration.
-        await c._registry("node.heartbeat", node_id="node1", address="127.0.0.1:30001",
-                          failure_domain="rack1", capacity=5, free=5, chunk_count=0, queue_depth=0)
+        await c._registry(
+            "node.heartbeat",
+            node_id="node1",
+            address="127.0.0.1:30001",
+            failure_domain="rack1",
+            capacity=5,
+            free=5,
+            chunk_count=0,
+            queue_depth=0,
+        )
     async with open_meta_cluster(tmp_path, secret_file, servers=1, shards=4) as mc:
         nodes = {n.node_id: n for n in await mc.client.nodes()}
         assert set(nodes) == {"node0", "node1", "node2", "node3"}
@@ -629,8 +686,16 @@ async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
         b = await mkdir_where(c, ROOT_ID, "b", lambda s: s != sa)
         sb = shard_of(b.id, 8)
         f, _ = await c.create(a.id, "f")
-        await c._shard(sa, "name.rename_prepare", src_dir=a.id, src_name="f", dst_dir=b.id,
-                       dst_name="f", dst_address=c._shard_addr[sb], deadline_ns=1)
+        await c._shard(
+            sa,
+            "name.rename_prepare",
+            src_dir=a.id,
+            src_name="f",
+            dst_dir=b.id,
+            dst_name="f",
+            dst_address=c._shard_addr[sb],
+            deadline_ns=1,
+        )
         store = next(s.stores[sa] for s in mc.servers if sa in s.stores)
         with pytest.raises(Busy):  # pinned while the intent is open
             await store.write(name_layer.remove, a.id, "f", "file", 0)

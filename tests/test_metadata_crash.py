@@ -34,10 +34,29 @@ def spawn(data: Path, secret_file: Path, ready: Path, listen: str) -> subprocess
 
 def _popen(data: Path, secret_file: Path, ready: Path, listen: str, log) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tectonic_py.cli", "metadata", "--data-dir", str(data),
-         "--listen", listen, "--shards", f"0-{SHARDS - 1}", "--total-shards", str(SHARDS),
-         "--secret-file", str(secret_file), "--ready-file", str(ready), "--writer-lease", "0"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "tectonic_py.cli",
+            "metadata",
+            "--data-dir",
+            str(data),
+            "--listen",
+            listen,
+            "--shards",
+            f"0-{SHARDS - 1}",
+            "--total-shards",
+            str(SHARDS),
+            "--secret-file",
+            str(secret_file),
+            "--ready-file",
+            str(ready),
+            "--writer-lease",
+            "0",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
     )
 
 
@@ -76,7 +95,9 @@ async def test_kill9_during_creates_loses_nothing_acknowledged(tmp_path, secret_
     proc = spawn(data, secret_file, ready, "127.0.0.1:0")
     try:
         address = await wait_ready(proc, ready)
-        config = ClusterConfig("crash", secret_file, SHARDS, [MetadataServer(address, list(range(SHARDS)))])
+        config = ClusterConfig(
+            "crash", secret_file, SHARDS, [MetadataServer(address, list(range(SHARDS)))]
+        )
         created: dict[str, int] = {}
         sealed: dict[str, int] = {}
         async with open_service_nursery() as nursery:
@@ -141,14 +162,20 @@ def test_cli_refuses_bad_settings_with_one_line(tmp_path, secret_file):
         (["--shards", "0-3", "--total-shards", "2"], "outside"),
         (["--shards", "x", "--total-shards", "2"], "bad shard list"),
         (["--shards", "0", "--total-shards", "0"], "at least 1"),
-        (["--shards", "0", "--total-shards", "1", "--secret-file", str(tmp_path / "none")],
-         "secret file"),
+        (
+            ["--shards", "0", "--total-shards", "1", "--secret-file", str(tmp_path / "none")],
+            "secret file",
+        ),
     ]
     for extra, message in cases:
         args = ["--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file), *extra]
         out = subprocess.run(
             [sys.executable, "-m", "tectonic_py.cli", "metadata", *args],
-            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         assert out.returncode == 1, out.stderr
         lines = out.stderr.strip().splitlines()

@@ -76,7 +76,7 @@ class Model:
         for p in moved:
             del self.kinds[p]
         for p, k in moved.items():
-            self.kinds[b + p[len(a):]] = k
+            self.kinds[b + p[len(a) :]] = k
         return None
 
 
@@ -136,7 +136,9 @@ async def run_example(data: st.DataObject, root: Path) -> None:
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 @given(data=st.data())
 def test_namespace_matches_model(data):

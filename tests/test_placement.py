@@ -39,7 +39,9 @@ def test_place_properties(nodes, count, slack, exclude, seed):
         with pytest.raises(NoSpace):
             placement.place(nodes, count, minimum=minimum, exclude=exclude, rng=random.Random(seed))
         return
-    chosen = placement.place(nodes, count, minimum=minimum, exclude=exclude, rng=random.Random(seed))
+    chosen = placement.place(
+        nodes, count, minimum=minimum, exclude=exclude, rng=random.Random(seed)
+    )
     ids = [n.node_id for n in chosen]
     assert len(ids) == len(set(ids)), "two chunks on one node"
     assert len(chosen) == min(count, len(pool))
@@ -59,9 +61,7 @@ def test_place_properties(nodes, count, slack, exclude, seed):
 
 
 def test_distinct_domains_when_cluster_has_them():
-    nodes = [
-        NodeInfo(f"n{i}", "127.0.0.1:1", f"rack{i % 9}", free=10**9) for i in range(27)
-    ]
+    nodes = [NodeInfo(f"n{i}", "127.0.0.1:1", f"rack{i % 9}", free=10**9) for i in range(27)]
     for seed in range(50):
         chosen = placement.place(nodes, 9, rng=random.Random(seed))
         assert len({n.failure_domain for n in chosen}) == 9

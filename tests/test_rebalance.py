@@ -31,7 +31,8 @@ async def _used_by_node(m):  # type: ignore[no-untyped-def]
 
 async def test_empty_store_gets_data_and_reads_stay_exact(tmp_path):
     cluster = make_cluster(
-        tmp_path / "c", chunkstores=7,
+        tmp_path / "c",
+        chunkstores=7,
         maintenance_args=["--grace", "1", "--rebalance-tolerance", "0.25"],
     )
     try:

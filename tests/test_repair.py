@@ -47,7 +47,9 @@ async def test_killed_store_is_repaired_then_m_more_can_go(tmp_path):
         async with open_fresh_client(cluster) as client:
             for path, data in files.items():
                 await put(client, path, data)
-            victim_node = (await client.meta.block_list((await client.stat("/f0")).id))[0].chunks[0].node_id
+            victim_node = (
+                (await client.meta.block_list((await client.stat("/f0")).id))[0].chunks[0].node_id
+            )
         victim = _index(victim_node)
         async with open_inspector(cluster) as m:
             before = await block_health(m)
@@ -88,9 +90,15 @@ async def test_killed_store_is_repaired_then_m_more_can_go(tmp_path):
 async def test_kill_metadata_and_maintenance_during_repair(tmp_path):
     """No block ever drops below k live chunks, whatever is killed when; repair resumes."""
     cluster = make_cluster(
-        tmp_path / "c", chunkstores=8,
-        maintenance_args=["--no-rebalance", "--bandwidth", str(2 * 1024 * 1024),
-                          "--repair-concurrency", "1"],
+        tmp_path / "c",
+        chunkstores=8,
+        maintenance_args=[
+            "--no-rebalance",
+            "--bandwidth",
+            str(2 * 1024 * 1024),
+            "--repair-concurrency",
+            "1",
+        ],
     )
     rng = random.Random(11)
     try:
@@ -145,8 +153,19 @@ async def test_repair_status_cli(tmp_path):
             await put(client, "/s", data_of(100_000, seed=1))
         out = await trio.to_thread.run_sync(
             lambda: subprocess.run(
-                [sys.executable, "-m", "tectonic_py.cli", "repair", str(cluster.cluster_file),
-                 "--status", "--json"], check=False, capture_output=True, text=True, timeout=120,
+                [
+                    sys.executable,
+                    "-m",
+                    "tectonic_py.cli",
+                    "repair",
+                    str(cluster.cluster_file),
+                    "--status",
+                    "--json",
+                ],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
         )
         assert out.returncode == 0, out.stderr
@@ -158,8 +177,18 @@ async def test_repair_status_cli(tmp_path):
         async def down():  # type: ignore[no-untyped-def]
             r = await trio.to_thread.run_sync(
                 lambda: subprocess.run(
-                    [sys.executable, "-m", "tectonic_py.cli", "repair", str(cluster.cluster_file),
-                     "--status"], check=False, capture_output=True, text=True, timeout=120,
+                    [
+                        sys.executable,
+                        "-m",
+                        "tectonic_py.cli",
+                        "repair",
+                        str(cluster.cluster_file),
+                        "--status",
+                    ],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
                 )
             )
             return r if "down: cs0, cs1" in r.stdout else None
@@ -168,8 +197,18 @@ async def test_repair_status_cli(tmp_path):
         assert "degraded: 2" in r.stdout and "lost: 0" in r.stdout
         bad = await trio.to_thread.run_sync(
             lambda: subprocess.run(
-                [sys.executable, "-m", "tectonic_py.cli", "repair", str(tmp_path / "nope.toml"),
-                 "--status"], check=False, capture_output=True, text=True, timeout=60,
+                [
+                    sys.executable,
+                    "-m",
+                    "tectonic_py.cli",
+                    "repair",
+                    str(tmp_path / "nope.toml"),
+                    "--status",
+                ],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=60,
             )
         )
         assert bad.returncode != 0 and "error" in bad.stderr and "Traceback" not in bad.stderr
@@ -180,7 +219,9 @@ async def test_repair_status_cli(tmp_path):
 def test_assess_orders_and_counts():
     from metadata.model import BlockInfo, ChunkPlacement, NodeInfo
 
-    nodes = {f"n{i}": NodeInfo(f"n{i}", "", f"d{i}", state="down" if i == 2 else "up") for i in range(6)}
+    nodes = {
+        f"n{i}": NodeInfo(f"n{i}", "", f"d{i}", state="down" if i == 2 else "up") for i in range(6)
+    }
     info = BlockInfo(1, "rs-4-2", 10, 40, [ChunkPlacement(i, f"n{i}", 0) for i in range(5)])
     h = assess(info, nodes, {(1, 0, "n0")})
     assert h.live == [1, 3, 4] and h.missing == [0, 2, 5]
@@ -221,4 +262,6 @@ def test_rebuild_matches_the_encoder(policy, chunk_len, seed):
     have = sorted(rng.sample(range(p.n), p.k))
     wanted = sorted(rng.sample([i for i in range(p.n) if i not in have], rng.randint(1, p.n - p.k)))
     got = _rebuild(p, {i: bytes(enc.chunks[i]) for i in have}, chunk_len, wanted)
-    assert {i: got[i] for i in wanted} == {i: (bytes(enc.chunks[i]), enc.checksums[i]) for i in wanted}
+    assert {i: got[i] for i in wanted} == {
+        i: (bytes(enc.chunks[i]), enc.checksums[i]) for i in wanted
+    }

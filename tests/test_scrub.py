@@ -80,7 +80,10 @@ async def test_flipped_bytes_are_scrubbed_and_repaired(tmp_path):
         async with open_fresh_client(cluster) as client:
             fid = await put(client, "/s", data)
             blocks = await client.meta.block_list(fid)
-        victims = [(blocks[0].block_id, blocks[0].chunks[1]), (blocks[2].block_id, blocks[2].chunks[4])]
+        victims = [
+            (blocks[0].block_id, blocks[0].chunks[1]),
+            (blocks[2].block_id, blocks[2].chunks[4]),
+        ]
         for block_id, c in victims:
             node = int(c.node_id.removeprefix("cs"))
             _flip(layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(block_id, c.index)), 7)
@@ -100,7 +103,9 @@ async def test_flipped_bytes_are_scrubbed_and_repaired(tmp_path):
             await wait_for("scrub + repair of the flipped chunks", repaired)
         for block_id, c in victims:  # the bad copies are gone from their nodes
             node = int(c.node_id.removeprefix("cs"))
-            assert not layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(block_id, c.index)).exists()
+            assert not layout.chunk_path(
+                cluster.chunkstore_dir(node), chunk_id(block_id, c.index)
+            ).exists()
         async with open_fresh_client(cluster) as client:
             r = await client.open_read("/s")
             assert await r.read() == data

@@ -174,7 +174,9 @@ async def test_client_rejects_impostor_server(nursery, secret):
 
     async def impostor(stream):
         sock = stream.socket
-        await wire._send_all(sock, wire._pack_frame({"op": "hello", "proto": 1, "nonce": b"n" * 32}, 0))
+        await wire._send_all(
+            sock, wire._pack_frame({"op": "hello", "proto": 1, "nonce": b"n" * 32}, 0)
+        )
         await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
         await wire._send_all(sock, wire._pack_frame({"op": "welcome", "mac": b"m" * 32}, 0))
         await trio.sleep(1)
@@ -219,9 +221,7 @@ async def _read_reply(sock):
         wire.PREFIX.pack(1, 0, 0, 50, 0) + b"\x81",  # truncated frame, then EOF
     ],
 )
-async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(
-    nursery, secret, frame
-):
+async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(nursery, secret, frame):
     server, port = await start_server(nursery, secret)
     sock = await raw_authenticated(port, secret)
     await wire._send_all(sock, frame)
@@ -445,7 +445,7 @@ async def test_payload_buffers_are_reused_but_never_while_a_view_lives(nursery, 
         return {}
 
     async def digest(req: wire.Request):
-        return {"sum": sum(req.require_payload()[:: 4096])}
+        return {"sum": sum(req.require_payload()[::4096])}
 
     server = wire.RpcServer("t", secret, {"keep": keep, "digest": digest})
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)

@@ -84,8 +84,10 @@ class GarbageCollector:
                 if out["outcome"] != "skipped":
                     done += 1
                     log.warning(
-                        "file %d: writer lease expired without a close; %s", file_id,
-                        "deleted (it was unlinked)" if out["outcome"] == "deleted"
+                        "file %d: writer lease expired without a close; %s",
+                        file_id,
+                        "deleted (it was unlinked)"
+                        if out["outcome"] == "deleted"
                         else "left unsealed (incomplete) at its last committed size",
                     )
         self.m.counters.leases_recovered += done
@@ -160,14 +162,20 @@ class GarbageCollector:
                 if now - first < grace:
                     continue
                 r = await self.m.shard_call(
-                    shard, "block.forget", block_id=bid, state=rec["state"],
-                    file_id=rec["file_id"], file_index=rec["file_index"],
+                    shard,
+                    "block.forget",
+                    block_id=bid,
+                    state=rec["state"],
+                    file_id=rec["file_id"],
+                    file_index=rec["file_index"],
                 )
                 if r["forgotten"]:
                     forgotten += 1
                     log.info(
                         "forgot %s block %016x of file %d (unreferenced past the grace period)",
-                        rec["state"], bid, rec["file_id"],
+                        rec["state"],
+                        bid,
+                        rec["file_id"],
                     )
         self._suspects = {b: t for b, t in self._suspects.items() if b in seen}
         self.m.counters.forgotten_blocks += forgotten
@@ -182,7 +190,8 @@ class GarbageCollector:
             for i in range(0, len(group), PAGE):
                 page = group[i : i + PAGE]
                 r = await self.m.shard_call(
-                    shard, "file.referenced",
+                    shard,
+                    "file.referenced",
                     refs=[[g["file_id"], g["file_index"], g["block_id"]] for g in page],
                 )
                 out += [g for g, ref in zip(page, r["referenced"]) if not ref]
@@ -220,7 +229,9 @@ class GarbageCollector:
                     continue
                 by_shard.setdefault(self.m.meta._of(b), []).append([b, i])
             for shard, chunks in by_shard.items():
-                d = await self.m.shard_call(shard, "block.dead_chunks", node_id=node.node_id, chunks=chunks)
+                d = await self.m.shard_call(
+                    shard, "block.dead_chunks", node_id=node.node_id, chunks=chunks
+                )
                 for b, i in d["dead"]:
                     cid = chunk_id(b, i)
                     try:

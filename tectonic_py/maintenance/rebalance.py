@@ -82,7 +82,11 @@ class Rebalancer:
         return moved
 
     async def _move_one(
-        self, nodes: dict[str, NodeInfo], src: str, dst: str, skip: set[tuple[int, int]],
+        self,
+        nodes: dict[str, NodeInfo],
+        src: str,
+        dst: str,
+        skip: set[tuple[int, int]],
         gap: float,
     ) -> int | None:
         """Move one suitable chunk from src to dst; its size, 0 if a try failed, None if
@@ -118,8 +122,9 @@ class Rebalancer:
             await self.m.put_chunk(dst, block_id, index, data, crc)
             await self.m.set_chunk(block_id, index, src.node_id, dst.node_id, crc)
         except TectonicError as e:
-            log.info("move of %016x.%d %s -> %s failed: %s", block_id, index, src.node_id,
-                     dst.node_id, e)
+            log.info(
+                "move of %016x.%d %s -> %s failed: %s", block_id, index, src.node_id, dst.node_id, e
+            )
             return 0
         try:
             await self.m.delete_chunk(src, block_id, index)

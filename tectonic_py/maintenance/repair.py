@@ -133,7 +133,9 @@ class Repairer:
         self.queue_len = len(work)
         if not work:
             return
-        log.info("repair: %d blocks need work (fewest live chunks: %d)", len(work), len(work[0].live))
+        log.info(
+            "repair: %d blocks need work (fewest live chunks: %d)", len(work), len(work[0].live)
+        )
         # Most endangered first: the limiter admits jobs in the order they were started.
         await gather(
             [functools.partial(self._repair_one, w, nodes, bad) for w in work],
@@ -156,7 +158,9 @@ class Repairer:
             self.m.counters.lost_blocks += 1
             log.error(
                 "block %016x has %d live chunks of the %d needed: cannot be repaired now",
-                info.block_id, len(health.live), policy.k,
+                info.block_id,
+                len(health.live),
+                policy.k,
             )
             return 0
         got = await self._fetch(info, health.live, nodes, policy.k)
@@ -168,7 +172,9 @@ class Repairer:
         )
         holders = {c.node_id for c in info.chunks}
         used_domains = {
-            nodes[placed[i].node_id].failure_domain for i in health.live if placed[i].node_id in nodes
+            nodes[placed[i].node_id].failure_domain
+            for i in health.live
+            if placed[i].node_id in nodes
         }
         order = list(nodes.values())
         restored = 0
@@ -178,10 +184,15 @@ class Repairer:
             if old is not None and old.checksum != crc:
                 log.error(
                     "block %016x chunk %d rebuilds to crc %08x, Block layer says %08x: skipped",
-                    info.block_id, index, crc, old.checksum,
+                    info.block_id,
+                    index,
+                    crc,
+                    old.checksum,
                 )
                 continue
-            target = await self._place(info.block_id, index, data, crc, order, holders, used_domains)
+            target = await self._place(
+                info.block_id, index, data, crc, order, holders, used_domains
+            )
             if target is None:
                 log.warning("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
                 continue
@@ -205,7 +216,9 @@ class Repairer:
                     try:
                         await self.m.delete_chunk(node, info.block_id, index)
                     except TectonicError as e:
-                        log.info("old copy of %016x.%d stays for the GC: %s", info.block_id, index, e)
+                        log.info(
+                            "old copy of %016x.%d stays for the GC: %s", info.block_id, index, e
+                        )
         return restored
 
     async def _fetch(
@@ -220,20 +233,28 @@ class Repairer:
             try:
                 got[i] = await self.m.get_chunk(nodes[c.node_id], info.block_id, i, c.checksum)
             except (ChunkCorrupt, ChunkNotFound) as e:
-                log.warning("block %016x chunk %d on %s unreadable: %s", info.block_id, i, c.node_id, e)
+                log.warning(
+                    "block %016x chunk %d on %s unreadable: %s", info.block_id, i, c.node_id, e
+                )
             except TectonicError as e:
                 log.info("block %016x chunk %d on %s: %s", info.block_id, i, c.node_id, e)
 
         while len(got) < k and pending:
-            batch, pending = pending[: k - len(got)], pending[k - len(got):]
+            batch, pending = pending[: k - len(got)], pending[k - len(got) :]
             async with trio.open_nursery() as nursery:
                 for i in batch:
                     nursery.start_soon(fetch, i)
         return dict(sorted(got.items())[:k])
 
     async def _place(
-        self, block_id: int, index: int, data: bytes, crc: int, nodes: list[NodeInfo],
-        holders: set[str], used_domains: set[str],
+        self,
+        block_id: int,
+        index: int,
+        data: bytes,
+        crc: int,
+        nodes: list[NodeInfo],
+        holders: set[str],
+        used_domains: set[str],
     ) -> NodeInfo | None:
         tried = set(holders)
         for _ in range(len(nodes)):
@@ -245,7 +266,9 @@ class Repairer:
                 await self.m.put_chunk(target, block_id, index, data, crc)
                 return target
             except TectonicError as e:
-                log.info("rebuilt chunk %016x.%d to %s failed: %s", block_id, index, target.node_id, e)
+                log.info(
+                    "rebuilt chunk %016x.%d to %s failed: %s", block_id, index, target.node_id, e
+                )
         return None
 
 
@@ -269,8 +292,11 @@ def _rebuild(
 def _info(rec: dict[str, Any]) -> BlockInfo:
     return BlockInfo.from_wire(
         {
-            "block_id": rec["block_id"], "ec": rec["ec"], "chunk_len": rec["chunk_len"],
-            "data_len": rec["data_len"], "file_index": rec["file_index"],
+            "block_id": rec["block_id"],
+            "ec": rec["ec"],
+            "chunk_len": rec["chunk_len"],
+            "data_len": rec["data_len"],
+            "file_index": rec["file_index"],
             "chunks": [{"index": i, "node_id": n, "checksum": c} for i, n, c in rec["chunks"]],
         }
     )
@@ -309,4 +335,3 @@ async def repair_status(m: Maintenance) -> dict[str, Any]:
         "nodes_up": sum(1 for n in nodes.values() if n.state == "up"),
         "bad_chunks": sorted(f"{b:016x}.{i}@{n}" for b, i, n in bad),
     }
-

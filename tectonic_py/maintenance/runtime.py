@@ -106,7 +106,10 @@ class Maintenance:
     """The shared context of the services of one process."""
 
     def __init__(
-        self, config: ClusterConfig, settings: MaintenanceSettings, meta: MetadataClient,
+        self,
+        config: ClusterConfig,
+        settings: MaintenanceSettings,
+        meta: MetadataClient,
         nursery: trio.Nursery,
     ) -> None:
         self.config = config
@@ -141,8 +144,13 @@ class Maintenance:
         self, block_id: int, index: int, old_node: str, new_node: str, crc: int
     ) -> None:
         await self.shard_call(
-            self.meta._of(block_id), "block.set_chunk", block_id=block_id, index=index,
-            old_node=old_node, new_node=new_node, checksum=crc,
+            self.meta._of(block_id),
+            "block.set_chunk",
+            block_id=block_id,
+            index=index,
+            old_node=old_node,
+            new_node=new_node,
+            checksum=crc,
         )
 
     # --- chunk stores ----------------------------------------------------------------------------
@@ -159,7 +167,9 @@ class Maintenance:
             raise kind(f"chunk {cid} on {node.node_id}: crc {got:08x}, Block layer says {crc:08x}")
         return data
 
-    async def put_chunk(self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int) -> None:
+    async def put_chunk(
+        self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int
+    ) -> None:
         cap = capability.issue(self.secret, block_id, [node.node_id], ttl_s=600)
         await self.bucket.take(len(data))
         await self._call(
@@ -182,10 +192,15 @@ class Maintenance:
             with trio.fail_after(CHUNK_CALL_TIMEOUT_S):
                 return await self.pool.call(node.address, op, fields, payload)
         except trio.TooSlowError:
-            raise Timeout(f"{op} on chunk store {node.node_id} took over {CHUNK_CALL_TIMEOUT_S}s") from None
+            raise Timeout(
+                f"{op} on chunk store {node.node_id} took over {CHUNK_CALL_TIMEOUT_S}s"
+            ) from None
 
     def choose_target(
-        self, nodes: Sequence[NodeInfo], holders: set[str], used_domains: set[str],
+        self,
+        nodes: Sequence[NodeInfo],
+        holders: set[str],
+        used_domains: set[str],
         load: dict[str, float] | None = None,
     ) -> NodeInfo | None:
         """An up node holding no chunk of the block, in a failure domain the block does not
