@@ -14,6 +14,8 @@ bounds their speed, so a second pass would cost as much again.
 
 from __future__ import annotations
 
+import mmap
+
 from crc32c import crc32c as _crc32c
 
 _MASK = 0xFFFFFFFF
@@ -30,7 +32,7 @@ def _gil_release_mode(keep_gil: bool) -> int:
 
 
 def checksum(
-    data: bytes | bytearray | memoryview, value: int = 0, *, keep_gil: bool = False
+    data: bytes | bytearray | memoryview | mmap.mmap, value: int = 0, *, keep_gil: bool = False
 ) -> int:
     """CRC-32C of ``data``, continuing from ``value`` (for streaming over pieces).
 

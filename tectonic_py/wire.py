@@ -51,6 +51,7 @@ writes on the fd).
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import hmac
 import ipaddress
@@ -538,34 +539,45 @@ class Request:
             raise InvalidArgument(f"{self.op}: field {name!r} longer than {max_len}")
         return value
 
-    def int(self, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 2**64 - 1) -> Any:
+    def int(
+        self,
+        name: builtins.str,
+        default: Any = _MISSING,
+        *,
+        lo: builtins.int = 0,
+        hi: builtins.int = 2**64 - 1,
+    ) -> Any:
         value = self._get(name, int, default)
         if isinstance(value, int) and not lo <= value <= hi:
             raise InvalidArgument(f"{self.op}: field {name!r} outside {lo}..{hi}")
         return value
 
-    def float(self, name: str, default: Any = _MISSING) -> Any:
+    def float(self, name: builtins.str, default: Any = _MISSING) -> Any:
         value = self._get(name, (int, float), default)
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidArgument(f"{self.op}: field {name!r} is not finite")
         return value
 
-    def bytes(self, name: str, default: Any = _MISSING, *, max_len: int = 65536) -> Any:
+    def bytes(
+        self, name: builtins.str, default: Any = _MISSING, *, max_len: builtins.int = 65536
+    ) -> Any:
         value = self._get(name, bytes, default)
         if isinstance(value, bytes) and len(value) > max_len:
             raise InvalidArgument(f"{self.op}: field {name!r} longer than {max_len}")
         return value
 
-    def bool(self, name: str, default: Any = _MISSING) -> Any:
+    def bool(self, name: builtins.str, default: Any = _MISSING) -> Any:
         return self._get(name, bool, default)
 
-    def list(self, name: str, default: Any = _MISSING, *, max_len: int = 100_000) -> Any:
+    def list(
+        self, name: builtins.str, default: Any = _MISSING, *, max_len: builtins.int = 100_000
+    ) -> Any:
         value = self._get(name, list, default)
         if isinstance(value, list) and len(value) > max_len:
             raise InvalidArgument(f"{self.op}: field {name!r} has over {max_len} items")
         return value
 
-    def map(self, name: str, default: Any = _MISSING) -> Any:
+    def map(self, name: builtins.str, default: Any = _MISSING) -> Any:
         return self._get(name, dict, default)
 
     def require_payload(self) -> memoryview:
