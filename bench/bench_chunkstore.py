@@ -58,19 +58,19 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import trio  # noqa: E402
+import trio
 
-from bench.ceilings import (  # noqa: E402
+from bench.ceilings import (
     disk_read,
     disk_write,
     drop_file_cache,
     files_read_direct,
 )
-from bench.common import process_cpu  # noqa: E402
-from chunkstore.client import ChunkClient  # noqa: E402
-from chunkstore.server import DISK_WORKERS  # noqa: E402
-from tectonic_py import capability, ids, wire  # noqa: E402
-from tectonic_py.checksum import checksum  # noqa: E402
+from bench.common import process_cpu
+from chunkstore.client import ChunkClient
+from chunkstore.server import DISK_WORKERS
+from tectonic_py import capability, ids, wire
+from tectonic_py.checksum import checksum
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -155,7 +155,7 @@ def _burst_proc(cluster_file: str, proc: int, tasks: int, size: int, q: Any) -> 
                 nonlocal errors
                 try:
                     await write_repeated(await client.create(f"/burst{proc}/f{i}"), piece, size)
-                except Exception as e:  # counted and reported, never hidden
+                except Exception as e:  # noqa: BLE001 (counted and reported, never hidden)
                     errors += 1
                     log.error("writer %d/%d failed: %s", proc, i, e)
 

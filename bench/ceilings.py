@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 import trio
@@ -63,7 +63,7 @@ def _result(name: str, nbytes: int, seconds: float, cpu_s: float, **extra: Any) 
 class _Clock:
     """Wall time and this process's CPU time (all threads) over a with-block."""
 
-    def __enter__(self) -> _Clock:
+    def __enter__(self) -> Self:
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         return self
 

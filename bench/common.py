@@ -91,9 +91,13 @@ def fuse_unmount(mountpoint: str | os.PathLike[str]) -> None:
     """``fusermount3 -u`` a mount if it is one, lazily (``-uz``) if it is busy: a benchmark
     must never leave a mount behind, even after a failed run."""
     if os.path.ismount(mountpoint):
-        r = subprocess.run(["fusermount3", "-u", os.fspath(mountpoint)], capture_output=True)
+        r = subprocess.run(
+            ["fusermount3", "-u", os.fspath(mountpoint)], capture_output=True, check=False
+        )
         if r.returncode != 0:
-            subprocess.run(["fusermount3", "-uz", os.fspath(mountpoint)], capture_output=True)
+            subprocess.run(
+                ["fusermount3", "-uz", os.fspath(mountpoint)], capture_output=True, check=False
+            )
 
 
 def reap(proc: subprocess.Popen[Any], exit_s: float, term_s: float) -> None:

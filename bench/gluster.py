@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -61,7 +61,11 @@ class GlusterUnavailable(RuntimeError):
 
 def _gluster(*args: str, timeout: float = 120) -> str:
     r = subprocess.run(
-        ["gluster", "--mode=script", *args], capture_output=True, text=True, timeout=timeout
+        ["gluster", "--mode=script", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if r.returncode != 0:
         raise GlusterUnavailable(f"gluster {' '.join(args[:3])}: {(r.stderr or r.stdout).strip()}")
@@ -78,6 +82,7 @@ def why_unavailable(install: bool = False) -> str | None:
             capture_output=True,
             text=True,
             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            check=False,
         )
         if r.returncode != 0:
             return f"apt-get install glusterfs-server failed: {r.stderr.strip()[-300:]}"
@@ -119,7 +124,7 @@ class GlusterVolume:
         self.version = ""
 
     # lifecycle
-    def __enter__(self) -> GlusterVolume:
+    def __enter__(self) -> Self:
         try:
             self.start()
         except BaseException:
@@ -135,7 +140,7 @@ class GlusterVolume:
         log_dir = self.root / "log"
         log_dir.mkdir(exist_ok=True)
         self.version = subprocess.run(
-            ["glusterd", "--version"], capture_output=True, text=True
+            ["glusterd", "--version"], capture_output=True, text=True, check=False
         ).stdout.split("\n")[0]
         self.glusterd = subprocess.Popen(
             [
@@ -153,7 +158,10 @@ class GlusterVolume:
         deadline = time.monotonic() + 60
         while True:
             r = subprocess.run(
-                ["gluster", "--mode=script", "pool", "list"], capture_output=True, text=True
+                ["gluster", "--mode=script", "pool", "list"],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if r.returncode == 0:
                 break
@@ -188,6 +196,7 @@ class GlusterVolume:
                 ["mount", "-t", "glusterfs", f"{self.host}:/{self.name}", self.mountpoint],
                 capture_output=True,
                 text=True,
+                check=False,
             )
             if r.returncode == 0 and os.path.ismount(self.mountpoint):
                 return
@@ -197,9 +206,9 @@ class GlusterVolume:
 
     def unmount(self) -> None:
         if os.path.ismount(self.mountpoint):
-            r = subprocess.run(["umount", self.mountpoint], capture_output=True)
+            r = subprocess.run(["umount", self.mountpoint], capture_output=True, check=False)
             if r.returncode != 0:
-                subprocess.run(["umount", "-l", self.mountpoint], capture_output=True)
+                subprocess.run(["umount", "-l", self.mountpoint], capture_output=True, check=False)
         # the FUSE client process exits after the unmount; wait for it so a remount's
         # figures never include a dying process
         for p in self._our_processes():
@@ -317,7 +326,7 @@ def _loadtest_through(
     if processes:
         cmd += ["--processes", str(processes)]
     r = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=max_seconds + 120
+        cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=max_seconds + 120, check=False
     )
     try:
         return dict(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -103,6 +103,7 @@ def _python_module(module: str, *args: str, timeout: float) -> dict[str, Any]:
             text=True,
             cwd=REPO_ROOT,
             timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"status": "failed", "error": f"timed out after {timeout:.0f} s"}
@@ -253,7 +254,7 @@ def _guard(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     log.warning("run_all: %s ...", key)
     try:
         results[key] = fn()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded in the report, as the docstring says)
         results[key] = {
             "status": "failed",
             "error": f"{type(e).__name__}: {e}",
@@ -431,7 +432,11 @@ def _machine() -> dict[str, Any]:
     import psutil
 
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=False,
     ).stdout.strip()
     return {
         "cpus": os.cpu_count(),

@@ -37,6 +37,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # install (15 s of 19 s here); Python compiles what is imported, on first use
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-    .venv/bin/python -m pip install -q --no-compile -e ".[test,bench]"
+    .venv/bin/python -m pip install -q --no-compile -e ".[test,bench,lint]"
     touch "$stamp"
 fi

@@ -12,8 +12,8 @@ APIs must not leak groups (STYLE.md), so a group of exactly one exception is unw
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import trio
 

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from tectonic_py import cluster_file
 from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
@@ -266,7 +266,7 @@ class LocalCluster:
                 log.warning("%s ignored SIGTERM; killing it", d.name)
                 d.kill()
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import trio
 
@@ -71,7 +71,7 @@ class BlockingClient:
 
         try:
             trio.run(run)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             if self._error is None:
                 self._error = e
         finally:
@@ -135,7 +135,7 @@ class BlockingClient:
                 pass
         self._thread.join()
 
-    def __enter__(self) -> BlockingClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -63,10 +63,10 @@ import os
 import secrets
 import socket as _stdlib_socket
 import struct
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Union
+from typing import Any
 
 import msgpack
 import trio
@@ -90,7 +90,7 @@ PROTO = 1
 PREFIX = struct.Struct("!BBHII")
 MiB = 1024 * 1024
 
-Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
 @dataclass(frozen=True)
@@ -490,7 +490,7 @@ async def _read_prefix_and_header(
         raise ProtocolError("connection closed inside a frame header") from None
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises a zoo of types for garbage input
+    except Exception as e:  # noqa: BLE001 (msgpack raises a zoo of types for garbage)
         raise ProtocolError(f"undecodable header: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
@@ -503,7 +503,7 @@ async def _read_prefix_and_header(
 class Request:
     """One decoded request as a handler sees it: validated typed access to its fields."""
 
-    __slots__ = ("op", "fields", "payload", "peer", "buffer")
+    __slots__ = ("buffer", "fields", "op", "payload", "peer")
 
     def __init__(
         self,
@@ -588,12 +588,12 @@ class Request:
 
 # A handler's reply: fields, fields and a payload, or fields, a payload and a callback the
 # server calls once the payload is sent or dropped (so the handler can reuse its buffer).
-Reply = Union[
-    dict[str, Any],
-    tuple[dict[str, Any], Buffer],
-    tuple[dict[str, Any], Buffer, Callable[[], None]],
-    None,
-]
+Reply = (
+    dict[str, Any]
+    | tuple[dict[str, Any], Buffer]
+    | tuple[dict[str, Any], Buffer, Callable[[], None]]
+    | None
+)
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
@@ -907,7 +907,7 @@ class RpcServer:
                 header: dict[str, Any] = {"rid": rid, "f": out_fields}
             except trio.Cancelled:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (every handler error becomes a wire error)
                 header, out_payload = error_to_header(rid, e), None
             finally:
                 request.payload = request.buffer = None

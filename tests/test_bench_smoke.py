@@ -26,7 +26,12 @@ MiB = 1024 * 1024
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
     )
 
 

@@ -545,7 +545,7 @@ def test_garbage_never_hurts_the_store(tmp_path_factory, secret, garbage, authen
 
 
 async def test_capacity_limit_refuses_puts_before_writing(nursery, tmp_path, secret):
-    server, port = await start_store(nursery, tmp_path / "d", secret, capacity=3 * MiB)
+    _server, port = await start_store(nursery, tmp_path / "d", secret, capacity=3 * MiB)
     async with open_client(port, secret) as c:
         stored = []
         with pytest.raises(DiskFull):
@@ -570,7 +570,7 @@ def small_fs(tmp_path):
 
 async def test_real_disk_full_is_a_clear_error_and_the_store_stays_up(small_fs, secret):
     async with trio.open_nursery() as nursery:
-        server, port = await start_store(nursery, small_fs / "data", secret)
+        _server, port = await start_store(nursery, small_fs / "data", secret)
         async with open_client(port, secret) as c:
             stored = []
             with pytest.raises(DiskFull):
@@ -701,19 +701,19 @@ async def test_second_store_on_the_same_directory_is_refused(store, secret):
 
 def test_config_is_validated(tmp_path, secret):
     for kw in [
-        dict(node_id="../x"),
-        dict(failure_domain=""),
-        dict(capacity=0),
-        dict(heartbeat_interval=0),
-        dict(registry="nohost"),
-        dict(payload_budget=10),
-        dict(reply_budget=10),
-        dict(max_concurrent_writes=0),
-        dict(spare_files=-1),
-        dict(spare_bytes=-1),
-        dict(spare_min=-1),
+        {"node_id": "../x"},
+        {"failure_domain": ""},
+        {"capacity": 0},
+        {"heartbeat_interval": 0},
+        {"registry": "nohost"},
+        {"payload_budget": 10},
+        {"reply_budget": 10},
+        {"max_concurrent_writes": 0},
+        {"spare_files": -1},
+        {"spare_bytes": -1},
+        {"spare_min": -1},
     ]:
-        base = dict(data_dir=tmp_path, node_id=NODE, failure_domain="r", secret=secret)
+        base = {"data_dir": tmp_path, "node_id": NODE, "failure_domain": "r", "secret": secret}
         base.update(kw)
         with pytest.raises(ConfigError):
             StoreConfig(**base)
@@ -721,7 +721,7 @@ def test_config_is_validated(tmp_path, secret):
 
 async def test_ready_file_without_registry(nursery, tmp_path, secret):
     ready = tmp_path / "ready.json"
-    server, port = await start_store(nursery, tmp_path / "d", secret, ready_file=ready)
+    _server, port = await start_store(nursery, tmp_path / "d", secret, ready_file=ready)
     info = json.loads(ready.read_text())
     assert info == {"address": f"127.0.0.1:{port}", "pid": os.getpid()}
 
@@ -741,7 +741,7 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
     registry = wire.RpcServer("registry", secret, {"node.heartbeat": heartbeat})
     _, rport = await nursery.start(registry.serve, "127.0.0.1", 0)
     ready = tmp_path / "ready.json"
-    server, port = await start_store(
+    _server, port = await start_store(
         nursery,
         tmp_path / "d",
         secret,
@@ -859,7 +859,7 @@ async def test_heartbeat_registers_with_the_real_metadata_registry(tmp_path, sec
         registry = mc.config.metadata_servers[0].address
         async with trio.open_nursery() as nursery:
             ready = tmp_path / "ready.json"
-            server, port = await start_store(
+            _server, port = await start_store(
                 nursery,
                 tmp_path / "d",
                 secret,

@@ -146,9 +146,9 @@ async def test_kill9_after_acknowledged_puts_loses_nothing(tmp_path, secret, sec
     async with open_client(daemon.port, secret) as c:
         listed = dict(await c.list_all(page=17))
         assert set(acked) <= set(listed) <= set(attempted)
-        for cid in listed:  # acknowledged or not, whatever is visible is whole
+        for cid, size in listed.items():  # acknowledged or not, whatever is visible is whole
             assert bytes(await c.get(cid)) == attempted[cid]
-            assert listed[cid] == len(attempted[cid])
+            assert size == len(attempted[cid])
         stats = await c.node_stats()
         assert stats.chunk_count == len(listed)
 

@@ -97,14 +97,14 @@ async def test_mount_mode_layout_and_cleanup(tmp_path):
 async def test_restore_catches_a_corrupt_byte_and_a_missing_shard(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    base = dict(
-        through_mount=str(mnt),
-        ranks=6,
-        processes=2,
-        shard_size=2 * MiB + 3,
-        run_dir="/run",
-        max_seconds=120,
-    )
+    base = {
+        "through_mount": str(mnt),
+        "ranks": 6,
+        "processes": 2,
+        "shard_size": 2 * MiB + 3,
+        "run_dir": "/run",
+        "max_seconds": 120,
+    }
     written = await run_loadtest(LoadtestConfig(**base, keep=True, restore=False))
     assert written["errors"] == 0 and written["bytes_verified"] == 0
     ok = await run_loadtest(LoadtestConfig(**base, verify_only=True))
@@ -181,7 +181,12 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
 def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
     run = [sys.executable, "-m", "tectonic_py.cli", "loadtest"]
     r = subprocess.run(
-        [*run, str(tmp_path / "nope.toml")], capture_output=True, text=True, cwd=REPO, timeout=60
+        [*run, str(tmp_path / "nope.toml")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
     )
     assert r.returncode == 1
     assert "not found" in r.stderr and "Traceback" not in r.stderr
@@ -191,6 +196,7 @@ def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
         text=True,
         cwd=REPO,
         timeout=60,
+        check=False,
     )
     assert r.returncode == 2 and "bad size 'abc'" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(
@@ -199,6 +205,7 @@ def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
         text=True,
         cwd=REPO,
         timeout=60,
+        check=False,
     )
     assert r.returncode == 1 and "--dir" in r.stderr and "Traceback" not in r.stderr
 
@@ -228,6 +235,7 @@ def test_cli_json_and_plot(tmp_path):
         text=True,
         cwd=REPO,
         timeout=120,
+        check=False,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

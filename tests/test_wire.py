@@ -48,7 +48,7 @@ HANDLERS = {"echo": _echo, "slow": _slow, "missing": _missing, "crash": _crash}
 
 async def start_server(nursery, secret, limits=wire.DEFAULT_LIMITS):
     server = wire.RpcServer("test", secret, HANDLERS, limits)
-    host, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    _host, port = await nursery.start(server.serve, "127.0.0.1", 0)
     return server, port
 
 
@@ -222,7 +222,7 @@ async def _read_reply(sock):
     ],
 )
 async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(nursery, secret, frame):
-    server, port = await start_server(nursery, secret)
+    _server, port = await start_server(nursery, secret)
     sock = await raw_authenticated(port, secret)
     await wire._send_all(sock, frame)
     if frame.startswith(wire.PREFIX.pack(1, 0, 0, 50, 0)):
@@ -281,16 +281,18 @@ async def test_payload_budget_refuses_with_busy_past_the_queue(nursery, secret):
 
     server = wire.RpcServer("t", secret, {"hold": blocking, **HANDLERS}, limits)
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        async with trio.open_nursery() as n:
-            n.start_soon(conn.call, "hold", {}, b"x" * (1024 * 1024))
-            await trio.sleep(0.2)
-            assert server.stats.payload_bytes_held == 1024 * 1024
-            with pytest.raises(Busy):
-                await conn.call("echo", {}, b"y" * 1000)
-            # Payload-free requests are still served.
-            assert (await conn.call("echo", {"n": 2})).fields["n"] == 2
-            hold.set()
+    async with (
+        wire.open_connection("127.0.0.1", port, secret) as conn,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(conn.call, "hold", {}, b"x" * (1024 * 1024))
+        await trio.sleep(0.2)
+        assert server.stats.payload_bytes_held == 1024 * 1024
+        with pytest.raises(Busy):
+            await conn.call("echo", {}, b"y" * 1000)
+        # Payload-free requests are still served.
+        assert (await conn.call("echo", {"n": 2})).fields["n"] == 2
+        hold.set()
     assert server.stats.busy_refusals == 1
     assert server.stats.payload_bytes_held == 0
 
