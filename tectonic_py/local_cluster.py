@@ -5,7 +5,8 @@ Layout under ``root``::
 
     secret                 the cluster secret (created on first use, mode 0600)
     cluster.toml           the cluster file clients use (rewritten on every start)
-    state.json             ports of every daemon, so a restart reuses them when free
+    state.json             ports of every daemon, so a restart reuses them when free, the
+                           chunk store count and the failure domains they were given
     metadata/N/            data directory of metadata server N
     chunks/N/              data directory of chunk store N (node id ``csN``)
     logs/*.log             stdout and stderr of every daemon
@@ -479,11 +480,23 @@ class LocalCluster:
             self._ports.update({str(k): int(v) for k, v in ports.items()})
         n = int(state.get("chunkstores", 0))
         self.chunkstore_count = max(self.chunkstore_count, n)
+        # A restart that does not say how to spread the chunk stores keeps the domains they
+        # were given: those say which stores fail together, and forgetting them (one domain
+        # each) would let placement put two chunks of a block where one failure takes both.
+        domains = state.get("failure_domains")
+        known = isinstance(domains, int) and 1 <= domains <= self.chunkstore_count
+        if self.failure_domains is None and known:
+            self.failure_domains = domains
 
     def _save_state(self) -> None:
         path = self.root / "state.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"ports": self._ports, "chunkstores": len(self._chunk)}))
+        state = {
+            "ports": self._ports,
+            "chunkstores": len(self._chunk),
+            "failure_domains": self.failure_domains,
+        }
+        tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
 
 

@@ -355,7 +355,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--ec", help="default EC policy: rs-K-M or rN (rs-6-3)")
     up.add_argument(
         "--failure-domains", type=int,
-        help="spread chunk stores over this many failure domains (default: one each)",
+        help="spread chunk stores over this many failure domains (default: one each, or"
+        " what the cluster in DIR was started with)",
     )  # fmt: skip
     up.add_argument(
         "--node-timeout", type=float, default=10.0,

@@ -3,6 +3,8 @@ policy reaches the root directory, daemons are ours and gone after stop, bad set
 
 from __future__ import annotations
 
+import json
+
 import psutil
 import pytest
 
@@ -45,6 +47,43 @@ async def test_restart_brings_back_data_on_the_same_ports(tmp_path):
             assert await r.read() == b"survives a restart" * 10_000
     finally:
         cluster.stop()
+
+
+def _domains(cluster: LocalCluster) -> list[str]:
+    """The --failure-domain each running chunk store was started with."""
+    out = []
+    for pid in cluster.chunkstore_pids():
+        assert pid is not None
+        argv = psutil.Process(pid).cmdline()
+        out.append(argv[argv.index("--failure-domain") + 1])
+    return out
+
+
+def test_a_restart_keeps_the_failure_domains_it_was_not_told(tmp_path):
+    def cluster(**kw):
+        return LocalCluster(
+            tmp_path / "c", chunkstores=4, metadata_servers=1, shards=4, ec="rs-2-1", **kw
+        )
+
+    first = cluster(failure_domains=2)
+    try:
+        first.start()
+        assert _domains(first) == ["fd0", "fd1", "fd0", "fd1"]
+    finally:
+        first.stop()
+    again = cluster()
+    try:
+        again.start()
+        assert _domains(again) == ["fd0", "fd1", "fd0", "fd1"]
+    finally:
+        again.stop()
+    told = cluster(failure_domains=4)  # what a restart is told wins, and is kept
+    try:
+        told.start()
+        assert _domains(told) == ["fd0", "fd1", "fd2", "fd3"]
+    finally:
+        told.stop()
+    assert json.loads((tmp_path / "c" / "state.json").read_text())["failure_domains"] == 4
 
 
 def test_bad_settings_are_refused(tmp_path):
