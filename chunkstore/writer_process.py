@@ -338,8 +338,10 @@ class WriterProcess:
     def __init__(
         self, name: str, threads: int, buffers: SharedBuffers, read_threads: int = 0
     ) -> None:
-        if threads < 1 or read_threads < 0:
-            raise ValueError("a writer process needs at least one thread")
+        if threads < 1:
+            raise ValueError(f"a writer process needs at least one thread, not {threads}")
+        if read_threads < 0:
+            raise ValueError(f"read_threads must be 0 or more, not {read_threads}")
         self.name = name
         self.threads = threads
         self.read_threads = read_threads

@@ -744,6 +744,13 @@ async def test_a_pool_without_read_threads_takes_no_read(nursery) -> None:
         await pool.read(os.getpid)
 
 
+def test_thread_counts_are_checked() -> None:
+    with pytest.raises(ValueError, match="at least one thread, not 0"):
+        WriterProcess("test", 0, SharedBuffers())
+    with pytest.raises(ValueError, match="read_threads must be 0 or more, not -1"):
+        WriterProcess("test", 1, SharedBuffers(), read_threads=-1)
+
+
 @pytest.fixture
 def daemon_reads(monkeypatch) -> list[int]:
     """Counts the chunk reads this process (the daemon) does itself, in its threads."""
