@@ -416,18 +416,12 @@ async def test_reserved_huge_pages_back_whole_huge_page_buffers_until_used_up(
 
 async def _round_trip(port: int, secret: bytes, sizes: list[int]) -> None:
     """Put chunks of ``sizes`` bytes to the store on ``port``, then get each back whole."""
-    from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
-
-    block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
-    data = [os.urandom(n) for n in sizes]
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
-        client = ChunkClient(conn)
-        for i, chunk in enumerate(data):
-            await client.put(ids.chunk_id(block, i), chunk, cap)
-        for i, chunk in enumerate(data):
-            assert bytes(await client.get(ids.chunk_id(block, i))) == chunk
+    chunks = [(*new_chunk(secret), os.urandom(n)) for n in sizes]
+    async with open_client(port, secret) as client:
+        for cid, cap, data in chunks:
+            await client.put(cid, data, cap)
+        for cid, _cap, data in chunks:
+            assert bytes(await client.get(cid)) == data
 
 
 async def test_a_chunk_store_puts_from_reserved_huge_pages(
