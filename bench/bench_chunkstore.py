@@ -28,9 +28,11 @@ What it does, in one run on one disk:
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon
 (with its writer process), which are steadier than MB/s on a shared machine.
-``--disk-workers threads`` runs the daemon's puts and deletes on its own threads instead, for
-comparison. The daemon's put buffers are huge pages of a tmpfs of its own where it can make
-one (``chunkstore.huge_tmpfs``; the run prints ``thp-tmpfs``); ``--no-payload-tmpfs`` turns
+Whole gets of large chunks are spliced from the page cache unverified (the client checks
+them, ``chunkstore.layout.splice_chunk``); ``--no-splice-gets`` has the store read and verify
+every get, as it did before. ``--disk-workers threads`` runs the daemon's puts and deletes on
+its own threads instead, for comparison. The daemon's put buffers are huge pages of a tmpfs
+of its own where it can make one (``chunkstore.huge_tmpfs``; the run prints ``thp-tmpfs``); ``--no-payload-tmpfs`` turns
 that off, and then ``--huge-pages N`` (root) reserves N more huge pages
 (``vm.nr_hugepages``) for the run and gives them back after, so that the daemon makes its put
 buffers of them (``chunkstore.writer_process.SharedBuffers``, docs/operations.md), and the
@@ -253,6 +255,12 @@ def main() -> int:
         help="the chunk store's --no-payload-tmpfs: put buffers in memfds (small pages, or"
         " reserved huge pages with --huge-pages)",
     )
+    parser.add_argument(
+        "--no-splice-gets",
+        dest="splice_gets",
+        action="store_false",
+        help="the chunk store's --no-splice-gets: every get read and verified in the store",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
     total = (8 if args.smoke else args.total_mib) * MiB
@@ -272,6 +280,8 @@ def main() -> int:
         daemon_args = ["--disk-workers", args.disk_workers]
         if not args.payload_tmpfs:
             daemon_args.append("--no-payload-tmpfs")
+        if not args.splice_gets:
+            daemon_args.append("--no-splice-gets")
         proc, port = start_daemon(data_dir, secret_file, daemon_args)
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
@@ -346,7 +356,8 @@ def main() -> int:
     else:  # thp-tmpfs: the daemon's own tmpfs of huge pages; small: memfds
         print(f"put payload buffers: {kind} (node_stats payload_pages)")
     print(
-        f"gets read on the writer process's read threads: {stats.get('gets_by_writer', 0)},"
+        f"gets spliced from the page cache unverified: {stats.get('gets_spliced', 0)}; read and"
+        f" verified on the writer process's read threads: {stats.get('gets_by_writer', 0)},"
         f" on the daemon's threads: {stats.get('gets_by_daemon', 0)}"
     )
     print("median ratio over rounds (target >= 0.70):")

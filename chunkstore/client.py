@@ -2,9 +2,13 @@
 
 The data-path client, repair and the CLI use this rather than raw ``Connection.call`` so that
 field names and the end-to-end check of returned bytes live in one place: every ``get``
-verifies the bytes it received against the CRC the store computed from verified disk data,
-so a chunk is checked from disk to the caller's buffer (ChecksumMismatch, retryable, if
-the bytes were damaged on the way).
+verifies the bytes it received, so a chunk is checked from disk to the caller's buffer.
+A ranged get is checked against the CRC the store computed from verified disk data
+(ChecksumMismatch, retryable, if the bytes were damaged on the way). A whole get of a large
+chunk may come unverified, straight from the store's page cache (``verified: False``,
+``chunkstore.layout.splice_chunk``), with the checksum the chunk was stored under: bytes
+that fail it are asked for again with ``verify``, and the store then reads and checks the
+chunk itself, answering ChunkCorrupt for a damaged copy on disk.
 """
 
 from __future__ import annotations
@@ -79,17 +83,30 @@ class ChunkClient:
         length: int | None = None,
         *,
         into: bytearray | memoryview | None = None,
+        verify: bool = False,
     ) -> memoryview:
         """Verified bytes of a chunk (``length`` None: to its end); a view of ``into`` when a
-        buffer large enough is given. ChunkCorrupt if the store's copy is damaged."""
+        buffer large enough is given. ChunkCorrupt if the store's copy is damaged.
+        ``verify``: have the store check the bytes before sending them (it does for ranged
+        gets anyway); a whole get that came unverified and fails its check is asked for again
+        that way."""
         fields: dict[str, object] = {"chunk_id": chunk_id, "offset": offset}
         if length is not None:
             fields["length"] = length
+        if verify:
+            fields["verify"] = True
         resp = await self.conn.call("get", fields, into=into)
         data = resp.payload if resp.payload is not None else memoryview(b"")
         expected = resp.fields.get("range_checksum")
         got = await _crc(data)
         if got != expected:
+            if resp.fields.get("verified") is False and not verify:
+                log.warning(
+                    "chunk %s from %s failed its checksum; asking for a verified read",
+                    chunk_id,
+                    self.conn.address,
+                )
+                return await self.get(chunk_id, offset, length, into=into, verify=True)
             raise ChecksumMismatch(
                 f"chunk {chunk_id} bytes {offset}+{len(data)} damaged in transit from"
                 f" {self.conn.address} (crc {got:08x} != {expected})"

@@ -48,6 +48,14 @@ def register(subparsers: Any) -> None:
         help="share put payloads with the writer process in a private tmpfs of huge pages"
         " where one can be made (--no-payload-tmpfs: memfds)",
     )
+    p.add_argument(
+        "--splice-gets",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send whole gets of large chunks from the page cache with splice, unverified (the"
+        " client checks them and asks again for a verified read if they fail);"
+        " --no-splice-gets: read and verify every get here",
+    )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
         "--payload-budget",
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_writes=args.max_concurrent_writes,
         disk_workers=args.disk_workers,
         payload_tmpfs=args.payload_tmpfs,
+        splice_gets=args.splice_gets,
         max_concurrent_reads=args.max_concurrent_reads,
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,

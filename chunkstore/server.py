@@ -108,6 +108,9 @@ class StoreConfig:
     # (chunkstore.huge_tmpfs) where one can be made; off: memfds (hugetlb ones where the host
     # has reserved huge pages).
     payload_tmpfs: bool = True
+    # Whole gets of large chunks spliced from the page cache into the socket, unverified; the
+    # reader verifies them (``layout.splice_chunk``). Off: every get read and verified here.
+    splice_gets: bool = True
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
@@ -232,6 +235,11 @@ class _ReplyBudget:
             self.spares.give_back(buf)
         self._lot.unpark_all()
 
+    def release(self, n: int) -> None:
+        """Return budget taken with ``acquire`` (bytes held in pipes, not in a buffer)."""
+        self.held -= n
+        self._lot.unpark_all()
+
 
 class ChunkStoreServer:
     """One node's chunk store: the data directory, its accounting and the RPC handlers."""
@@ -295,6 +303,8 @@ class ChunkStoreServer:
         )
         self._puts_in_flight = 0
         self._whole_span = 0  # buffer size of the last whole get (``_get``)
+        self._whole_len = 0  # and its chunk's length
+        self.gets_spliced = 0  # whole gets sent unverified from the page cache
         self.gets_by_writer = 0  # gets read on the writer process's read threads
         self.gets_by_daemon = 0  # and on this process's threads
 
@@ -506,10 +516,14 @@ class ChunkStoreServer:
 
     async def _get(
         self, req: wire.Request
-    ) -> tuple[dict[str, Any], memoryview, Callable[[], None]]:
+    ) -> tuple[dict[str, Any], memoryview | wire.Piped, Callable[[], None]]:
         chunk_id = self._chunk_id(req)
         offset = req.int("offset", 0, hi=MAX_CHUNK)
         length = req.int("length", None, hi=MAX_CHUNK)
+        if not offset and self.config.splice_gets and not req.bool("verify", False):
+            spliced = await self._splice(chunk_id, length)
+            if spliced is not None:
+                return spliced
         self._outstanding += 1
         try:
             await acquire_soon(self._reads)
@@ -556,12 +570,57 @@ class ChunkStoreServer:
                     raise
                 if length is None and not offset:
                     self._whole_span = layout.direct_span(header.file_size)
+                    self._whole_len = header.length
             finally:
                 self._reads.release()
         finally:
             self._outstanding -= 1
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
         return fields, data, lambda: replies.give_back(taken)
+
+    async def _splice(
+        self, chunk_id: str, length: int | None
+    ) -> tuple[dict[str, Any], wire.Piped, Callable[[], None]] | None:
+        """A whole get as pipes holding the chunk's pages (``layout.splice_chunk``), sent
+        unverified with ``verified: False``; None where it goes the verified way. The reply
+        budget is taken for the length asked for, or the last whole get's (a get without a
+        length, of a chunk larger than that, goes the verified way and sets the next guess)."""
+        need = length if length is not None else self._whole_len
+        if need < layout.SPLICE_MIN:
+            return None
+        replies = self._replies
+        assert replies is not None
+        self._outstanding += 1
+        try:
+            await replies.acquire(need)
+            try:
+                async with self._reads:
+                    spliced = await trio.to_thread.run_sync(
+                        layout.splice_chunk, self.data_dir, chunk_id, length, need
+                    )
+            except BaseException:
+                replies.release(need)
+                raise
+        finally:
+            self._outstanding -= 1
+        if spliced is None:
+            replies.release(need)
+            return None
+        header, pipes = spliced
+
+        def release() -> None:
+            for pipe, _ in pipes:
+                os.close(pipe)
+            replies.release(need)
+
+        self.gets_spliced += 1
+        fields = {
+            "size": header.length,
+            "checksum": header.checksum,
+            "range_checksum": header.checksum,
+            "verified": False,
+        }
+        return fields, wire.Piped(tuple(pipes)), release
 
     async def _read_by_writer(
         self, chunk_id: str, length: int | None, buf: Buffer
@@ -680,8 +739,10 @@ class ChunkStoreServer:
             "payload_pages": "private" if self._shared is None else self._shared.pages,
             "hugetlb_buffers": 0 if self._shared is None else self._shared.hugetlb,
             "hugetlb_short": 0 if self._shared is None else self._shared.hugetlb_short,
-            # where gets were read: on the writer's read threads, or this process's threads
-            # (ranged gets, first gets, fallbacks, all of them without shared buffers)
+            # where gets were read: spliced from the page cache unverified (whole gets of
+            # large chunks), on the writer's read threads, or this process's threads (ranged
+            # gets, first gets, verified gets, fallbacks, all of them without shared buffers)
+            "gets_spliced": self.gets_spliced,
             "gets_by_writer": self.gets_by_writer,
             "gets_by_daemon": self.gets_by_daemon,
         }

@@ -935,20 +935,22 @@ class TectonicClient:
         offset: int = 0,
         *,
         limit: float = math.inf,
+        verify: bool = False,
     ) -> None:
         """Fetch ``len(into)`` bytes of a chunk at ``offset`` straight into ``into``, verified:
         a whole chunk against the Block layer's CRC (end to end), a range against the chunk
         store's CRC of that range. ``limit`` is only for callers with a whole-block read to
-        fall back on (a range read); whole-block fetches hedge instead of timing out."""
+        fall back on (a range read); whole-block fetches hedge instead of timing out.
+        ``verify``: the store checks the bytes before sending them; a whole chunk that came
+        unverified (``verified: False``, straight from the store's page cache) and fails is
+        fetched once more that way, so that only a damaged copy on disk is ChunkCorrupt."""
         address = await self._address(pl)
         cid = chunk_id(info.block_id, pl.index)
+        fields: dict[str, Any] = {"chunk_id": cid, "offset": offset, "length": into.nbytes}
+        if verify:
+            fields["verify"] = True
         with trio.move_on_after(limit) as scope:
-            resp = await self.pool.call(
-                address,
-                "get",
-                {"chunk_id": cid, "offset": offset, "length": into.nbytes},
-                into=into,
-            )
+            resp = await self.pool.call(address, "get", fields, into=into)
         if scope.cancelled_caught:
             raise Timeout(f"get of {cid} from {pl.node_id} took over {limit}s")
         payload = resp.payload
@@ -961,6 +963,9 @@ class TectonicClient:
             return
         (crc,) = await self.codec.checksums([into])
         if crc != expected:
+            if resp.fields.get("verified") is False and not verify:
+                await self._get_into(info, pl, into, offset, limit=limit, verify=True)
+                return
             raise ChunkCorrupt(f"{cid} on {pl.node_id} failed its checksum")
 
     async def read_block(self, info: BlockInfo) -> memoryview:

@@ -224,6 +224,33 @@ async def _send_frame(
     await _send_pieces(sock, pieces, sent)
 
 
+@dataclass(frozen=True)
+class Piped:
+    """A reply payload that lies in pipes, by reference to the pages of a file
+    (``chunkstore.layout.splice_chunk``): sent with ``splice(2)`` and never copied through
+    this process. The handler owns the pipes and closes them in its release callback (the
+    reply's third item), which runs once the reply is sent or dropped."""
+
+    pipes: tuple[tuple[int, int], ...]  # (read end, bytes in it), in order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.pipes)
+
+
+async def _send_piped(sock: trio.socket.SocketType, frame: bytes, payload: Piped) -> None:
+    """The frame's prefix+header, then each pipe spliced into the socket, waiting
+    (``wait_writable``) only when the socket is full. Each pipe holds exactly its count."""
+    await _send_pieces(sock, [memoryview(frame)], None)
+    fd = sock.fileno()
+    for pipe, n in payload.pipes:
+        while n:
+            try:
+                n -= os.splice(pipe, fd, n, flags=os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+
+
 async def _send_pieces(
     sock: trio.socket.SocketType, pieces: list[memoryview], sent: list[int] | None
 ) -> None:
@@ -587,11 +614,12 @@ class Request:
 
 
 # A handler's reply: fields, fields and a payload, or fields, a payload and a callback the
-# server calls once the payload is sent or dropped (so the handler can reuse its buffer).
+# server calls once the payload is sent or dropped (so the handler can reuse its buffer or
+# close its pipes).
 Reply = (
     dict[str, Any]
-    | tuple[dict[str, Any], Buffer]
-    | tuple[dict[str, Any], Buffer, Callable[[], None]]
+    | tuple[dict[str, Any], Buffer | Piped]
+    | tuple[dict[str, Any], Buffer | Piped, Callable[[], None]]
     | None
 )
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -895,7 +923,7 @@ class RpcServer:
         try:
             try:
                 reply = await handler(request)
-                out_payload: Buffer | None = None
+                out_payload: Buffer | Piped | None = None
                 if reply is None:
                     out_fields: dict[str, Any] = {}
                 elif isinstance(reply, tuple):
@@ -913,7 +941,12 @@ class RpcServer:
                 request.payload = request.buffer = None
                 if charged:
                     self._budget.release(charged)
-            size = 0 if out_payload is None else memoryview(out_payload).nbytes
+            if out_payload is None:
+                size = 0
+            elif isinstance(out_payload, Piped):
+                size = out_payload.nbytes
+            else:
+                size = memoryview(out_payload).nbytes
             frame = _pack_frame(header, size)
             if not size:
                 await outbox.send(frame)
@@ -921,7 +954,10 @@ class RpcServer:
                 await acquire_soon(outbox.lock)  # no pass through the scheduler
                 self.stats.reply_writes += 1
                 try:
-                    await _send_frame(outbox.sock, frame, out_payload)
+                    if isinstance(out_payload, Piped):
+                        await _send_piped(outbox.sock, frame, out_payload)
+                    else:
+                        await _send_frame(outbox.sock, frame, out_payload)
                 finally:
                     outbox.lock.release()
             self.stats.bytes_out += len(frame) + size
