@@ -934,14 +934,15 @@ def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) 
             return None
         pos, end = header.data_offset, header.file_size
         while pos < end:
-            # A pipe holds PIPE_BYTES in page-sized slots, one per page a piece touches: the
-            # first piece (the data follows the header) ends on a page boundary.
-            piece = min(end - pos, PIPE_BYTES - pos % mmap.PAGESIZE)
+            # A pipe holds page-sized slots, one per page a piece touches: the first piece
+            # (the data follows the header) ends on a page boundary, the others start on one.
+            skew = pos % mmap.PAGESIZE
+            piece = min(end - pos, PIPE_BYTES - skew)
             r, w = os.pipe2(os.O_CLOEXEC)
             pipes.append((r, piece))
             try:
                 try:
-                    fcntl.fcntl(w, _F_SETPIPE_SZ, piece)
+                    fcntl.fcntl(w, _F_SETPIPE_SZ, skew + piece)
                 except OSError as e:  # the user's pipe budget (fs.pipe-user-pages-soft) is spent
                     if e.errno not in (errno.EPERM, errno.ENOMEM, errno.EBUSY):
                         raise

@@ -594,10 +594,13 @@ class ChunkStoreServer:
         try:
             await replies.acquire(need)
             try:
-                async with self._reads:
+                await acquire_soon(self._reads)
+                try:
                     spliced = await trio.to_thread.run_sync(
                         layout.splice_chunk, self.data_dir, chunk_id, length, need
                     )
+                finally:
+                    self._reads.release()
             except BaseException:
                 replies.release(need)
                 raise

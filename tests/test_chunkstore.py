@@ -296,7 +296,9 @@ def _open_pipes() -> int:
     return pipes
 
 
-@pytest.mark.parametrize("size", [layout.SPLICE_MIN, MiB, 4 * MiB, 4 * MiB + 12345])
+@pytest.mark.parametrize(
+    "size", [layout.SPLICE_MIN, layout.SPLICE_MIN + 1, MiB, 4 * MiB, 4 * MiB + 12345]
+)
 async def test_whole_gets_are_spliced_unverified_and_checked_by_the_client(
     nursery, tmp_path, secret, size
 ):
