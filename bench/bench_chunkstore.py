@@ -28,9 +28,9 @@ What it does, in one run on one disk:
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
 raw read; target >= 0.7 for both), and CPU-seconds per GiB of the client and the daemon
 (with its writer process), which are steadier than MB/s on a shared machine.
-Whole gets of large chunks are spliced from the page cache unverified (the client checks
-them, ``chunkstore.layout.splice_chunk``); ``--no-splice-gets`` has the store read and verify
-every get, as it did before. ``--disk-workers threads`` runs the daemon's puts and deletes on
+``--splice-gets`` has the store splice whole gets of large chunks from the page cache
+unverified (the client checks them, ``chunkstore.layout.splice_chunk``) instead of reading
+and verifying every get. ``--disk-workers threads`` runs the daemon's puts and deletes on
 its own threads instead, for comparison. The daemon's put buffers are huge pages of a tmpfs
 of its own where it can make one (``chunkstore.huge_tmpfs``; the run prints ``thp-tmpfs``); ``--no-payload-tmpfs`` turns
 that off, and then ``--huge-pages N`` (root) reserves N more huge pages
@@ -256,10 +256,9 @@ def main() -> int:
         " reserved huge pages with --huge-pages)",
     )
     parser.add_argument(
-        "--no-splice-gets",
-        dest="splice_gets",
-        action="store_false",
-        help="the chunk store's --no-splice-gets: every get read and verified in the store",
+        "--splice-gets",
+        action="store_true",
+        help="the chunk store's --splice-gets: whole gets of large chunks sent unverified",
     )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
@@ -280,8 +279,8 @@ def main() -> int:
         daemon_args = ["--disk-workers", args.disk_workers]
         if not args.payload_tmpfs:
             daemon_args.append("--no-payload-tmpfs")
-        if not args.splice_gets:
-            daemon_args.append("--no-splice-gets")
+        if args.splice_gets:
+            daemon_args.append("--splice-gets")
         proc, port = start_daemon(data_dir, secret_file, daemon_args)
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         # The machine is shared and its disk's speed swings by 2-3x within minutes: each case

@@ -27,8 +27,9 @@ Readers take both; the padding must be zeros.
 
 Why segments: a ranged get of 4 KiB must not read and checksum a whole 4 MiB chunk, yet must
 never return unverified bytes; it reads and verifies only the segments it touches. A whole
-get checks the whole-chunk CRC in one pass, or, for a large chunk, is spliced from the page
-cache unverified for its reader to check (``splice_chunk``). The header has its own CRC, so
+get checks the whole-chunk CRC in one pass, or, for a large chunk on a store run with
+``--splice-gets``, is spliced from the page cache unverified for its reader to check
+(``splice_chunk``). The header has its own CRC, so
 a flipped bit in the length or the table is reported as corruption rather than misread.
 
 Files live under ``<data_dir>/chunks/<2 hex chars>/<chunk id>`` (the first two characters of
@@ -918,9 +919,11 @@ def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) 
     checksum the put was checked against, end to end), and asks again for a verified read
     when they fail (``ChunkClient.get``), which tells corruption on disk (ChunkCorrupt) from
     damage in transit. Not checking them here leaves the daemon neither the CRC nor the copy
-    into and out of a buffer: on 2 cores, 1 MiB gets ran 14-24% faster and 4 MiB ones 31%,
-    at 10-25% less CPU per byte. The chunk's file is checked to still be this chunk's after
-    the splice (``_still_named``), so a delete racing the read is ChunkNotFound as usual.
+    into and out of a buffer: against one store on 2 cores, 1 MiB gets ran 14-24% faster and
+    4 MiB ones 31%, at 10-25% less CPU per byte; a 9-store cluster's reads ran slower, which
+    is why the store does this only with ``--splice-gets``. The chunk's file is checked to
+    still be this chunk's after the splice (``_still_named``), so a delete racing the read
+    is ChunkNotFound as usual.
     """
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)

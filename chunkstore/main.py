@@ -51,10 +51,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--splice-gets",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="send whole gets of large chunks from the page cache with splice, unverified (the"
-        " client checks them and asks again for a verified read if they fail);"
-        " --no-splice-gets: read and verify every get here",
+        " client checks them and asks again for a verified read if they fail); off by"
+        " default: every get read and verified here",
     )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(

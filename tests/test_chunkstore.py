@@ -302,7 +302,7 @@ def _open_pipes() -> int:
 async def test_whole_gets_are_spliced_unverified_and_checked_by_the_client(
     nursery, tmp_path, secret, size
 ):
-    server, port = await start_store(nursery, tmp_path / "d", secret)
+    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(size)
     pipes = _open_pipes()
@@ -334,7 +334,7 @@ async def test_whole_gets_are_spliced_unverified_and_checked_by_the_client(
 async def test_a_damaged_chunk_sent_unverified_is_corrupt_after_a_verified_read(
     nursery, tmp_path, secret, caplog
 ):
-    server, port = await start_store(nursery, tmp_path / "d", secret)
+    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(MiB)
     async with open_client(port, secret) as c:
@@ -371,7 +371,7 @@ async def test_gets_are_read_verified_when_pipes_cannot_be_had(
         return real(fd, cmd, *args)
 
     monkeypatch.setattr(layout.fcntl, "fcntl", fcntl)
-    server, port = await start_store(nursery, tmp_path / "d", secret)
+    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(MiB)
     pipes = _open_pipes()
@@ -384,7 +384,7 @@ async def test_gets_are_read_verified_when_pipes_cannot_be_had(
 
 
 async def test_a_chunk_deleted_while_spliced_is_not_found(nursery, tmp_path, secret, monkeypatch):
-    server, port = await start_store(nursery, tmp_path / "d", secret)
+    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(MiB)
     real = layout._still_named
@@ -1055,8 +1055,7 @@ def test_advertised_address_for_wildcard_listen():
 
 
 async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, tmp_path, secret):
-    # (whole gets read into buffers: spliced ones take none, see test_spliced_gets)
-    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=False)
+    server, port = await start_store(nursery, tmp_path / "d", secret)
     chunks = []
     async with open_client(port, secret) as c:
         for i in range(3):

@@ -102,11 +102,14 @@ async def test_fewer_stores_than_the_write_quorum(local_cluster, client, caplog)
 
 
 async def test_a_corrupt_chunk_sent_unverified_is_read_around(tmp_path):
-    """Chunks of layout.SPLICE_MIN and more come from the store unverified (spliced from its
-    page cache): the client's own check fails, its verified re-read gets ChunkCorrupt from
-    the store, and the read goes degraded as for a chunk the store found damaged itself."""
+    """Chunks of layout.SPLICE_MIN and more come from a --splice-gets store unverified
+    (spliced from its page cache): the client's own check fails, its verified re-read gets
+    ChunkCorrupt from the store, and the read goes degraded as for a chunk the store found
+    damaged itself."""
     size = chunk_layout.SPLICE_MIN
-    with suite_cluster(tmp_path / "c", chunk_size=size) as cluster:
+    with suite_cluster(
+        tmp_path / "c", chunk_size=size, chunkstore_args=["--splice-gets"]
+    ) as cluster:
         async with open_client(cluster.cluster_file) as client:
             data = _data(8 * size, seed=3)
             fid = await _put(client, "/big", data)

@@ -769,8 +769,7 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
 
     from tectonic_py.errors import ChunkCorrupt, ChunkNotFound
 
-    # (every get read and verified by the store: the path verified gets take)
-    server, port = await start_store(nursery, tmp_path / "data", secret, splice_gets=False)
+    server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)
     assert server._writers.read_threads == server.config.max_concurrent_reads
     sizes = [1 << 20, 1000, 4 << 20]
@@ -811,8 +810,8 @@ async def _store_with_a_chunk(
     nursery, tmp_path: Path, secret: bytes
 ) -> tuple[ChunkStoreServer, int, str, bytes]:
     """A store holding a 1 MiB chunk, got back once: the gets after know its buffer size, so
-    they go to the writer's read threads (the store verifies them: none is spliced)."""
-    server, port = await start_store(nursery, tmp_path / "data", secret, splice_gets=False)
+    they go to the writer's read threads."""
+    server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)
     cid, cap = new_chunk(secret)
     chunk = os.urandom(1 << 20)
