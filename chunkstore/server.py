@@ -109,8 +109,8 @@ class StoreConfig:
     # has reserved huge pages).
     payload_tmpfs: bool = True
     # Whole gets of large chunks spliced from the page cache into the socket, unverified; the
-    # reader verifies them (``layout.splice_chunk``). Off by default: faster in most runs,
-    # but a 9-store cluster's reads were once 25-30% slower with it (docs/operations.md).
+    # reader verifies them (``layout.splice_chunk``). Off by default: a 9-store cluster's
+    # reads were now faster, now slower with it, unexplained (docs/operations.md).
     splice_gets: bool = False
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
