@@ -921,7 +921,7 @@ def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) 
     damage in transit. Not checking them here leaves the daemon neither the CRC nor the copy
     into and out of a buffer: against one store on 2 cores, 1 MiB gets ran 14-24% faster and
     4 MiB ones 31%, at 10-25% less CPU per byte; a 9-store cluster's reads ran 20-52%
-    faster in some runs and 10-35% slower in others, unexplained: so the store does this
+    faster in some runs and 9-33% slower in others, unexplained: so the store does this
     only with ``--splice-gets``. The chunk's file is checked to
     still be this chunk's after the splice (``_still_named``), so a delete racing the read
     is ChunkNotFound as usual.
