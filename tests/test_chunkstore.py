@@ -266,11 +266,7 @@ async def test_corrupt_data_is_detected_and_never_returned(store, secret):
             == data[3 * layout.SEGMENT_SIZE : 3 * layout.SEGMENT_SIZE + 4096]
         )
         # The buffers those refused reads filled were given back to the reply budget.
-        for _ in range(500):
-            if server.reply_bytes_held == 0:
-                break
-            await trio.sleep(0.01)
-        assert server.reply_bytes_held == 0
+        await _reply_budget_back(server)
         # A retried put of the right bytes heals it.
         await c.put(cid, data, cap)
         assert layout.verify_chunk(path)
@@ -1063,19 +1059,12 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
             await c.put(cid, payload(MiB, i), cap)
             chunks.append((cid, i))
 
-        async def returned() -> None:
-            for _ in range(500):  # a reply's buffer comes back right after its send
-                if server.reply_bytes_held == 0:
-                    return
-                await trio.sleep(0.01)
-            raise AssertionError(f"{server.reply_bytes_held} reply bytes still held")
-
         for _ in range(3):
             for cid, i in chunks:
                 assert bytes(await c.get(cid)) == payload(MiB, i)
-                await returned()
+                await _reply_budget_back(server)
                 assert bytes(await c.get(cid, 70_000, 300_000)) == payload(MiB, i)[70_000:370_000]
-                await returned()
+                await _reply_budget_back(server)
     # 18 gets of two buffer sizes, each buffer back before the next get: all but the first
     # of each size can reuse one (a few may find theirs still viewed by a worker thread).
     assert server._replies.spares.reused >= 12

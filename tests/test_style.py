@@ -4,22 +4,9 @@ on the packages (tests and bench scripts are not typed)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        check=False,
-    )
+from test_bench_smoke import _run  # (python -m, in the repository, output captured)
 
 
 def test_ruff_finds_nothing() -> None:
