@@ -47,6 +47,8 @@ def test_ceilings_smoke(tmp_path):
     for name in (
         "disk_write_fsync",
         "disk_read_cold",
+        "disk_write_direct_fsync",
+        "disk_read_direct",
         "zfec_encode_rs6_3_t1",
         "zfec_decode_rs6_3_t2",
         "tcp_raw_blocking",
@@ -63,6 +65,18 @@ def test_ceiling_functions_move_what_they_say(tmp_path):
     w = ceilings.disk_write(tmp_path, 3 * MiB + 5)
     assert w["bytes"] == 3 * MiB + 5 == os.path.getsize(w["path"])
     assert ceilings.disk_read(tmp_path, 3 * MiB + 5)["bytes"] == 3 * MiB + 5
+    # O_DIRECT moves whole 4 KiB blocks: the file is the size rounded up, a read of the
+    # buffered file stops at its end, and both are direct on a disk that allows it
+    d = ceilings.disk_read_direct(tmp_path, 3 * MiB + 5)
+    assert d["bytes"] == 3 * MiB + 5 and d["direct"]
+    os.unlink(w["path"])
+    w = ceilings.disk_write_direct(tmp_path, 3 * MiB + 5, block=MiB)
+    assert w["bytes"] == 3 * MiB + 4096 == os.path.getsize(w["path"]) and w["direct"]
+    assert ceilings.disk_read_direct(tmp_path, 3 * MiB + 5, block=MiB)["bytes"] == 3 * MiB + 5
+    os.unlink(w["path"])
+    put_shaped = ceilings.files_write_direct(tmp_path, 5, 64 * 1024 + 5, threads=2)
+    assert put_shaped["bytes"] == 5 * (64 * 1024 + 4096) and put_shaped["files"] == 5
+    assert os.listdir(tmp_path) == []  # its files and directory are gone
     assert ceilings.tcp_raw(5 * MiB + 1)["bytes"] == 5 * MiB + 1
     assert ceilings.tcp_trio(5 * MiB + 1)["bytes"] == 5 * MiB + 1
     wire = ceilings.tcp_wire(4 * MiB, inflight=3)

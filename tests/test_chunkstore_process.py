@@ -332,6 +332,7 @@ def test_bench_smoke(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ratio" in r.stdout and "put" in r.stdout and "get" in r.stdout
+    assert "direct b/a" in r.stdout  # the O_DIRECT ceilings beside the buffered ones
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
