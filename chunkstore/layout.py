@@ -920,9 +920,11 @@ def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) 
     when they fail (``ChunkClient.get``), which tells corruption on disk (ChunkCorrupt) from
     damage in transit. Not checking them here leaves the daemon neither the CRC nor the copy
     into and out of a buffer: against one store on 2 cores, 1 MiB gets ran 14-24% faster and
-    4 MiB ones 31%, at 10-25% less CPU per byte; a 9-store cluster's reads ran 20-52%
-    faster in some runs and 9-33% slower in others, unexplained: so the store does this
-    only with ``--splice-gets``. The chunk's file is checked to
+    4 MiB ones 31%, at 10-25% less CPU per byte. But every get then fills new page-cache
+    pages for its reader to copy out of, and on a VM whose host backs new guest memory
+    slowly that copy made a 9-store cluster's reads 9-33% slower in some runs (20-52%
+    faster in others; docs/operations.md), where O_DIRECT into reused buffers never pays
+    it: so the store does this only with ``--splice-gets``. The chunk's file is checked to
     still be this chunk's after the splice (``_still_named``), so a delete racing the read
     is ChunkNotFound as usual.
     """

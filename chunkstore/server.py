@@ -110,7 +110,8 @@ class StoreConfig:
     payload_tmpfs: bool = True
     # Whole gets of large chunks spliced from the page cache into the socket, unverified; the
     # reader verifies them (``layout.splice_chunk``). Off by default: a 9-store cluster's
-    # reads were now faster, now slower with it, unexplained (docs/operations.md).
+    # reads were now faster, now slower with it, the slow runs in the readers' copies out
+    # of new page-cache pages on this VM (docs/operations.md).
     splice_gets: bool = False
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
