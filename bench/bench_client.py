@@ -202,6 +202,7 @@ def ceilings(tmp: Path, size: int) -> list[dict[str, Any]]:
         c.zfec_encode(6, 3, 64 * MiB, 1, 3),
         c.zfec_encode(6, 3, 64 * MiB, 2, 3),
         c.disk_write(tmp, disk),
+        c.disk_write_direct(tmp, disk),
     ]
     (tmp / "ceiling-disk.bin").unlink(missing_ok=True)
     out.extend(c.tcp_wire(disk).values())

@@ -132,11 +132,15 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         cluster.stop()
     if not args.no_ceilings:
         dec = c.zfec_decode(policy.k, policy.m, 16 * MiB if args.smoke else 64 * MiB, 1, 3)
-        disk = c.disk_write(root, min(size, 1024 * MiB))
+        # The higher of buffered and O_DIRECT (a buffered write can be bound by the CPU).
+        disk = max(
+            c.disk_write(root, min(size, 1024 * MiB))["mbps"],
+            c.disk_write_direct(root, min(size, 1024 * MiB))["mbps"],
+        )
         (root / "ceiling-disk.bin").unlink(missing_ok=True)
-        out["ceilings"] = {"zfec_decode_MB_per_s": dec["mbps"], "disk_write_MB_per_s": disk["mbps"]}
+        out["ceilings"] = {"zfec_decode_MB_per_s": dec["mbps"], "disk_write_MB_per_s": disk}
         out["repair_read_vs_zfec_decode"] = round(out["repair_read_MB_per_s"] / dec["mbps"], 3)
-        out["rebuilt_vs_disk_write"] = round(out["rebuilt_MB_per_s"] / disk["mbps"], 3)
+        out["rebuilt_vs_disk_write"] = round(out["rebuilt_MB_per_s"] / disk, 3)
     return out
 
 
