@@ -32,7 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -131,6 +132,30 @@ def disk_read(directory: str | os.PathLike[str], size: int = GiB, block: int = M
 DIRECT_BLOCK = 4 * MiB
 
 
+@contextmanager
+def _huge_view(n: int) -> Iterator[memoryview]:
+    """A view of ``n`` bytes of a huge-page buffer (``wire.huge_page_buffer``), as the chunk
+    store reads and writes with O_DIRECT; unmapped on leaving."""
+    buf = wire.huge_page_buffer(n)
+    whole = memoryview(buf)
+    view = whole[:n]
+    try:
+        yield view
+    finally:
+        view.release()
+        whole.release()
+        buf.close()
+
+
+def _in_threads(target: Callable[[], None], threads: int) -> None:
+    """``target()`` on ``threads`` threads at once (at least one), until all return."""
+    workers = [threading.Thread(target=target) for _ in range(max(threads, 1))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
 def _open_direct(path: Path, flags: int) -> tuple[int, bool]:
     """``path`` opened with O_DIRECT, or without where the filesystem refuses it (tmpfs);
     the descriptor and whether it is direct."""
@@ -155,12 +180,9 @@ def disk_write_direct(
     """
     path = Path(directory) / "ceiling-disk.bin"
     size = direct_span(size)
-    buf = wire.huge_page_buffer(block)
-    whole = memoryview(buf)
-    view = whole[:block]
-    view[:] = os.urandom(block)
     written = 0
-    try:
+    with _huge_view(block) as view:
+        view[:] = os.urandom(block)
         with _Clock() as clock:
             fd, direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
@@ -169,10 +191,6 @@ def disk_write_direct(
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    finally:
-        view.release()
-        whole.release()
-        buf.close()
     return _result(
         "disk_write_direct_fsync", written, clock.seconds, clock.cpu, path=str(path), direct=direct
     )
@@ -196,25 +214,17 @@ def disk_read_direct(
     if not path.exists() or path.stat().st_size < size:
         disk_write_direct(directory, size, block)
     drop_file_cache(path)
-    buf = wire.huge_page_buffer(block)
-    whole = memoryview(buf)
-    view = whole[:block]
     total = 0
-    try:
-        with _Clock() as clock:
-            fd, direct = _open_direct(path, os.O_RDONLY)
-            try:
-                while total < size:
-                    n = os.preadv(fd, [view[: min(block, direct_span(size - total))]], total)
-                    if not n:
-                        break
-                    total += n
-            finally:
-                os.close(fd)
-    finally:
-        view.release()
-        whole.release()
-        buf.close()
+    with _huge_view(block) as view, _Clock() as clock:
+        fd, direct = _open_direct(path, os.O_RDONLY)
+        try:
+            while total < size:
+                n = os.preadv(fd, [view[: min(block, direct_span(size - total))]], total)
+                if not n:
+                    break
+                total += n
+        finally:
+            os.close(fd)
     total = min(total, size)
     return _result("disk_read_direct", total, clock.seconds, clock.cpu, direct=direct)
 
@@ -237,21 +247,17 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     lock = threading.Lock()
 
     def reader() -> None:
-        buf = wire.huge_page_buffer(span)
-        view = memoryview(buf)
-        try:
+        with _huge_view(span) as view:
             while True:
                 with lock:
                     path = next(todo, None)
                 if path is None:
                     return
                 want = direct_span(sizes[path])
+                fd, direct = _open_direct(path, os.O_RDONLY)
                 try:
-                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                except OSError:
-                    drop_file_cache(path)
-                    fd = os.open(path, os.O_RDONLY)
-                try:
+                    if not direct:
+                        drop_file_cache(path)
                     got = 0
                     while got < sizes[path]:
                         n = os.preadv(fd, [view[got:want]], got)
@@ -260,16 +266,9 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
                         got += n
                 finally:
                     os.close(fd)
-        finally:
-            view.release()
-            buf.close()
 
     with _Clock() as clock:
-        workers = [threading.Thread(target=reader) for _ in range(max(threads, 1))]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        _in_threads(reader, threads)
     return _result(
         "files_read_direct", sum(sizes.values()), clock.seconds, clock.cpu, files=len(files)
     )
@@ -295,40 +294,31 @@ def files_write_direct(
     lock = threading.Lock()
 
     def writer(create: bool) -> None:
-        buf = wire.huge_page_buffer(span)
-        whole = memoryview(buf)
-        view = whole[:span]
-        view[:] = os.urandom(span)
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    i = todo.pop()
-                spare = root / f"spare-{i}"
-                fd, _ = _open_direct(spare, os.O_WRONLY | (os.O_CREAT if create else 0))
-                try:
-                    os.pwritev(fd, [view], 0)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if not create:
-                    os.rename(spare, root / f"chunk-{i}")
-                    os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-            view.release()
-            whole.release()
-            buf.close()
+        with _huge_view(span) as view:
+            view[:] = os.urandom(span)
+            dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                while True:
+                    with lock:
+                        if not todo:
+                            return
+                        i = todo.pop()
+                    spare = root / f"spare-{i}"
+                    fd, _ = _open_direct(spare, os.O_WRONLY | (os.O_CREAT if create else 0))
+                    try:
+                        os.pwritev(fd, [view], 0)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    if not create:
+                        os.rename(spare, root / f"chunk-{i}")
+                        os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def run(create: bool) -> None:
         todo[:] = range(count)
-        workers = [threading.Thread(target=writer, args=(create,)) for _ in range(max(threads, 1))]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        _in_threads(lambda: writer(create), threads)
 
     try:
         run(create=True)
