@@ -11,7 +11,7 @@ What it does, in one run on one disk:
    every case; the case is compared with the highest of the four. Why both ways: in this VM
    the buffered figures are at times bound by the guest's CPU, not the disk (a cold
    buffered read ran 0.65-1.1 GB/s in some runs and 2.1-2.3 in others, while O_DIRECT read
-   2.3-3.2 throughout; ``ceilings.disk_read_direct``), and a ceiling that is low for a
+   2.3-3.9 throughout; ``ceilings.disk_read_direct``), and a ceiling that is low for a
    reason of its own would flatter the ratio. Why before and after: the disk's speed swings
    by 2-3x within minutes;
 2. starts ``tectonic chunkstore`` as a separate process on 127.0.0.1 with its data directory

@@ -204,11 +204,11 @@ def disk_read_direct(
 
     Why beside ``disk_read``: in this VM a buffered cold read is bimodal, 2.1-2.3 GB/s at
     0.08 CPU-s/GiB or 0.65-1.1 GB/s at 0.6-1.5 CPU-s/GiB, one run to the next. In the slow
-    runs the reader is busy copying (``_copy_to_iter`` in ``perf``): the page cache's new
-    pages are guest memory the host has taken back (free page reporting, virtio-balloon),
-    and the first touch of each page costs a trip to the host. The same reads with O_DIRECT
-    into a buffer used over and over ran 2.3-3.2 GB/s at 0.01-0.06 CPU-s/GiB throughout:
-    the disk's own speed, which is what a store's gets should be held to.
+    runs the reader is busy copying (``_copy_to_iter`` in ``perf``) out of the page cache's
+    new pages, most likely for the way the host backs that guest memory (not shown). The
+    same reads with O_DIRECT into a buffer used over and over ran 2.3-3.9 GB/s at
+    0.01-0.06 CPU-s/GiB throughout: the disk's own speed, which is what a store's gets
+    should be held to.
     """
     path = Path(directory) / "ceiling-disk.bin"
     if not path.exists() or path.stat().st_size < size:
