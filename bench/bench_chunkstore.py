@@ -81,8 +81,8 @@ from bench.common import process_cpu
 from chunkstore import layout
 from chunkstore.client import ChunkClient
 from chunkstore.server import DISK_WORKERS
-from tectonic_py import capability, ids, wire
-from tectonic_py.checksum import checksum
+from tectonic_py.core import capability, ids, wire
+from tectonic_py.core.checksum import checksum
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -97,7 +97,7 @@ def start_daemon(
         [
             sys.executable,
             "-m",
-            "tectonic_py.cli",
+            "tectonic_py.cli.main",
             "chunkstore",
             "--data-dir",
             str(data_dir),

@@ -193,7 +193,7 @@ def client_round_trip(cluster_file: Path, size: int, pids: list[int]) -> list[di
     """The client library alone: the same bytes in 1 MiB writes and 1 MiB sequential reads."""
     import trio
 
-    from tectonic_py.client import open_client
+    from tectonic_py.client.tectonic_client import open_client
 
     pattern = _pattern()
     out: list[dict[str, Any]] = []
@@ -234,7 +234,7 @@ def tectonic_mounted(cluster_file: Path, mountpoint: Path, log_file: Path) -> It
             [
                 sys.executable,
                 "-m",
-                "tectonic_py.cli",
+                "tectonic_py.cli.main",
                 "mount",
                 str(cluster_file),
                 str(mountpoint),

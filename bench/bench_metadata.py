@@ -36,10 +36,10 @@ import psutil
 import trio
 
 from metadata.client import MetadataClient
-from tectonic_py.aio import open_service_nursery
-from tectonic_py.cluster_file import ClusterConfig, MetadataServer
-from tectonic_py.errors import TectonicError
-from tectonic_py.ids import ROOT_ID
+from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
+from tectonic_py.core.errors import TectonicError
+from tectonic_py.core.ids import ROOT_ID
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ class Servers:
                         [
                             sys.executable,
                             "-m",
-                            "tectonic_py.cli",
+                            "tectonic_py.cli.main",
                             "metadata",
                             "--data-dir",
                             str(self.root / f"meta{i}"),

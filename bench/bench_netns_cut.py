@@ -37,7 +37,7 @@ def cli(tree: Path, *args: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", *args],
+        [sys.executable, "-m", "tectonic_py.cli.main", *args],
         env=env,
         cwd=tree,
         capture_output=True,
@@ -54,7 +54,7 @@ def cli(tree: Path, *args: str) -> float:
 def wait_down(tree: Path, cluster: Path, node: str) -> None:
     for _ in range(120):
         proc = subprocess.run(
-            [sys.executable, "-m", "tectonic_py.cli", "status", "--json", str(cluster)],
+            [sys.executable, "-m", "tectonic_py.cli.main", "status", "--json", str(cluster)],
             env=dict(os.environ, PYTHONPATH=str(REPO)),
             capture_output=True,
             text=True,
@@ -75,7 +75,7 @@ def wait_down(tree: Path, cluster: Path, node: str) -> None:
 # is cut, so the dead store is a blackhole for requests on them, not a refused connect.
 LONG_LIVED = """
 import sys, time, subprocess, trio
-from tectonic_py.client import open_client
+from tectonic_py.client.tectonic_client import open_client
 cluster, script, root, node = sys.argv[1:5]
 
 async def main():
@@ -150,7 +150,7 @@ def main() -> None:
             netns("heal", str(root), "cs2")
             for _ in range(120):
                 proc = subprocess.run(
-                    [sys.executable, "-m", "tectonic_py.cli", "status", "--json", str(cluster)],
+                    [sys.executable, "-m", "tectonic_py.cli.main", "status", "--json", str(cluster)],
                     capture_output=True,
                     text=True,
                     env=dict(os.environ, PYTHONPATH=str(REPO)),

@@ -31,8 +31,8 @@ from typing import Any
 import trio
 
 from bench.common import write_repeated
-from tectonic_py.client import open_client
-from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.client.tectonic_client import open_client
+from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.local_cluster import LocalCluster
 
 MiB = 1024 * 1024
@@ -53,8 +53,8 @@ async def _write(cluster_file: Path, path: str, size: int, ec: str) -> float:
 
 
 async def _status(cluster: LocalCluster) -> dict[str, Any]:
-    from tectonic_py import cluster_file
-    from tectonic_py.maintenance_cli import fetch_repair_status
+    from tectonic_py.core import cluster_file
+    from tectonic_py.cli.maintenance import fetch_repair_status
 
     return await fetch_repair_status(cluster_file.load(cluster.cluster_file))
 

@@ -12,7 +12,7 @@ same run*. Each stage of the data path has its own ceiling here:
 * zfec RS(k, m) encode and decode, 1 and 2 threads (zfec releases the GIL, so two threads
   should nearly double it), as MB/s of *data* and CPU-seconds per GiB;
 * loopback TCP: blocking sockets (the kernel's ceiling), a trio stream using ``recv_into``,
-  and our own wire protocol (``tectonic_py.wire``) both ways, so its overhead is visible;
+  and our own wire protocol (``tectonic_py.core.wire``) both ways, so its overhead is visible;
 * msgpack: packing a header that holds 1 MiB of bytes, the copy the wire design avoids.
 
 CPU-seconds per GiB are steadier than MB/s on a shared machine, so every function reports
@@ -43,7 +43,7 @@ import zfec
 
 from bench.common import print_results
 from chunkstore.layout import direct_span
-from tectonic_py import wire
+from tectonic_py.core import wire
 
 log = logging.getLogger(__name__)
 

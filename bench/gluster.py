@@ -305,7 +305,7 @@ def _loadtest_through(
     cmd = [
         sys.executable,
         "-m",
-        "tectonic_py.cli",
+        "tectonic_py.cli.main",
         "loadtest",
         "--through-mount",
         mountpoint,

@@ -158,7 +158,7 @@ class TectonicMount:
                 [
                     sys.executable,
                     "-m",
-                    "tectonic_py.cli",
+                    "tectonic_py.cli.main",
                     "mount",
                     str(self.cluster_file),
                     str(self.mountpoint),
@@ -217,7 +217,7 @@ def _loadtest(
         "--watch-pids",
         ",".join(map(str, watch)),
     ]
-    slim = _python_module("tectonic_py.cli", *args, timeout=max_seconds + 180)
+    slim = _python_module("tectonic_py.cli.main", *args, timeout=max_seconds + 180)
     mode = "mount" if "--through-mount" in target else "client"
     full = results_dir / f"loadtest-{mode}-{ranks}.json"
     # the results file is written whatever the exit status (3 means the run had errors: those

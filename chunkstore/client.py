@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import trio
 
-from tectonic_py import wire
-from tectonic_py.checksum import KEEP_GIL_MAX
-from tectonic_py.checksum import checksum as crc32c
-from tectonic_py.errors import ChecksumMismatch
+from tectonic_py.core import wire
+from tectonic_py.core.checksum import KEEP_GIL_MAX
+from tectonic_py.core.checksum import checksum as crc32c
+from tectonic_py.core.errors import ChecksumMismatch
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from tectonic_py.errors import Unavailable
+from tectonic_py.core.errors import Unavailable
 
 T = TypeVar("T")
 

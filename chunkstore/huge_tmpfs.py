@@ -41,7 +41,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tectonic_py.process_env import child_env
+from tectonic_py.core.process_env import child_env
 
 log = logging.getLogger(__name__)
 

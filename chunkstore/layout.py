@@ -78,9 +78,9 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from chunkstore import syscalls
-from tectonic_py.checksum import KEEP_GIL_MAX, combine, segment_checksums
-from tectonic_py.checksum import checksum as crc32c
-from tectonic_py.errors import (
+from tectonic_py.core.checksum import KEEP_GIL_MAX, combine, segment_checksums
+from tectonic_py.core.checksum import checksum as crc32c
+from tectonic_py.core.errors import (
     ChecksumMismatch,
     ChunkConflict,
     ChunkCorrupt,
@@ -88,7 +88,7 @@ from tectonic_py.errors import (
     DiskFull,
     InvalidArgument,
 )
-from tectonic_py.ids import parse_chunk_id
+from tectonic_py.core.ids import parse_chunk_id
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ _ZEROS = bytes(2 * DIRECT_ALIGN)
 def validate_chunk_id(chunk_id: object) -> str:
     """Return ``chunk_id`` if it is exactly a chunk id, else InvalidArgument.
 
-    Only ``<16 hex>.<index>`` passes (tectonic_py.ids), so no id can hold '/', '..', NUL or
+    Only ``<16 hex>.<index>`` passes (tectonic_py.core.ids), so no id can hold '/', '..', NUL or
     an absolute path, and none can name a temporary file.
     """
     if not isinstance(chunk_id, str) or len(chunk_id) > MAX_CHUNK_ID_LEN:

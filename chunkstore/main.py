@@ -12,8 +12,8 @@ from typing import Any
 import trio
 
 from chunkstore.server import DISK_WORKERS, StoreConfig, serve
-from tectonic_py import wire
-from tectonic_py.aio import open_service_nursery
+from tectonic_py.core import wire
+from tectonic_py.core.aio import open_service_nursery
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import trio
 
 from chunkstore import layout
-from tectonic_py.errors import ChunkNotFound, TectonicError
+from tectonic_py.core.errors import ChunkNotFound, TectonicError
 
 log = logging.getLogger(__name__)
 

@@ -63,9 +63,9 @@ from chunkstore.writer_process import (
     WriterProcess,
     read_chunk_into,
 )
-from tectonic_py import capability, wire
-from tectonic_py.aio import acquire_soon
-from tectonic_py.errors import (
+from tectonic_py.core import capability, wire
+from tectonic_py.core.aio import acquire_soon
+from tectonic_py.core.errors import (
     Busy,
     ConfigError,
     DiskFull,
@@ -73,8 +73,8 @@ from tectonic_py.errors import (
     Unavailable,
     WriterLost,
 )
-from tectonic_py.ids import NODE_ID_RE, parse_chunk_id
-from tectonic_py.wire import Buffer
+from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
+from tectonic_py.core.wire import Buffer
 
 log = logging.getLogger(__name__)
 

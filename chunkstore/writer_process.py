@@ -75,10 +75,10 @@ import outcome
 import trio
 
 from chunkstore import huge_tmpfs, layout
-from tectonic_py.aio import acquire_soon
-from tectonic_py.errors import Busy, TectonicError, Unavailable, WriterLost
-from tectonic_py.process_env import child_env
-from tectonic_py.wire import HUGE_PAGE
+from tectonic_py.core.aio import acquire_soon
+from tectonic_py.core.errors import Busy, TectonicError, Unavailable, WriterLost
+from tectonic_py.core.process_env import child_env
+from tectonic_py.core.wire import HUGE_PAGE
 
 log = logging.getLogger(__name__)
 

@@ -131,7 +131,7 @@ cmd_up() {
         make_host "md$i" "$addr"
         mkdir -p "$DIR/md$i"
         rm -f "$DIR/md$i/ready.json"
-        launch "${prefix}-md$i" "$DIR/md$i/log" "$PYTHON" -m tectonic_py.cli metadata \
+        launch "${prefix}-md$i" "$DIR/md$i/log" "$PYTHON" -m tectonic_py.cli.main metadata \
             --data-dir "$DIR/md$i" --listen "$addr:7100" --shards "$lo-$hi" \
             --total-shards "$shards" --secret-file "$DIR/secret" \
             --ready-file "$DIR/md$i/ready.json" --node-timeout "$node_timeout"
@@ -143,7 +143,7 @@ cmd_up() {
         make_host "cs$i" "$addr"
         mkdir -p "$DIR/cs$i/data"
         rm -f "$DIR/cs$i/ready.json"
-        launch "${prefix}-cs$i" "$DIR/cs$i/log" "$PYTHON" -m tectonic_py.cli chunkstore \
+        launch "${prefix}-cs$i" "$DIR/cs$i/log" "$PYTHON" -m tectonic_py.cli.main chunkstore \
             --data-dir "$DIR/cs$i/data" --listen "$addr:7200" --node-id "cs$i" \
             --failure-domain "host$i" --secret-file "$DIR/secret" --registry "$registry" \
             --heartbeat-interval "$heartbeat" --ready-file "$DIR/cs$i/ready.json"
@@ -174,7 +174,7 @@ cmd_up() {
     } > "$DIR/cluster.toml.tmp"
     mv "$DIR/cluster.toml.tmp" "$DIR/cluster.toml"
     # new files inherit the root directory's policy: make it the one asked for
-    "$PYTHON" -m tectonic_py.cli mkdir "$DIR/cluster.toml" / -p --ec "$ec"
+    "$PYTHON" -m tectonic_py.cli.main mkdir "$DIR/cluster.toml" / -p --ec "$ec"
     trap - EXIT
     echo "cluster of $metadata_servers metadata server(s) and $chunkstores chunk stores is up"
     echo "cluster file: $DIR/cluster.toml"

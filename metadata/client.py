@@ -3,7 +3,7 @@
 CONTRACT (the data-path client in tectonic_py/client.py and the FUSE layer code against these
 signatures; the metadata implementation fills them in without changing them):
 
-Every method raises only ``tectonic_py.errors`` classes (FileNotFound, FileExists,
+Every method raises only ``tectonic_py.core.errors`` classes (FileNotFound, FileExists,
 NotADirectory, IsADirectory, DirectoryNotEmpty, InvalidName, StaleWriterToken, FileSealed,
 ShardUnavailable, NoSpace, ...). Operations that span layers (create = File layer record in
 the file's shard + Name layer entry in the directory's shard; commit = Block layer in the
@@ -49,12 +49,12 @@ from typing import Any, TypeVar
 
 import trio
 
-from metadata.model import KIND_DIR, KIND_FILE, Attrs, BlockGrant, BlockInfo, DirEntry, NodeInfo
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs, BlockGrant, BlockInfo, DirEntry, NodeInfo
 from metadata.name_layer import validate_name
-from tectonic_py import wire
-from tectonic_py.cluster_file import REGISTRY_SHARD, ClusterConfig
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import (
+from tectonic_py.core import wire
+from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
     FileExists,
@@ -66,7 +66,7 @@ from tectonic_py.errors import (
     TectonicError,
     Unavailable,
 )
-from tectonic_py.ids import ROOT_ID, shard_of
+from tectonic_py.core.ids import ROOT_ID, shard_of
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from metadata.model import KIND_DIR, KIND_FILE, Attrs
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import (
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import (
     FileNotFound,
     FileSealed,
     InvalidArgument,
@@ -40,7 +40,7 @@ from tectonic_py.errors import (
     TectonicError,
     XattrNotFound,
 )
-from tectonic_py.ids import new_id, shard_of
+from tectonic_py.core.ids import new_id, shard_of
 
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
@@ -314,7 +314,7 @@ def kill_dir(conn: sqlite3.Connection, dir_id: int, expect_empty: bool = True) -
     if row[1] != KIND_DIR:
         raise NotADirectory(f"{dir_id} is not a directory")
     if expect_empty and has_entries(conn, dir_id):
-        from tectonic_py.errors import DirectoryNotEmpty
+        from tectonic_py.core.errors import DirectoryNotEmpty
 
         raise DirectoryNotEmpty(f"directory {dir_id} is not empty")
     conn.execute("UPDATE files SET nlink = 0 WHERE id = ?", (dir_id,))

@@ -9,9 +9,9 @@ import signal
 import trio
 
 from metadata.server import MetadataServer, parse_shard_list
-from tectonic_py.aio import _single
-from tectonic_py.errors import ConfigError, TectonicError
-from tectonic_py.wire import load_secret, parse_address
+from tectonic_py.core.aio import _single
+from tectonic_py.core.errors import ConfigError, TectonicError
+from tectonic_py.core.wire import load_secret, parse_address
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ import msgpack
 
 from metadata.block_layer import repoint_chunk
 from metadata.shard import now_ns
-from tectonic_py import wire
-from tectonic_py.errors import FileNotFound, InvalidArgument
-from tectonic_py.ids import MAX_ID, NODE_ID_RE
+from tectonic_py.core import wire
+from tectonic_py.core.errors import FileNotFound, InvalidArgument
+from tectonic_py.core.ids import MAX_ID, NODE_ID_RE
 
 MAX_SCAN = 10_000
 
@@ -106,7 +106,7 @@ def set_chunk(
     row = conn.execute("SELECT state, ec FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
     if row is None or row[0] != "committed":
         raise FileNotFound(f"no committed block {block_id:016x}")
-    from tectonic_py.ec_policy import ECPolicy
+    from tectonic_py.core.ec_policy import ECPolicy
 
     if not 0 <= index < ECPolicy.parse(row[1]).n:
         raise InvalidArgument(f"chunk index {index} outside {row[1]}")
@@ -225,7 +225,7 @@ def recover_lease(
     if row[2] == 0:
         file_layer._delete_record(conn, file_id, now)
         return "deleted"
-    from tectonic_py.ec_policy import ECPolicy
+    from tectonic_py.core.ec_policy import ECPolicy
 
     per_block = ECPolicy.parse(row[4]).k * row[5]
     file_layer._drop_blocks_from(conn, file_id, -(-row[3] // per_block), now)

@@ -34,8 +34,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from metadata.model import KIND_DIR, KIND_FILE, DirEntry
-from tectonic_py.errors import (
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, DirEntry
+from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
     FileExists,
@@ -46,7 +46,7 @@ from tectonic_py.errors import (
     NotADirectory,
     Timeout,
 )
-from tectonic_py.ids import new_id
+from tectonic_py.core.ids import new_id
 
 MAX_NAME_BYTES = 255
 MAX_PAGE = 10_000

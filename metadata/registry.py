@@ -19,12 +19,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from metadata.model import NodeInfo
+from tectonic_py.core.records import NodeInfo
 from metadata.shard import ShardStore, now_ns
-from tectonic_py import placement
-from tectonic_py.errors import InvalidArgument
-from tectonic_py.ids import NODE_ID_RE
-from tectonic_py.wire import parse_address
+from metadata import placement
+from tectonic_py.core.errors import InvalidArgument
+from tectonic_py.core.ids import NODE_ID_RE
+from tectonic_py.core.wire import parse_address
 
 log = logging.getLogger(__name__)
 

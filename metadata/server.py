@@ -72,20 +72,20 @@ import trio
 
 from metadata import block_layer, file_layer, name_layer
 from metadata.maintenance_ops import MaintenanceOps
-from metadata.model import KIND_DIR, KIND_FILE, Attrs
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
-from tectonic_py import capability, wire
-from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
-from tectonic_py.ec_policy import DEFAULT_POLICY
-from tectonic_py.errors import (
+from tectonic_py.core import capability, wire
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
+from tectonic_py.core.ec_policy import DEFAULT_POLICY
+from tectonic_py.core.errors import (
     ConfigError,
     FileNotFound,
     InvalidArgument,
     TectonicError,
     WrongShard,
 )
-from tectonic_py.ids import MAX_ID, ROOT_ID, shard_of
+from tectonic_py.core.ids import MAX_ID, ROOT_ID, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +497,7 @@ class MetadataServer(MaintenanceOps):
     # --- Block layer --------------------------------------------------------------------------
 
     def _node_list(self, req: wire.Request, field: str = "nodes") -> list[str]:
-        from tectonic_py.ids import NODE_ID_RE
+        from tectonic_py.core.ids import NODE_ID_RE
 
         nodes = req.list(field, max_len=256)
         if not all(isinstance(n, str) and NODE_ID_RE.match(n) for n in nodes):

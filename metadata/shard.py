@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from tectonic_py.errors import ShardUnavailable, TectonicError
+from tectonic_py.core.errors import ShardUnavailable, TectonicError
 
 log = logging.getLogger(__name__)
 

@@ -62,9 +62,9 @@ from typing import Any
 
 import trio
 
-from tectonic_py.checksum import checksum
-from tectonic_py.errors import ConfigError, TectonicError
-from tectonic_py.process_env import child_env
+from tectonic_py.core.checksum import checksum
+from tectonic_py.core.errors import ConfigError, TectonicError
+from tectonic_py.core.process_env import child_env
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class LoadtestConfig:
                 raise ConfigError("--client-opt applies to the client library, not a mount")
             import inspect
 
-            from tectonic_py.client import TectonicClient
+            from tectonic_py.client.tectonic_client import TectonicClient
 
             known = set(inspect.signature(TectonicClient.__init__).parameters) - {
                 "self",
@@ -475,7 +475,7 @@ async def _worker_main(spec: dict[str, Any]) -> None:
         limiter = trio.CapacityLimiter(max(1, len(ranks)) + 4)
         await serve(MountBackend(cfg.through_mount, limiter))
     else:
-        from tectonic_py.client import open_client
+        from tectonic_py.client.tectonic_client import open_client
 
         assert cfg.cluster_file is not None
         async with open_client(cfg.cluster_file, **cfg.client_options) as client:
@@ -650,7 +650,7 @@ async def run_loadtest(cfg: LoadtestConfig, *, progress: bool = False) -> dict[s
         limiter = trio.CapacityLimiter(8)
         meta_backend: Any = MountBackend(cfg.through_mount, limiter)
         return await _coordinate(cfg, meta_backend, progress)
-    from tectonic_py.client import open_client
+    from tectonic_py.client.tectonic_client import open_client
 
     assert cfg.cluster_file is not None
     async with open_client(cfg.cluster_file) as client:

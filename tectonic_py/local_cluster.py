@@ -15,7 +15,7 @@ Layout under ``root``::
 A cluster started with an ``ec`` other than RS(6,3) sets the root directory's policy once
 every daemon is up, so every file and directory created below inherits it.
 
-Every daemon is ``python -m tectonic_py.cli metadata|chunkstore ...`` in its own session
+Every daemon is ``python -m tectonic_py.cli.main metadata|chunkstore ...`` in its own session
 (so a Ctrl-C in a terminal reaches only the supervisor), and the launcher waits for its
 ``--ready-file``. ``stop`` signals only the PIDs it started: SIGTERM, then SIGKILL after a
 timeout. Restarting on the same root brings back all data, on the same ports when free.
@@ -39,11 +39,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from tectonic_py import cluster_file
-from tectonic_py.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
-from tectonic_py.ec_policy import DEFAULT_POLICY, ECPolicy
-from tectonic_py.errors import ConfigError, Timeout
-from tectonic_py.process_env import PROJECT_ROOT, child_env
+from tectonic_py.core import cluster_file
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
+from tectonic_py.core.ec_policy import DEFAULT_POLICY, ECPolicy
+from tectonic_py.core.errors import ConfigError, Timeout
+from tectonic_py.core.process_env import PROJECT_ROOT, child_env
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ class LocalCluster:
         return f"{HOST}:{port}"
 
     def _cli(self) -> list[str]:
-        return [sys.executable, "-m", "tectonic_py.cli"]
+        return [sys.executable, "-m", "tectonic_py.cli.main"]
 
     def _spawn_metadata(self, i: int, require_same_port: bool = False) -> None:
         d = self._meta[i]

@@ -2,7 +2,7 @@
 
 ``fuse_cluster``: a LocalCluster (2 metadata servers, 9 chunk stores, RS(6,3)) with 1 MiB
 chunks, so a few-hundred-MB checkpoint is tens of blocks, not thousands.
-``mount``: ``python -m tectonic_py.cli mount CLUSTER MNT --foreground`` in a SUBPROCESS (a
+``mount``: ``python -m tectonic_py.cli.main mount CLUSTER MNT --foreground`` in a SUBPROCESS (a
 crash, or our own kill -9, must not take pytest with it), waited for with
 ``os.path.ismount``; yields a ``Mount`` (``os.fspath(mount)`` is the mount point). It is
 ALWAYS unmounted in the finally (``fusermount3 -u``, lazy ``-uz`` if busy) and only its own
@@ -75,7 +75,7 @@ class Mount:
                 [
                     sys.executable,
                     "-m",
-                    "tectonic_py.cli",
+                    "tectonic_py.cli.main",
                     "-v",
                     "mount",
                     str(self.cluster.cluster_file),

@@ -11,8 +11,8 @@ import trio
 
 from metadata.client import MetadataClient
 from metadata.server import MetadataServer
-from tectonic_py.cluster_file import ClusterConfig
-from tectonic_py.cluster_file import MetadataServer as ServerEntry
+from tectonic_py.core.cluster_file import ClusterConfig
+from tectonic_py.core.cluster_file import MetadataServer as ServerEntry
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tectonic_py.checksum import checksum, combine, segment_checksums
+from tectonic_py.core.checksum import checksum, combine, segment_checksums
 
 
 @settings(max_examples=60, deadline=None)

@@ -23,9 +23,9 @@ from chunkstore.client import ChunkClient
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.server import ChunkStoreServer, StoreConfig
 from chunkstore.spares import Spare, SpareFiles
-from tectonic_py import capability, ids, wire
-from tectonic_py.checksum import checksum as crc32c
-from tectonic_py.errors import (
+from tectonic_py.core import capability, ids, wire
+from tectonic_py.core.checksum import checksum as crc32c
+from tectonic_py.core.errors import (
     AuthError,
     BadCapability,
     ChecksumMismatch,

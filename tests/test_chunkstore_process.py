@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from chunkstore.client import ChunkClient
-from tectonic_py import capability, ids, wire
-from tectonic_py.errors import Busy, ChunkNotFound, TectonicError, Unavailable
+from tectonic_py.core import capability, ids, wire
+from tectonic_py.core.errors import Busy, ChunkNotFound, TectonicError, Unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "node-p"
@@ -40,7 +40,7 @@ class Daemon:
             [
                 sys.executable,
                 "-m",
-                "tectonic_py.cli",
+                "tectonic_py.cli.main",
                 "chunkstore",
                 "--data-dir",
                 str(self.data_dir),
@@ -288,7 +288,7 @@ async def test_burst_of_1000_connections_all_succeed_or_busy_memory_bounded(
             except TectonicError as e:
                 other.append(e)
 
-        from tectonic_py.checksum import checksum
+        from tectonic_py.core.checksum import checksum
 
         crc = checksum(data)
         with trio.fail_after(240):
@@ -337,7 +337,7 @@ def test_bench_smoke(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", "chunkstore", *args],
+        [sys.executable, "-m", "tectonic_py.cli.main", "chunkstore", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The ``tectonic`` CLI's promise for user mistakes: one clear line on stderr, a non-zero exit,
 no traceback, and nothing stopped or changed that the user did not ask for.
 
-These run the real entry point (``python -m tectonic_py.cli``) in a subprocess, as a user
+These run the real entry point (``python -m tectonic_py.cli.main``) in a subprocess, as a user
 would, without a cluster; tests/test_cli_cluster.py covers the commands against one.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tectonic_py.cluster_file import ClusterConfig, MetadataServer
+from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", *args],
+        [sys.executable, "-m", "tectonic_py.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -212,7 +212,7 @@ def test_mount_without_dev_fuse(tmp_path: Path, secret_file: Path) -> None:
     (tmp_path / "mnt").mkdir()
     script = (
         "mount -t tmpfs tmpfs /dev && mknod -m 666 /dev/null c 1 3 && "
-        f'exec "$0" -m tectonic_py.cli mount {cluster} {tmp_path / "mnt"}'
+        f'exec "$0" -m tectonic_py.cli.main mount {cluster} {tmp_path / "mnt"}'
     )
     proc = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, sys.executable],
@@ -245,7 +245,7 @@ def test_closed_stdout_pipe_is_not_a_traceback(tmp_path: Path) -> None:
     script = tmp_path / "noisy.py"
     script.write_text(
         "import argparse, sys\n"
-        "import tectonic_py.cli as c\n"
+        "import tectonic_py.cli.main as c\n"
         "def noisy(args):\n"
         "    for _ in range(100000):\n"
         "        print('x' * 100)\n"

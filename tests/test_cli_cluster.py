@@ -168,7 +168,7 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
 def test_foreground_ctrl_c_stops_everything(tmp_path: Path) -> None:
     root = tmp_path / "cluster"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root), *TINY],
+        [sys.executable, "-m", "tectonic_py.cli.main", "cluster", "up", "--dir", str(root), *TINY],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

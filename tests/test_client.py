@@ -10,9 +10,9 @@ import pytest
 import trio
 from cluster_fixtures import TEST_CHUNK_SIZE
 
-from tectonic_py.client import TectonicClient, open_client
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import (
+from tectonic_py.client.tectonic_client import TectonicClient, open_client
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import (
     FileExists,
     FileNotFound,
     InvalidArgument,

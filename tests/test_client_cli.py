@@ -11,7 +11,7 @@ from pathlib import Path
 
 def _tectonic(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli", *args],
+        [sys.executable, "-m", "tectonic_py.cli.main", *args],
         check=False,
         capture_output=True,
         text=True,

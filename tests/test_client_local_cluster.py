@@ -8,8 +8,8 @@ import json
 import psutil
 import pytest
 
-from tectonic_py.client import open_client
-from tectonic_py.errors import ConfigError
+from tectonic_py.client.tectonic_client import open_client
+from tectonic_py.core.errors import ConfigError
 from tectonic_py.local_cluster import LocalCluster
 
 

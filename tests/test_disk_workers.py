@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from chunkstore.disk_workers import DiskWorkers
-from tectonic_py.errors import ChunkCorrupt, Unavailable
+from tectonic_py.core.errors import ChunkCorrupt, Unavailable
 
 
 async def test_results_and_exceptions_come_back_to_the_caller() -> None:

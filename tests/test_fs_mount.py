@@ -512,7 +512,7 @@ def test_cli_background_mount_umount_and_sigterm(fuse_cluster, tmp_path: Path) -
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    cli = [sys.executable, "-m", "tectonic_py.cli"]
+    cli = [sys.executable, "-m", "tectonic_py.cli.main"]
     ready = tmp_path / "ready.json"
     try:
         r = subprocess.run(

@@ -9,8 +9,12 @@ import pyfuse3
 import pytest
 import trio
 
-from tectonic_py import errors, fs, fs_cli
-from tectonic_py.inode_cache import InodeCache
+from tectonic_py.core import errors
+
+from tectonic_py.mount import operations as fs
+
+from tectonic_py.cli.main import mount as fs_cli
+from tectonic_py.mount.inode_cache import InodeCache
 
 
 def _all_error_classes() -> list[type[errors.TectonicError]]:
@@ -79,7 +83,7 @@ class _Ops:
     ],
 )
 async def test_handlers_raise_only_fuse_errors(exc, code, level, caplog):
-    caplog.set_level(logging.DEBUG, logger="tectonic_py.fs")
+    caplog.set_level(logging.DEBUG, logger="tectonic_py.mount.operations")
     with pytest.raises(pyfuse3.FUSEError) as info:
         await _Ops().boom(exc)
     assert info.value.errno == code
@@ -198,7 +202,7 @@ def test_mountinfo_parsing(monkeypatch, tmp_path):
 
 
 def test_cli_parses_mount_and_umount():
-    from tectonic_py import cli
+    from tectonic_py.cli.main import main as cli
 
     args = cli.build_parser().parse_args(
         ["mount", "c.toml", "/mnt/x", "--foreground", "--allow-other"]
@@ -215,7 +219,7 @@ def test_cli_parses_mount_and_umount():
 
 
 def test_mount_refuses_bad_mountpoints(tmp_path, capsys):
-    from tectonic_py import cli
+    from tectonic_py.cli.main import main as cli
 
     missing = tmp_path / "nope"
     cfg = tmp_path / "cluster.toml"

@@ -26,7 +26,7 @@ from maintenance_helpers import (
     wait_for,
 )
 
-from tectonic_py.ids import chunk_id, parse_chunk_id
+from tectonic_py.core.ids import chunk_id, parse_chunk_id
 from tectonic_py.maintenance.runtime import Maintenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ SYNCED = 200_000
 WRITER = textwrap.dedent(
     """
     import sys, trio
-    import tectonic_py.client as c
+    import tectonic_py.client.tectonic_client as c
     c.LEASE_RENEW_S = 0.3  # the test's metadata servers grant 2 s writer leases
 
     async def main(cluster_file, ec):
@@ -214,9 +214,9 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
     import pytest
     from metadata_fixtures import open_meta_cluster, register_nodes
 
-    from metadata.model import BlockInfo, ChunkPlacement
-    from tectonic_py.errors import FileNotFound, InvalidArgument
-    from tectonic_py.ids import ROOT_ID, shard_of
+    from tectonic_py.core.records import BlockInfo, ChunkPlacement
+    from tectonic_py.core.errors import FileNotFound, InvalidArgument
+    from tectonic_py.core.ids import ROOT_ID, shard_of
 
     async with open_meta_cluster(tmp_path, secret_file, servers=2, shards=4) as mc:
         c = mc.client
@@ -373,7 +373,7 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
         attrs = await c.getattr(f.id)
         assert (attrs.size, attrs.sealed, attrs.writer) == (120, False, False)
         assert [b.block_id for b in await c.block_list(f.id)] == [g.block_id]
-        from tectonic_py.errors import StaleWriterToken
+        from tectonic_py.core.errors import StaleWriterToken
 
         with pytest.raises(StaleWriterToken):
             await c.seal(f.id, tok, 150)
@@ -384,7 +384,7 @@ def test_maintenance_cli_bad_flags_are_one_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "tectonic_py.cli",
+            "tectonic_py.cli.main",
             "maintenance",
             str(tmp_path / "x.toml"),
             "--interval",

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tectonic_py import loadtest
-from tectonic_py.client import open_client
-from tectonic_py.errors import ConfigError
+from tectonic_py.client.tectonic_client import open_client
+from tectonic_py.core.errors import ConfigError
 from tectonic_py.loadtest import LoadtestConfig, ShardData, parse_size, run_loadtest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
 
 
 def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path):
-    run = [sys.executable, "-m", "tectonic_py.cli", "loadtest"]
+    run = [sys.executable, "-m", "tectonic_py.cli.main", "loadtest"]
     r = subprocess.run(
         [*run, str(tmp_path / "nope.toml")],
         capture_output=True,
@@ -217,7 +217,7 @@ def test_cli_json_and_plot(tmp_path):
         [
             sys.executable,
             "-m",
-            "tectonic_py.cli",
+            "tectonic_py.cli.main",
             "loadtest",
             "--through-mount",
             str(mnt),

@@ -10,10 +10,10 @@ from metadata_fixtures import open_meta_cluster, register_nodes
 from tmpfs_helpers import small_tmpfs
 
 from metadata import name_layer
-from metadata.model import BlockInfo, ChunkPlacement
+from tectonic_py.core.records import BlockInfo, ChunkPlacement
 from metadata.name_layer import validate_name
-from tectonic_py import capability, wire
-from tectonic_py.errors import (
+from tectonic_py.core import capability, wire
+from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
     FileExists,
@@ -31,7 +31,7 @@ from tectonic_py.errors import (
     WrongShard,
     XattrNotFound,
 )
-from tectonic_py.ids import ROOT_ID, shard_of
+from tectonic_py.core.ids import ROOT_ID, shard_of
 
 
 @pytest.fixture
@@ -655,7 +655,7 @@ async def test_shard_file_identity_is_checked(tmp_path, secret_file):
     async with open_meta_cluster(tmp_path, secret_file, servers=1, shards=4) as mc:
         assert (await mc.client.lookup(ROOT_ID, "kept")).is_dir
     from metadata.server import MetadataServer
-    from tectonic_py.errors import ShardUnavailable
+    from tectonic_py.core.errors import ShardUnavailable
 
     with pytest.raises(ShardUnavailable, match="total_shards"):
         MetadataServer(tmp_path / "meta0", [0, 1], 8, b"s" * 32)

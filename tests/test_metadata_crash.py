@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from metadata.client import MetadataClient
-from tectonic_py.aio import open_service_nursery
-from tectonic_py.cluster_file import ClusterConfig, MetadataServer
-from tectonic_py.errors import ShardUnavailable, TectonicError
-from tectonic_py.ids import ROOT_ID
+from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
+from tectonic_py.core.errors import ShardUnavailable, TectonicError
+from tectonic_py.core.ids import ROOT_ID
 
 SHARDS = 8
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def _popen(data: Path, secret_file: Path, ready: Path, listen: str, log) -> subp
         [
             sys.executable,
             "-m",
-            "tectonic_py.cli",
+            "tectonic_py.cli.main",
             "metadata",
             "--data-dir",
             str(data),
@@ -170,7 +170,7 @@ def test_cli_refuses_bad_settings_with_one_line(tmp_path, secret_file):
     for extra, message in cases:
         args = ["--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file), *extra]
         out = subprocess.run(
-            [sys.executable, "-m", "tectonic_py.cli", "metadata", *args],
+            [sys.executable, "-m", "tectonic_py.cli.main", "metadata", *args],
             cwd=REPO,
             capture_output=True,
             text=True,

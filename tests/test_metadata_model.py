@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from metadata_fixtures import open_meta_cluster
 
-from tectonic_py.errors import TectonicError
-from tectonic_py.ids import ROOT_ID
+from tectonic_py.core.errors import TectonicError
+from tectonic_py.core.ids import ROOT_ID
 
 NAMES = ["a", "b", "c", "d"]
 OPS = ["mkdir", "mkdir", "create", "create", "unlink", "rmdir", "rename", "rename", "rename"]

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metadata.model import NodeInfo
-from tectonic_py import placement
-from tectonic_py.errors import NoSpace
+from tectonic_py.core.records import NodeInfo
+from metadata import placement
+from tectonic_py.core.errors import NoSpace
 
 node_st = st.builds(
     NodeInfo,

@@ -17,7 +17,7 @@ from maintenance_helpers import (
     wait_for,
 )
 
-from tectonic_py.errors import ConfigError
+from tectonic_py.core.errors import ConfigError
 from tectonic_py.maintenance.runtime import MaintenanceSettings
 
 

@@ -23,7 +23,7 @@ from maintenance_helpers import (
     wait_for,
 )
 
-from tectonic_py.ec_policy import ECPolicy
+from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.maintenance.repair import assess
 from tectonic_py.maintenance.runtime import TokenBucket
 
@@ -135,7 +135,7 @@ async def test_kill_metadata_and_maintenance_during_repair(tmp_path):
 
 
 async def _health_retrying(m):  # type: ignore[no-untyped-def]
-    from tectonic_py.errors import TectonicError
+    from tectonic_py.core.errors import TectonicError
 
     for _ in range(100):
         try:
@@ -156,7 +156,7 @@ async def test_repair_status_cli(tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "tectonic_py.cli",
+                    "tectonic_py.cli.main",
                     "repair",
                     str(cluster.cluster_file),
                     "--status",
@@ -180,7 +180,7 @@ async def test_repair_status_cli(tmp_path):
                     [
                         sys.executable,
                         "-m",
-                        "tectonic_py.cli",
+                        "tectonic_py.cli.main",
                         "repair",
                         str(cluster.cluster_file),
                         "--status",
@@ -200,7 +200,7 @@ async def test_repair_status_cli(tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "tectonic_py.cli",
+                    "tectonic_py.cli.main",
                     "repair",
                     str(tmp_path / "nope.toml"),
                     "--status",
@@ -217,7 +217,7 @@ async def test_repair_status_cli(tmp_path):
 
 
 def test_assess_orders_and_counts():
-    from metadata.model import BlockInfo, ChunkPlacement, NodeInfo
+    from tectonic_py.core.records import BlockInfo, ChunkPlacement, NodeInfo
 
     nodes = {
         f"n{i}": NodeInfo(f"n{i}", "", f"d{i}", state="down" if i == 2 else "up") for i in range(6)
@@ -252,7 +252,7 @@ def test_bench_repair_smoke(tmp_path):
 )
 def test_rebuild_matches_the_encoder(policy, chunk_len, seed):
     """Any k chunks rebuild any missing ones bit-exact, with the encoder's CRCs."""
-    from tectonic_py.codec import encode_block
+    from tectonic_py.client.codec import encode_block
     from tectonic_py.maintenance.repair import _rebuild
 
     p = ECPolicy.parse(policy)

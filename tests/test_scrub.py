@@ -19,8 +19,8 @@ from maintenance_helpers import (
 
 from chunkstore import layout
 from chunkstore.scrub import Scrubber
-from tectonic_py.checksum import checksum
-from tectonic_py.ids import chunk_id
+from tectonic_py.core.checksum import checksum
+from tectonic_py.core.ids import chunk_id
 
 SCRUB = ["--scrub-rate", str(50 * 1024 * 1024), "--scrub-interval", "0.5"]
 

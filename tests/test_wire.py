@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_helpers import address_of, raw_authenticated, vma_fields
 
-from tectonic_py import wire
-from tectonic_py.errors import (
+from tectonic_py.core import wire
+from tectonic_py.core.errors import (
     AuthError,
     Busy,
     ChunkNotFound,
@@ -468,7 +468,7 @@ async def test_a_send_waiting_on_a_full_socket_gets_unavailable_when_the_connect
 def test_parse_address():
     assert wire.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
     assert wire.parse_address("[::1]:9") == ("::1", 9)
-    from tectonic_py.errors import ConfigError
+    from tectonic_py.core.errors import ConfigError
 
     for bad in ["nohost", ":80", "h:", "h:99999", "h:x"]:
         with pytest.raises(ConfigError):

@@ -18,8 +18,8 @@ from wire_helpers import address_of, mapping_at, mappings, vma_fields
 from chunkstore import huge_tmpfs, layout, writer_process
 from chunkstore.server import ChunkStoreServer
 from chunkstore.writer_process import NotShared, SharedBuffers, WriterProcess
-from tectonic_py import wire
-from tectonic_py.errors import InvalidArgument, Unavailable, WriterLost
+from tectonic_py.core import wire
+from tectonic_py.core.errors import InvalidArgument, Unavailable, WriterLost
 
 
 def _alive(pid: int) -> bool:
@@ -266,9 +266,9 @@ async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledge
     """kill -9 of the writer process under puts: each put is acknowledged or fails with a
     retryable error; the retries succeed on the restarted writer; every chunk reads back."""
     from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids, wire
-    from tectonic_py.checksum import checksum
-    from tectonic_py.errors import TectonicError
+    from tectonic_py.core import capability, ids, wire
+    from tectonic_py.core.checksum import checksum
+    from tectonic_py.core.errors import TectonicError
 
     server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)
@@ -313,7 +313,7 @@ async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
     """Whether the writer died before or after the rename is read from the disk: a spare that
     became the chunk is counted as stored, a chunk that became the spare as deleted."""
     from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids, wire
+    from tectonic_py.core import capability, ids, wire
 
     server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
     block = ids.new_id()
@@ -357,8 +357,8 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
     import errno
 
     from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids, wire
-    from tectonic_py.errors import Busy
+    from tectonic_py.core import capability, ids, wire
+    from tectonic_py.core.errors import Busy
 
     server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
     block = ids.new_id()
@@ -525,7 +525,7 @@ def test_a_daemon_that_is_not_root_gets_its_tmpfs_through_a_user_namespace() -> 
     )
     if probe.returncode != 0:
         pytest.skip("unprivileged user namespaces are off here")
-    # The module needs only the standard library and tectonic_py.process_env: a copy of
+    # The module needs only the standard library and tectonic_py.core.process_env: a copy of
     # those that nobody can read will do (the checkout itself may be closed to nobody).
     repo = Path(huge_tmpfs.__file__).resolve().parent.parent
     home = Path(tempfile.mkdtemp(prefix="tectonic-nobody-"))
@@ -617,7 +617,7 @@ async def test_gets_and_puts_share_the_tmpfs_buffers(
     freeing huge pages that the other then faults in afresh; with memfds for puts, gets
     keep their own pool of private huge pages."""
     from chunkstore.client import ChunkClient
-    from tectonic_py import capability, ids
+    from tectonic_py.core import capability, ids
 
     server, port = await start_store(nursery, tmp_path / "data", secret)
     other, _ = await start_store(nursery, tmp_path / "other", secret, payload_tmpfs=False)
@@ -767,7 +767,7 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
     than the buffer are read in the daemon's threads. Errors come back as themselves."""
     from test_chunkstore import flip_byte
 
-    from tectonic_py.errors import ChunkCorrupt, ChunkNotFound
+    from tectonic_py.core.errors import ChunkCorrupt, ChunkNotFound
 
     server, port = await start_store(nursery, tmp_path / "data", secret)
     assert isinstance(server._writers, WriterProcess)

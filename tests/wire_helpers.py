@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import trio
 
-from tectonic_py import wire
+from tectonic_py.core import wire
 
 
 async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:

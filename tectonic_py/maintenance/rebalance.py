@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 
 from chunkstore import layout
-from metadata.model import NodeInfo
-from tectonic_py.errors import FileNotFound, TectonicError
+from tectonic_py.core.records import NodeInfo
+from tectonic_py.core.errors import FileNotFound, TectonicError
 from tectonic_py.maintenance.runtime import Maintenance
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ a hedge (a parity fetch, a put to a spare node) while the original request keeps
 block read or write fails only when too many requests have actually failed (an error from the
 store, or the connection lost).
 
-Error handling: every public method raises only ``tectonic_py.errors`` classes, never
+Error handling: every public method raises only ``tectonic_py.core.errors`` classes, never
 exception groups. Resource handling: background tasks (flushes, readahead, connection
 receivers) live in the nursery of ``open_client``; leaving it closes every connection.
 """
@@ -74,13 +74,13 @@ from typing import Any
 
 import trio
 
-from metadata.model import Attrs, BlockGrant, BlockInfo, ChunkPlacement, DirEntry, NodeInfo
-from tectonic_py import cluster_file, wire
-from tectonic_py.aio import open_service_nursery
-from tectonic_py.cluster_file import ClusterConfig
-from tectonic_py.codec import Codec, EncodedBlock
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import (
+from tectonic_py.core.records import Attrs, BlockGrant, BlockInfo, ChunkPlacement, DirEntry, NodeInfo
+from tectonic_py.core import cluster_file, wire
+from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.cluster_file import ClusterConfig
+from tectonic_py.client.codec import Codec, EncodedBlock
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import (
     ChunkCorrupt,
     FileExists,
     FileNotFound,
@@ -91,8 +91,8 @@ from tectonic_py.errors import (
     Timeout,
     Unavailable,
 )
-from tectonic_py.ids import ROOT_ID, chunk_id
-from tectonic_py.stripe import Layout, chunk_len_for, chunk_ranges
+from tectonic_py.core.ids import ROOT_ID, chunk_id
+from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
 
 log = logging.getLogger(__name__)
 
@@ -700,7 +700,7 @@ class TectonicClient:
     async def open_reader(self, file_id: int) -> FileReader:
         attrs = await self.meta.getattr(file_id)
         if attrs.is_dir:
-            from tectonic_py.errors import IsADirectory
+            from tectonic_py.core.errors import IsADirectory
 
             raise IsADirectory(f"file id {file_id} is a directory")
         blocks = await self.meta.block_list(file_id) if attrs.size else []

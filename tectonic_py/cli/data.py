@@ -21,9 +21,9 @@ from typing import Any
 
 import trio
 
-from tectonic_py.client import TectonicClient, open_client
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import ConfigError, IsADirectory
+from tectonic_py.client.tectonic_client import TectonicClient, open_client
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import ConfigError, IsADirectory
 
 MiB = 1024 * 1024
 PIECE = 8 * MiB

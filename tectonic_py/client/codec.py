@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import trio
 import zfec
 
-from tectonic_py.checksum import checksum
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import InvalidArgument, QuorumLost
+from tectonic_py.core.checksum import checksum
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import InvalidArgument, QuorumLost
 
 log = logging.getLogger(__name__)
 

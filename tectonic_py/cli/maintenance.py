@@ -16,8 +16,8 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
-from tectonic_py import cluster_file
-from tectonic_py.aio import open_service_nursery
+from tectonic_py.core import cluster_file
+from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, run_services
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import InvalidArgument
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

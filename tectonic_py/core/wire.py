@@ -71,8 +71,8 @@ from typing import Any
 import msgpack
 import trio
 
-from tectonic_py.aio import acquire_soon, open_service_nursery
-from tectonic_py.errors import (
+from tectonic_py.core.aio import acquire_soon, open_service_nursery
+from tectonic_py.core.errors import (
     AuthError,
     Busy,
     InvalidArgument,
@@ -110,7 +110,7 @@ DEFAULT_LIMITS = Limits()
 
 def load_secret(path: str | os.PathLike[str]) -> bytes:
     """Read a cluster secret file; refuse one too short to be a secret."""
-    from tectonic_py.errors import ConfigError
+    from tectonic_py.core.errors import ConfigError
 
     try:
         with open(path, "rb") as f:
@@ -1194,7 +1194,7 @@ async def open_connection(
 
 def parse_address(text: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port), with a clear error."""
-    from tectonic_py.errors import ConfigError
+    from tectonic_py.core.errors import ConfigError
 
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not host:

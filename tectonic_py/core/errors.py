@@ -5,7 +5,7 @@ else for domain failures. Each class carries a stable wire ``code``: the RPC ser
 encodes an error to its code in exactly one place (``wire.error_to_header``), and the
 client raises the same class again from the code (``error_from_code``), so a caller
 three hops away catches ``ChunkCorrupt`` as if it had happened locally. The FUSE layer
-maps classes to errno in exactly one place (``tectonic_py.fs``).
+maps classes to errno in exactly one place (``tectonic_py.mount.operations``).
 
 ``retryable`` tells a caller whether the same request may succeed later unchanged
 (busy, a node that is restarting); callers never retry anything else.

@@ -33,9 +33,9 @@ from typing import Any
 
 import psutil
 
-from tectonic_py import cluster_file
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import ConfigError, TectonicError, Timeout
+from tectonic_py.core import cluster_file
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import ConfigError, TectonicError, Timeout
 from tectonic_py.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def _watch(pids: list[int]) -> None:
 def _detach(args: argparse.Namespace, root: Path) -> int:
     """Start the supervisor in its own session and wait (bounded) until it reports healthy."""
     argv = [
-        sys.executable, "-m", "tectonic_py.cli", "cluster", "up", "--dir", str(root),
+        sys.executable, "-m", "tectonic_py.cli.main", "cluster", "up", "--dir", str(root),
         "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
         "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
         "--supervisor",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import msgpack
 
-from tectonic_py.errors import BadCapability
+from tectonic_py.core.errors import BadCapability
 
 VERSION = 1
 MAC_LEN = 32

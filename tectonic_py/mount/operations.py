@@ -1,8 +1,8 @@
 """The FUSE mount: a pyfuse3 ``Operations`` class, a thin layer over the client library.
 
-All logic of reads and writes lives in ``tectonic_py.client`` (as in Tectonic); this module
+All logic of reads and writes lives in ``tectonic_py.client.tectonic_client`` (as in Tectonic); this module
 only translates kernel requests into client calls and keeps the per-mount bookkeeping the
-kernel needs (``tectonic_py.inode_cache``). It is also the ONE place where domain errors
+kernel needs (``tectonic_py.mount.inode_cache``). It is also the ONE place where domain errors
 become errno (``errno_of``): pyfuse3 ends the whole mount when a handler raises anything but
 ``FUSEError``, so every handler goes through ``_fuse_op``, which maps ``TectonicError`` to its
 errno and turns a bug into EIO plus a traceback in the log instead of a dead mount.
@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import pyfuse3
 import trio
 
-from metadata.model import Attrs, DirEntry
-from tectonic_py.ec_policy import ECPolicy
-from tectonic_py.errors import (
+from tectonic_py.core.records import Attrs, DirEntry
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import (
     AuthError,
     BadCapability,
     Busy,
@@ -80,10 +80,10 @@ from tectonic_py.errors import (
     WrongShard,
     XattrNotFound,
 )
-from tectonic_py.inode_cache import Handle, InodeCache, OpenFile
+from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
 
 if TYPE_CHECKING:
-    from tectonic_py.client import TectonicClient
+    from tectonic_py.client.tectonic_client import TectonicClient
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from tectonic_py import cluster_file
-from tectonic_py.cluster_file import ClusterConfig
-from tectonic_py.errors import ConfigError
-from tectonic_py.ids import ROOT_ID
+from tectonic_py.core import cluster_file
+from tectonic_py.core.cluster_file import ClusterConfig
+from tectonic_py.core.errors import ConfigError
+from tectonic_py.core.ids import ROOT_ID
 
 if TYPE_CHECKING:
-    from tectonic_py.fs import Operations
+    from tectonic_py.mount.operations import Operations
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def mount_options(config: ClusterConfig, *, allow_other: bool) -> set[str]:
     """pyfuse3's defaults (default_permissions: the kernel checks modes) plus our names.
-    Deliberately no direct_io and no writeback_cache (see tectonic_py.fs)."""
+    Deliberately no direct_io and no writeback_cache (see tectonic_py.mount.operations)."""
     options = set(pyfuse3.default_options)
     options.add(f"fsname=tectonic:{config.name}")
     options.add("subtype=tectonic")
@@ -161,8 +161,8 @@ async def serve_mount(
     ready: Callable[[], None] | None = None,
 ) -> None:
     """Mount and serve until unmounted or signalled; always leaves no mount behind."""
-    from tectonic_py.client import open_client
-    from tectonic_py.fs import Operations
+    from tectonic_py.client.tectonic_client import open_client
+    from tectonic_py.mount.operations import Operations
 
     async with open_client(config) as client:
         # Fail now, with the client's one-line error, rather than mount a dead cluster.

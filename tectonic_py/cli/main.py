@@ -14,16 +14,16 @@ import logging
 import os
 import sys
 
-from tectonic_py.errors import TectonicError
+from tectonic_py.core.errors import TectonicError
 
 _COMMAND_MODULES = [
     "chunkstore.main",  # tectonic chunkstore
     "metadata.main",  # tectonic metadata
-    "tectonic_py.local_cluster_cli",  # tectonic cluster up/down
-    "tectonic_py.data_cli",  # tectonic put/get/ls/rm/stat/mkdir/status
-    "tectonic_py.fs_cli",  # tectonic mount/umount
-    "tectonic_py.status",  # tectonic status
-    "tectonic_py.maintenance_cli",  # tectonic maintenance / repair
+    "tectonic_py.cli.cluster",  # tectonic cluster up/down
+    "tectonic_py.cli.data",  # tectonic put/get/ls/rm/stat/mkdir/status
+    "tectonic_py.cli.mount",  # tectonic mount/umount
+    "tectonic_py.cli.status",  # tectonic status
+    "tectonic_py.cli.maintenance",  # tectonic maintenance / repair
     "tectonic_py.loadtest",  # tectonic loadtest
 ]
 

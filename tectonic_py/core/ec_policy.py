@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tectonic_py.errors import InvalidArgument
+from tectonic_py.core.errors import InvalidArgument
 
 _RS = re.compile(r"\Ars-(\d{1,2})-(\d{1,2})\Z")
 _R = re.compile(r"\Ar(\d)\Z")

@@ -1,0 +1,1 @@
+"""The ``tectonic`` command: one module per group of subcommands, on top of everything."""
