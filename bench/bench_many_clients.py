@@ -20,7 +20,11 @@ import time
 import psutil
 import trio
 
-from tectonic_py.client.tectonic_client import DEFAULT_CACHE_BYTES, DEFAULT_WINDOW_BYTES, open_client
+from tectonic_py.client.tectonic_client import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_WINDOW_BYTES,
+    open_client,
+)
 from tectonic_py.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)

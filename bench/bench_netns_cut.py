@@ -150,7 +150,14 @@ def main() -> None:
             netns("heal", str(root), "cs2")
             for _ in range(120):
                 proc = subprocess.run(
-                    [sys.executable, "-m", "tectonic_py.cli.main", "status", "--json", str(cluster)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "tectonic_py.cli.main",
+                        "status",
+                        "--json",
+                        str(cluster),
+                    ],
                     capture_output=True,
                     text=True,
                     env=dict(os.environ, PYTHONPATH=str(REPO)),

@@ -53,8 +53,8 @@ async def _write(cluster_file: Path, path: str, size: int, ec: str) -> float:
 
 
 async def _status(cluster: LocalCluster) -> dict[str, Any]:
-    from tectonic_py.core import cluster_file
     from tectonic_py.cli.maintenance import fetch_repair_status
+    from tectonic_py.core import cluster_file
 
     return await fetch_repair_status(cluster_file.load(cluster.cluster_file))
 

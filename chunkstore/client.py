@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 import trio
 
+from chunkstore.layout import file_size_for
 from tectonic_py.core import wire
 from tectonic_py.core.checksum import KEEP_GIL_MAX
 from tectonic_py.core.checksum import checksum as crc32c
 from tectonic_py.core.errors import ChecksumMismatch
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ChunkClient", "ChunkStat", "file_size_for"]
 
 # Up to this, computing a CRC in the event loop, holding the GIL, is cheaper than a thread
 # hop and the GIL hand-offs that come with it.

@@ -22,10 +22,10 @@ from typing import Any
 
 import msgpack
 
-from tectonic_py.core.records import BlockInfo, ChunkPlacement
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, TectonicError
 from tectonic_py.core.ids import MAX_CHUNK_INDEX, NODE_ID_RE, new_id, shard_of
+from tectonic_py.core.records import BlockInfo, ChunkPlacement
 
 MAX_CHUNK_LEN = 256 * 1024 * 1024
 

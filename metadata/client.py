@@ -49,8 +49,6 @@ from typing import Any, TypeVar
 
 import trio
 
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs, BlockGrant, BlockInfo, DirEntry, NodeInfo
-from metadata.name_layer import validate_name
 from tectonic_py.core import wire
 from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
@@ -67,6 +65,16 @@ from tectonic_py.core.errors import (
     Unavailable,
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
+from tectonic_py.core.records import (
+    KIND_DIR,
+    KIND_FILE,
+    Attrs,
+    BlockGrant,
+    BlockInfo,
+    DirEntry,
+    NodeInfo,
+    validate_name,
+)
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
     FileNotFound,
@@ -41,6 +40,7 @@ from tectonic_py.core.errors import (
     XattrNotFound,
 )
 from tectonic_py.core.ids import new_id, shard_of
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
 
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024

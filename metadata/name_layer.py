@@ -34,39 +34,20 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, DirEntry
 from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
     FileExists,
     FileNotFound,
     InvalidArgument,
-    InvalidName,
     IsADirectory,
     NotADirectory,
     Timeout,
 )
 from tectonic_py.core.ids import new_id
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, DirEntry
 
-MAX_NAME_BYTES = 255
 MAX_PAGE = 10_000
-
-
-def validate_name(name: object) -> str:
-    """The one place names are checked: a single path component, 1..255 bytes of UTF-8."""
-    if not isinstance(name, str):
-        raise InvalidName(f"a name must be a string, not {type(name).__name__}")
-    if name in ("", ".", ".."):
-        raise InvalidName(f"invalid name {name!r}")
-    if "/" in name or "\x00" in name:
-        raise InvalidName(f"name {name!r} contains '/' or NUL")
-    try:
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidName(f"name {name!r} is not valid UTF-8") from None
-    if len(encoded) > MAX_NAME_BYTES:
-        raise InvalidName(f"name is {len(encoded)} bytes, over {MAX_NAME_BYTES}")
-    return name
 
 
 def check_dir(conn: sqlite3.Connection, dir_id: int) -> None:

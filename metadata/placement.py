@@ -23,8 +23,8 @@ import logging
 import random
 from collections.abc import Iterable, Sequence
 
-from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.errors import NoSpace
+from tectonic_py.core.records import NodeInfo
 
 log = logging.getLogger(__name__)
 

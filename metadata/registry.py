@@ -19,11 +19,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from tectonic_py.core.records import NodeInfo
-from metadata.shard import ShardStore, now_ns
 from metadata import placement
+from metadata.shard import ShardStore, now_ns
 from tectonic_py.core.errors import InvalidArgument
 from tectonic_py.core.ids import NODE_ID_RE
+from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.wire import parse_address
 
 log = logging.getLogger(__name__)

@@ -72,7 +72,6 @@ import trio
 
 from metadata import block_layer, file_layer, name_layer
 from metadata.maintenance_ops import MaintenanceOps
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
 from tectonic_py.core import capability, wire
@@ -86,6 +85,7 @@ from tectonic_py.core.errors import (
     WrongShard,
 )
 from tectonic_py.core.ids import MAX_ID, ROOT_ID, shard_of
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs, validate_name
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _id(req: wire.Request, name: str) -> int:
 
 def _name(req: wire.Request, field: str = "name") -> str:
     value = req.fields.get(field)
-    return name_layer.validate_name(value)
+    return validate_name(value)
 
 
 def _kind(req: wire.Request) -> str:

@@ -15,8 +15,8 @@ import trio
 from cluster_fixtures import suite_cluster
 
 from chunkstore import layout as chunk_layout
-from tectonic_py.core import wire
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
+from tectonic_py.core import wire
 from tectonic_py.core.errors import NoSpace, QuorumLost
 from tectonic_py.core.ids import chunk_id
 from tectonic_py.local_cluster import LocalCluster

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tectonic_py.core.checksum import checksum
 from tectonic_py.client.codec import Codec, decode_into, encode_block
+from tectonic_py.client.stripe import chunk_len_for
+from tectonic_py.core.checksum import checksum
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, QuorumLost
-from tectonic_py.client.stripe import chunk_len_for
 
 policies = st.sampled_from([ECPolicy(6, 3), ECPolicy(10, 4), ECPolicy(4, 2), ECPolicy(1, 2)])
 

@@ -9,11 +9,9 @@ import pyfuse3
 import pytest
 import trio
 
-from tectonic_py.core import errors
-
-from tectonic_py.mount import operations as fs
-
 from tectonic_py.cli.main import mount as fs_cli
+from tectonic_py.core import errors
+from tectonic_py.mount import operations as fs
 from tectonic_py.mount.inode_cache import InodeCache
 
 

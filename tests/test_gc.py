@@ -214,9 +214,9 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
     import pytest
     from metadata_fixtures import open_meta_cluster, register_nodes
 
-    from tectonic_py.core.records import BlockInfo, ChunkPlacement
     from tectonic_py.core.errors import FileNotFound, InvalidArgument
     from tectonic_py.core.ids import ROOT_ID, shard_of
+    from tectonic_py.core.records import BlockInfo, ChunkPlacement
 
     async with open_meta_cluster(tmp_path, secret_file, servers=2, shards=4) as mc:
         c = mc.client

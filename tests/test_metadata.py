@@ -10,8 +10,6 @@ from metadata_fixtures import open_meta_cluster, register_nodes
 from tmpfs_helpers import small_tmpfs
 
 from metadata import name_layer
-from tectonic_py.core.records import BlockInfo, ChunkPlacement
-from metadata.name_layer import validate_name
 from tectonic_py.core import capability, wire
 from tectonic_py.core.errors import (
     Busy,
@@ -32,6 +30,7 @@ from tectonic_py.core.errors import (
     XattrNotFound,
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
+from tectonic_py.core.records import BlockInfo, ChunkPlacement, validate_name
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tectonic_py.core.records import NodeInfo
 from metadata import placement
 from tectonic_py.core.errors import NoSpace
+from tectonic_py.core.records import NodeInfo
 
 node_st = st.builds(
     NodeInfo,

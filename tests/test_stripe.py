@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument
-from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
 
 policies = st.sampled_from([ECPolicy(6, 3), ECPolicy(10, 4), ECPolicy(4, 2), ECPolicy(1, 2)])
 

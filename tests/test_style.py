@@ -4,6 +4,8 @@ on the packages (tests and bench scripts are not typed)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from test_bench_smoke import _run  # (python -m, in the repository, output captured)
@@ -21,4 +23,19 @@ def test_the_code_is_as_ruff_formats_it() -> None:
 
 def test_mypy_finds_nothing(tmp_path: Path) -> None:
     r = _run("mypy", "--cache-dir", str(tmp_path), "tectonic_py", "chunkstore", "metadata")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_layers_hold() -> None:
+    """The import contracts of pyproject.toml ([tool.importlinter]): arrows point down only,
+    and above the servers only their one typed client is imported."""
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    r = subprocess.run(
+        [str(lint_imports), "--no-cache"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -38,12 +38,12 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
-from tectonic_py.core.records import BlockInfo, NodeInfo
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Timeout, Unavailable
+from tectonic_py.core.records import BlockInfo, NodeInfo
 from tectonic_py.core.wire import open_connection, parse_address
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any, Self, TypeVar
 
 import trio
 
-from tectonic_py.core.records import Attrs, DirEntry
 from tectonic_py.client.tectonic_client import FileReader, FileWriter, TectonicClient, open_client
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import InvalidArgument, TectonicError, Unavailable
+from tectonic_py.core.records import Attrs, DirEntry
 
 log = logging.getLogger(__name__)
 

@@ -74,11 +74,11 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.records import Attrs, BlockGrant, BlockInfo, ChunkPlacement, DirEntry, NodeInfo
+from tectonic_py.client.codec import Codec, EncodedBlock
+from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
 from tectonic_py.core import cluster_file, wire
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
-from tectonic_py.client.codec import Codec, EncodedBlock
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
     ChunkCorrupt,
@@ -92,7 +92,14 @@ from tectonic_py.core.errors import (
     Unavailable,
 )
 from tectonic_py.core.ids import ROOT_ID, chunk_id
-from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
+from tectonic_py.core.records import (
+    Attrs,
+    BlockGrant,
+    BlockInfo,
+    ChunkPlacement,
+    DirEntry,
+    NodeInfo,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from tectonic_py.core.errors import InvalidName
+
 T = TypeVar("T")
 
 KIND_FILE = "file"
 KIND_DIR = "dir"
+MAX_NAME_BYTES = 255
+
+
+def validate_name(name: object) -> str:
+    """The one place names are checked: a single path component, 1..255 bytes of UTF-8.
+
+    Clients check before they send and servers again on receipt, so both import it from here.
+    """
+    if not isinstance(name, str):
+        raise InvalidName(f"a name must be a string, not {type(name).__name__}")
+    if name in ("", ".", ".."):
+        raise InvalidName(f"invalid name {name!r}")
+    if "/" in name or "\x00" in name:
+        raise InvalidName(f"name {name!r} contains '/' or NUL")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidName(f"name {name!r} is not valid UTF-8") from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise InvalidName(f"name is {len(encoded)} bytes, over {MAX_NAME_BYTES}")
+    return name
 
 
 def _from_wire(cls: type[T], data: dict[str, Any]) -> T:

@@ -43,9 +43,9 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.errors import FileNotFound, TectonicError
 from tectonic_py.core.ids import chunk_id, parse_chunk_id, shard_of
+from tectonic_py.core.records import NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
 
 log = logging.getLogger(__name__)

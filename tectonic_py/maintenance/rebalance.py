@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 
-from chunkstore import layout
-from tectonic_py.core.records import NodeInfo
+from chunkstore.client import file_size_for
 from tectonic_py.core.errors import FileNotFound, TectonicError
+from tectonic_py.core.records import NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Rebalancer:
                 break
             if size == 0:
                 continue
-            on_disk = layout.file_size_for(size)
+            on_disk = file_size_for(size)
             usage[src] = (src_used - on_disk, src_cap)
             usage[dst] = (dst_used + on_disk, dst_cap)
             moved += 1
@@ -102,7 +102,7 @@ class Rebalancer:
                 info = (await self.m.meta.locate_blocks([block_id]))[0]
             except FileNotFound:
                 continue
-            if layout.file_size_for(info.chunk_len) >= gap:
+            if file_size_for(info.chunk_len) >= gap:
                 continue
             others = [c for c in info.chunks if c.index != index]
             if any(c.node_id == dst for c in info.chunks):

@@ -32,12 +32,12 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.records import BlockInfo, NodeInfo
-from tectonic_py.core.checksum import checksum
 from tectonic_py.client.codec import decode_into, encode_block
+from tectonic_py.core.checksum import checksum
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ChunkCorrupt, ChunkNotFound, FileNotFound, TectonicError
 from tectonic_py.core.ids import parse_chunk_id
+from tectonic_py.core.records import BlockInfo, NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
 
 log = logging.getLogger(__name__)

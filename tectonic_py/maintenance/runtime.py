@@ -23,14 +23,20 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
-from tectonic_py.core.records import NodeInfo
+from tectonic_py.client.tectonic_client import ChunkPool
 from tectonic_py.core import capability
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.checksum import checksum
-from tectonic_py.client.tectonic_client import ChunkPool
 from tectonic_py.core.cluster_file import ClusterConfig
-from tectonic_py.core.errors import ChecksumMismatch, ChunkCorrupt, ConfigError, TectonicError, Timeout
+from tectonic_py.core.errors import (
+    ChecksumMismatch,
+    ChunkCorrupt,
+    ConfigError,
+    TectonicError,
+    Timeout,
+)
 from tectonic_py.core.ids import chunk_id
+from tectonic_py.core.records import NodeInfo
 
 log = logging.getLogger(__name__)
 

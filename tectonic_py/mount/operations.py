@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import pyfuse3
 import trio
 
-from tectonic_py.core.records import Attrs, DirEntry
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
     AuthError,
@@ -80,6 +79,7 @@ from tectonic_py.core.errors import (
     WrongShard,
     XattrNotFound,
 )
+from tectonic_py.core.records import Attrs, DirEntry
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
 
 if TYPE_CHECKING:
