@@ -49,6 +49,8 @@ try:
     _setfl.restype = ctypes.c_int
 except (OSError, AttributeError):  # no libc symbols (not glibc/musl): plain os calls
     _libc = None
+if os.environ.get("TECTONIC_EXPERIMENT_OS_SYSCALLS"):  # temporary: the fast-path experiment
+    _libc = None
 
 # statx (glibc 2.28+): its struct has one layout on every architecture, unlike struct stat.
 _statx = None
