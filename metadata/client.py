@@ -36,11 +36,13 @@ Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and r
 broken. Requests that are safe to repeat (reads) are retried on a lost connection; mutations
 are retried only when the request never left (connect failed), because a mutation whose reply
 was lost may have committed. ``Busy`` (admission control, a pinned rename) is retried with
-backoff a bounded number of times. A server that cannot be reached is ``ShardUnavailable``.
+backoff a bounded number of times (both through ``tectonic_py.core.retry``). A server that
+cannot be reached is ``ShardUnavailable``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -75,6 +77,7 @@ from tectonic_py.core.records import (
     NodeInfo,
     validate_name,
 )
+from tectonic_py.core.retry import RetryPolicy, retry
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +85,12 @@ T = TypeVar("T")
 
 POOL_SIZE = 4
 DIR_POLICY_TTL_S = 2.0
-BUSY_RETRIES = 50
-CONNECT_RETRIES = 3
+# Busy (admission control, a pinned rename): 50 retries, pauses growing from 5 ms to 200 ms,
+# about 6 s of pauses in all before the caller sees it.
+BUSY_POLICY = RetryPolicy(attempts=51, first_delay=0.005, multiplier=1.15, max_delay=0.2)
+# A lost connection or a server that is restarting: three tries, about 50 ms and 100 ms
+# apart.
+CONNECT_POLICY = RetryPolicy(attempts=3, first_delay=0.05, multiplier=2.0, max_delay=0.1)
 CALL_TIMEOUT_S = 120.0
 RENAME_DEADLINE_S = 30.0
 _READ_OPS = frozenset(
@@ -104,6 +111,10 @@ _READ_OPS = frozenset(
         "server.stats",
     }
 )
+
+
+def _is_busy(e: TectonicError) -> bool:
+    return isinstance(e, Busy)
 
 
 class MetadataClient:
@@ -155,30 +166,32 @@ class MetadataClient:
             return conn
 
     async def _call(self, address: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """One request, ``Busy`` retried under ``BUSY_POLICY`` and a lost connection under
+        ``CONNECT_POLICY``: a read always, a mutation only if it never left this process."""
         idempotent = op in _READ_OPS
-        attempt = busy = 0
-        while True:
+        sent = False
+
+        async def once() -> dict[str, Any]:
+            nonlocal sent
             sent = False
             try:
                 with trio.fail_after(CALL_TIMEOUT_S):
                     conn = await self._connection(address)
                     sent = True
-                    resp = await conn.call(op, fields)
-                return resp.fields
+                    return (await conn.call(op, fields)).fields
             except trio.TooSlowError:
                 raise ShardUnavailable(f"metadata server {address}: {op} timed out") from None
-            except Busy:
-                busy += 1
-                if busy > BUSY_RETRIES:
-                    raise
-                await trio.sleep(min(0.005 * busy, 0.2) * (0.5 + self._rng.random()))
-            except Unavailable as e:
-                attempt += 1
-                if attempt >= CONNECT_RETRIES or (sent and not idempotent):
-                    raise ShardUnavailable(
-                        f"metadata server {address} unavailable during {op}: {e.message}"
-                    ) from None
-                await trio.sleep(0.05 * attempt)
+
+        def may_repeat(e: TectonicError) -> bool:
+            return isinstance(e, Unavailable) and (idempotent or not sent)
+
+        busy_retried = functools.partial(retry, once, policy=BUSY_POLICY, when=_is_busy)
+        try:
+            return await retry(busy_retried, policy=CONNECT_POLICY, when=may_repeat)
+        except Unavailable as e:
+            raise ShardUnavailable(
+                f"metadata server {address} unavailable during {op}: {e.message}"
+            ) from None
 
     async def _shard(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
         fields["shard"] = shard
