@@ -1,7 +1,7 @@
 """bench_fuse: torch.save / torch.load through the tectonic FUSE mount, against its ceilings.
 
 Everything is measured in the same run, because these machines are shared and noisy
-(shared/CEILINGS.md):
+(docs/ceilings.md):
 
 * **mount**: a LocalCluster (2 metadata servers, 9 chunk stores, RS(6,3), 4 MiB chunks) and
   ``tectonic mount`` in its own process. torch.save of a state dict of ``--size`` bytes

@@ -1,7 +1,7 @@
 """Ceilings: the best this machine can do at each stage of the write and read paths.
 
 A figure for tectonic-py means little alone: these machines are shared and noisy (runs vary
-up to 2x, see shared/CEILINGS.md), so every benchmark divides by a ceiling measured *in the
+up to 2x, docs/ceilings.md), so every benchmark divides by a ceiling measured *in the
 same run*. Each stage of the data path has its own ceiling here:
 
 * raw disk: sequential write of 1 MiB buffers ending in fsync (what a chunk store's put

@@ -1,5 +1,5 @@
 """Real programs on a real FUSE mount of a real cluster: every checkpoint writer in
-shared/CHECKPOINT_IO.md, POSIX corner cases they rely on, and crashes (kill -9 of the mount,
+docs/checkpoint-io.md, POSIX corner cases they rely on, and crashes (kill -9 of the mount,
 of a chunk store, of too many chunk stores)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ become errno (``errno_of``): pyfuse3 ends the whole mount when a handler raises 
 ``FUSEError``, so every handler goes through ``_fuse_op``, which maps ``TectonicError`` to its
 errno and turns a bug into EIO plus a traceback in the log instead of a dead mount.
 
-Semantics, and why (see shared/CHECKPOINT_IO.md for what each checkpoint writer asks):
+Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 
 * **One writer per inode.** Every handle that writes an inode shares one ``FileWriter``
   (a second would steal the writer token and fence the first off). Reads of an inode that has
@@ -31,7 +31,7 @@ Semantics, and why (see shared/CHECKPOINT_IO.md for what each checkpoint writer 
   file or directory is the xattr ``user.tectonic.ec`` (settable on directories: new files
   inherit it).
 * No ``direct_io`` (numpy memmap needs shared mmap) and no ``writeback_cache`` (it reorders
-  and splits writes, see shared/CEILINGS.md).
+  and splits writes, see docs/checkpoint-io.md).
 """
 
 from __future__ import annotations
