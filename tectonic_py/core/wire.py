@@ -62,13 +62,11 @@ import mmap
 import os
 import secrets
 import socket as _stdlib_socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import trio
 
 from tectonic_py.core.aio import acquire_soon, open_service_nursery
@@ -82,30 +80,26 @@ from tectonic_py.core.errors import (
     UnknownOp,
     error_from_code,
 )
+from tectonic_py.core.framing import (
+    DEFAULT_LIMITS,
+    IOV_MAX,
+    PREFIX,
+    Buffer,
+    Limits,
+    MiB,
+)
+from tectonic_py.core.framing import PeerClosed as _Closed
+from tectonic_py.core.framing import drain as _drain
+from tectonic_py.core.framing import pack_frame as _pack_frame
+from tectonic_py.core.framing import read_prefix_and_header as _read_prefix_and_header
+from tectonic_py.core.framing import recv_exactly as _recv_exactly
+from tectonic_py.core.framing import send_all as _send_all
+from tectonic_py.core.framing import send_frame as _send_frame
+from tectonic_py.core.framing import send_pieces as _send_pieces
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
 PROTO = 1
-PREFIX = struct.Struct("!BBHII")
-MiB = 1024 * 1024
-
-Buffer = bytes | bytearray | memoryview | mmap.mmap
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Hard limits of one server (and, for sizes, of a client reading replies)."""
-
-    max_header: int = 1 * MiB
-    max_payload: int = 64 * MiB
-    max_inflight: int = 64
-    payload_budget: int = 512 * MiB
-    max_payload_waiters: int = 2048
-    auth_timeout: float = 10.0
-
-
-DEFAULT_LIMITS = Limits()
 
 
 def load_secret(path: str | os.PathLike[str]) -> bytes:
@@ -132,15 +126,6 @@ def error_to_header(rid: int, exc: BaseException) -> dict[str, Any]:
         return {"rid": rid, "err": exc.code, "msg": exc.message}
     log.exception("internal error handling request %d", rid, exc_info=exc)
     return {"rid": rid, "err": "internal", "msg": f"internal error: {type(exc).__name__}"}
-
-
-def _pack_frame(header: Mapping[str, Any], payload_len: int) -> bytes:
-    head = msgpack.packb(header, use_bin_type=True)
-    return PREFIX.pack(VERSION, 0, 0, len(head), payload_len) + head
-
-
-class _Closed(Exception):
-    """The peer closed the connection (EOF) where a frame was expected."""
 
 
 # Congestion control for connections that never leave the host, in order of preference
@@ -178,52 +163,6 @@ def _unpaced_on_loopback(sock: trio.socket.SocketType) -> None:
             continue
 
 
-async def _recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``, yielding to other tasks only when no byte is ready.
-
-    Why not ``sock.recv_into`` in a loop: trio makes each successful call a checkpoint,
-    so a connection's reader went to the back of the run queue after every 64 KiB piece
-    of a payload, behind every other task, and a 1 MiB payload took four or five passes of
-    the scheduler (each with an epoll_wait). On a busy chunk store that made the single
-    reader of a connection the bottleneck of its puts. ``os.readv`` on the non-blocking
-    socket reads what the kernel holds without a checkpoint; ``wait_readable`` (which is
-    one) waits for more. A frame's header read still passes through ``wait_readable`` or
-    an explicit checkpoint in the callers' loops, so a reader cannot starve the others.
-    """
-    fd = sock.fileno()
-    while view:
-        try:
-            n = os.readv(fd, [view])
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
-            continue
-        if n == 0:
-            raise _Closed()
-        view = view[n:]
-
-
-async def _send_all(
-    sock: trio.socket.SocketType, data: Buffer, sent: list[int] | None = None
-) -> None:
-    await _send_pieces(sock, [memoryview(data).cast("B")], sent)
-
-
-async def _send_frame(
-    sock: trio.socket.SocketType,
-    frame: bytes,
-    payload: Buffer | None,
-    sent: list[int] | None = None,
-) -> None:
-    """A frame's prefix+header and its payload in one ``writev``: one syscall per message
-    instead of two (the payload is never joined to the header in a new buffer). ``sent[0]``
-    counts the bytes that went out, so a caller cancelled here knows whether the stream
-    holds half a frame."""
-    pieces = [memoryview(frame)]
-    if payload is not None and memoryview(payload).nbytes:
-        pieces.append(memoryview(payload).cast("B"))
-    await _send_pieces(sock, pieces, sent)
-
-
 @dataclass(frozen=True)
 class Piped:
     """A reply payload that lies in pipes, by reference to the pages of a file
@@ -251,32 +190,6 @@ async def _send_piped(sock: trio.socket.SocketType, frame: bytes, payload: Piped
                 await trio.lowlevel.wait_writable(sock)
 
 
-async def _send_pieces(
-    sock: trio.socket.SocketType, pieces: list[memoryview], sent: list[int] | None
-) -> None:
-    """Write ``pieces`` to the socket, waiting (``wait_writable``) only when it is full.
-
-    Why not ``sock.sendmsg``: trio makes every successful send a checkpoint, one more pass
-    through the scheduler per reply on a busy chunk store (see ``_recv_exactly``). A send
-    cancelled while it waits has sent nothing in that wait; ``sent`` says what went before.
-    """
-    fd = sock.fileno()
-    while pieces:
-        try:
-            n = os.writev(fd, pieces)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        if sent is not None:
-            sent[0] += n
-        while pieces and n >= pieces[0].nbytes:
-            n -= pieces[0].nbytes
-            pieces.pop(0)
-        if pieces and n:
-            pieces[0] = pieces[0][n:]
-
-
-IOV_MAX = 1024  # pieces one writev takes (Linux's UIO_MAXIOV)
 MAX_QUEUED_REPLIES = 64  # small replies a connection's outbox holds before senders wait
 
 
@@ -483,45 +396,6 @@ class SpareBuffers:
                 del self._free[other]
             if need <= 0:
                 return
-
-
-# Drained bytes are thrown away, so every drain in the process shares this one buffer (all
-# receives run on the event loop thread): a burst of refused puts costs no memory per request.
-_DRAIN_SCRATCH = memoryview(bytearray(MiB))
-
-
-async def _drain(sock: trio.socket.SocketType, n: int) -> None:
-    while n > 0:
-        k = min(n, len(_DRAIN_SCRATCH))
-        await _recv_exactly(sock, _DRAIN_SCRATCH[:k])
-        n -= k
-
-
-async def _read_prefix_and_header(
-    sock: trio.socket.SocketType, limits: Limits
-) -> tuple[dict[str, Any], int]:
-    """Read one frame's prefix and header. Raises ProtocolError when framing can't be trusted."""
-    prefix = bytearray(PREFIX.size)
-    await _recv_exactly(sock, memoryview(prefix))
-    version, _flags, _reserved, hlen, plen = PREFIX.unpack(prefix)
-    if version != VERSION:
-        raise ProtocolError(f"unsupported frame version {version}")
-    if hlen < 1 or hlen > limits.max_header:
-        raise ProtocolError(f"header length {hlen} outside 1..{limits.max_header}")
-    if plen > limits.max_payload:
-        raise ProtocolError(f"payload length {plen} over limit {limits.max_payload}")
-    raw = bytearray(hlen)
-    try:
-        await _recv_exactly(sock, memoryview(raw))
-    except _Closed:
-        raise ProtocolError("connection closed inside a frame header") from None
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 (msgpack raises a zoo of types for garbage)
-        raise ProtocolError(f"undecodable header: {type(e).__name__}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a map")
-    return header, plen
 
 
 # --- server side ---------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""Frames of the wire protocol, and how they go onto and off a socket.
+
+Frame format (version field first; integers big-endian)::
+
+    offset  size  field
+    0       1     version      (1)
+    1       1     flags        (0; reserved)
+    2       2     reserved     (0)
+    4       4     header_len   H, 1 <= H <= Limits.max_header
+    8       4     payload_len  P, 0 <= P <= Limits.max_payload
+    12      H     header       msgpack map
+    12+H    P     payload      raw bytes, never passed through msgpack
+
+Headers:
+
+* request:  ``{"op": str, "rid": int, "f": {fields}}``
+* response: ``{"rid": int, "f": {fields}}``
+* error:    ``{"rid": int, "err": code, "msg": str}`` (``rid`` 0 for connection-level errors;
+  ``code`` is a ``TectonicError.code``, encoded by the RPC server alone)
+
+A payload travels after its header and is received (``os.readv`` on the socket's fd,
+``recv_exactly``) straight into a buffer the receiver owns, so a 4 MiB chunk is never copied
+through msgpack and never assembled from many small ``bytes`` objects.
+
+Error handling: a prefix or header that cannot be trusted (bad version, oversized lengths,
+undecodable or misshapen header) raises ``ProtocolError``; the peer closing the stream where
+a frame was expected raises ``PeerClosed``. Either way framing itself is in doubt and the
+connection ends.
+
+The socket I/O here reads and writes the non-blocking fd directly and yields to trio only
+when the kernel has no bytes or no room (``recv_exactly``, ``send_pieces`` say why).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import trio
+
+from tectonic_py.core.errors import ProtocolError
+
+VERSION = 1
+PREFIX = struct.Struct("!BBHII")
+MiB = 1024 * 1024
+IOV_MAX = 1024  # pieces one writev takes (Linux's UIO_MAXIOV)
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits of one server (and, for sizes, of a client reading replies)."""
+
+    max_header: int = 1 * MiB
+    max_payload: int = 64 * MiB
+    max_inflight: int = 64
+    payload_budget: int = 512 * MiB
+    max_payload_waiters: int = 2048
+    auth_timeout: float = 10.0
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection (EOF) where a frame was expected.
+
+    Not a ``TectonicError``: it never leaves the wire layer, which turns it into
+    ``Unavailable`` (client) or the end of one connection (server)."""
+
+
+def pack_frame(header: Mapping[str, Any], payload_len: int) -> bytes:
+    """A frame's prefix and header; its payload (``payload_len`` bytes) is sent after it."""
+    head = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(VERSION, 0, 0, len(head), payload_len) + head
+
+
+async def read_prefix_and_header(
+    sock: trio.socket.SocketType, limits: Limits
+) -> tuple[dict[str, Any], int]:
+    """Read one frame's prefix and header: ``(header, payload_len)``, the payload still on
+    the socket. Raises ProtocolError when framing can't be trusted."""
+    prefix = bytearray(PREFIX.size)
+    await recv_exactly(sock, memoryview(prefix))
+    version, _flags, _reserved, hlen, plen = PREFIX.unpack(prefix)
+    if version != VERSION:
+        raise ProtocolError(f"unsupported frame version {version}")
+    if hlen < 1 or hlen > limits.max_header:
+        raise ProtocolError(f"header length {hlen} outside 1..{limits.max_header}")
+    if plen > limits.max_payload:
+        raise ProtocolError(f"payload length {plen} over limit {limits.max_payload}")
+    raw = bytearray(hlen)
+    try:
+        await recv_exactly(sock, memoryview(raw))
+    except PeerClosed:
+        raise ProtocolError("connection closed inside a frame header") from None
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 (msgpack raises a zoo of types for garbage)
+        raise ProtocolError(f"undecodable header: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    return header, plen
+
+
+async def recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``, yielding to other tasks only when no byte is ready.
+
+    Why not ``sock.recv_into`` in a loop: trio makes each successful call a checkpoint,
+    so a connection's reader went to the back of the run queue after every 64 KiB piece
+    of a payload, behind every other task, and a 1 MiB payload took four or five passes of
+    the scheduler (each with an epoll_wait). On a busy chunk store that made the single
+    reader of a connection the bottleneck of its puts. ``os.readv`` on the non-blocking
+    socket reads what the kernel holds without a checkpoint; ``wait_readable`` (which is
+    one) waits for more. A frame's header read still passes through ``wait_readable`` or
+    an explicit checkpoint in the callers' loops, so a reader cannot starve the others.
+    """
+    fd = sock.fileno()
+    while view:
+        try:
+            n = os.readv(fd, [view])
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        if n == 0:
+            raise PeerClosed()
+        view = view[n:]
+
+
+# Drained bytes are thrown away, so every drain in the process shares this one buffer (all
+# receives run on the event loop thread): a burst of refused puts costs no memory per request.
+_DRAIN_SCRATCH = memoryview(bytearray(MiB))
+
+
+async def drain(sock: trio.socket.SocketType, n: int) -> None:
+    """Read and discard ``n`` bytes (a payload nobody will use), keeping framing intact."""
+    while n > 0:
+        k = min(n, len(_DRAIN_SCRATCH))
+        await recv_exactly(sock, _DRAIN_SCRATCH[:k])
+        n -= k
+
+
+async def send_all(
+    sock: trio.socket.SocketType, data: Buffer, sent: list[int] | None = None
+) -> None:
+    await send_pieces(sock, [memoryview(data).cast("B")], sent)
+
+
+async def send_frame(
+    sock: trio.socket.SocketType,
+    frame: bytes,
+    payload: Buffer | None,
+    sent: list[int] | None = None,
+) -> None:
+    """A frame's prefix+header and its payload in one ``writev``: one syscall per message
+    instead of two (the payload is never joined to the header in a new buffer). ``sent[0]``
+    counts the bytes that went out, so a caller cancelled here knows whether the stream
+    holds half a frame."""
+    pieces = [memoryview(frame)]
+    if payload is not None and memoryview(payload).nbytes:
+        pieces.append(memoryview(payload).cast("B"))
+    await send_pieces(sock, pieces, sent)
+
+
+async def send_pieces(
+    sock: trio.socket.SocketType, pieces: list[memoryview], sent: list[int] | None
+) -> None:
+    """Write ``pieces`` to the socket, waiting (``wait_writable``) only when it is full.
+
+    Why not ``sock.sendmsg``: trio makes every successful send a checkpoint, one more pass
+    through the scheduler per reply on a busy chunk store (see ``recv_exactly``). A send
+    cancelled while it waits has sent nothing in that wait; ``sent`` says what went before.
+    """
+    fd = sock.fileno()
+    while pieces:
+        try:
+            n = os.writev(fd, pieces)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        if sent is not None:
+            sent[0] += n
+        while pieces and n >= pieces[0].nbytes:
+            n -= pieces[0].nbytes
+            pieces.pop(0)
+        if pieces and n:
+            pieces[0] = pieces[0][n:]
