@@ -9,7 +9,7 @@ with fsync, loopback TCP through our own wire protocol.
 
     python -m bench.bench_client [--size-mib 2048] [--burst] [--json]
 
-Targets (issue #4): write <= 4 CPU-s/GiB and utilisation >= 0.75; read (no chunk lost)
+Targets: write <= 4 CPU-s/GiB and utilisation >= 0.75; read (no chunk lost)
 <= 2 CPU-s/GiB and the same utilisation; burst of 2 processes x 128 writers x 16 MiB
 >= 0.8 of the single-writer throughput with no errors.
 """

@@ -24,9 +24,9 @@ Everything is measured in the same run, because these machines are shared and no
   file's pages).
 
 Each figure is wall MB/s (10^6 bytes/s) and CPU-seconds per GiB summed over *every* process
-involved: this one, the mount (or nullfs) process, and every cluster daemon. Targets from the
-issue: the mount adds <= 1 CPU-s per GiB to the client library's write, mount write >= 0.8
-and mount read >= 0.7 of the client library's wall throughput.
+involved: this one, the mount (or nullfs) process, and every cluster daemon. Targets: the
+mount adds <= 1 CPU-s per GiB to the client library's write, mount write >= 0.8 and mount
+read >= 0.7 of the client library's wall throughput.
 
 ``python -m bench.bench_fuse [--size MiB] [--smoke] [--json] [--dir D]``
 """

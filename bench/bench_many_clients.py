@@ -1,11 +1,11 @@
 """Many writers, then many readers, in ONE client process: peak RSS growth per phase against
 the client's own memory bounds, and read MB/s.
 
-Why: the 64-rank burst showed one worker process at 1,598 MiB RSS with a 256 MiB write window
-and a 192 MiB block cache. Measured per phase, the readers were the cause (every whole-block
-fetch buffer lived outside the cache). The ceiling each figure is printed against is the
-bound the client promises in the same run: window_bytes (+ two spare buffers) for writes,
-cache_bytes for reads.
+Why: a burst worker's RSS is one figure for both phases; only a measurement per phase says
+whether the writers or the readers overran their bound
+(docs/decisions/2026-12-01-client-memory-per-phase.md). The ceiling each figure is printed
+against is the bound the client promises in the same run: window_bytes (+ two spare
+buffers) for writes, cache_bytes for reads.
 
     .venv/bin/python -m bench.bench_many_clients --writers 64 --size-mib 16
 """

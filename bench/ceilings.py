@@ -102,7 +102,7 @@ def disk_write(directory: str | os.PathLike[str], size: int = GiB, block: int = 
 
 def drop_file_cache(path: str | os.PathLike[str]) -> None:
     """Drop one file's clean pages (POSIX_FADV_DONTNEED): a cold read without touching the
-    whole machine's cache, which other engineers' processes share."""
+    whole machine's cache, which other processes share."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

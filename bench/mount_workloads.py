@@ -8,11 +8,10 @@ The same functions measure every mount so the figures are comparable:
   checked against what was saved.
 
 The torch process runs with one OpenMP thread (``OMP_NUM_THREADS=1``), on every mount alike.
-Why: on this 2-core machine torch's thread pool spins between tensors and takes the core the
-FUSE daemon needs; measured through our mount (2 GiB, cold): torch.load 302-398 MB/s with
-the default pool, 431-495 MB/s with one thread, the mount's own CPU per GiB 1.15-1.25 vs
-0.69. A GPU node has dozens of idle cores, so one thread is the closer model of a trainer's
-restore, and it measures the filesystem rather than the scheduler.
+Why: on a 2-core machine torch's thread pool spins between tensors and takes the core the
+FUSE daemon needs (the measurement is in docs/decisions/2026-12-01-torch-one-thread.md). A
+GPU node has dozens of idle cores, so one thread is the closer model of a trainer's restore,
+and it measures the filesystem rather than the scheduler.
 
 "Cold" means the mount's caches hold nothing of the file: the caller passes ``remount`` (the
 peer is unmounted and mounted again, which empties its client-side caches too) or the

@@ -5,7 +5,7 @@ nursery, one task per service, each a loop of rounds), not inside metadata serve
 service round spans every shard and every chunk store, and a process of its own can be
 killed, restarted, or moved without touching the metadata servers.
 
-Restartable at any point (the lead's rule): the services keep no state of their own but
+Restartable at any point: the services keep no state of their own but
 what they store in the metadata service, and every step is idempotent and ordered so that a
 crash between two steps leaves at worst an extra chunk, never a missing one:
 
