@@ -16,9 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tectonic_py import loadtest
+from tectonic_py.cli.loadtest import client_options
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError
-from tectonic_py.loadtest import LoadtestConfig, ShardData, parse_size, run_loadtest
+from tectonic_py.core.units import parse_size
+from tectonic_py.loadtest import LoadtestConfig, ShardData, run_loadtest
 
 REPO = Path(__file__).resolve().parent.parent
 KiB = 1024
@@ -162,14 +164,14 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
     refused(through_mount=str(tmp_path), client_options={"slow_chunk_s": 5})
     (tmp_path / "c.toml").write_text("")
     refused(cluster_file=str(tmp_path / "c.toml"), client_options={"no_such_knob": 1})
-    assert loadtest._client_options(["slow_chunk_s=60", "hedge=3", "x=y"]) == {
+    assert client_options(["slow_chunk_s=60", "hedge=3", "x=y"]) == {
         "slow_chunk_s": 60,
         "hedge": 3,
         "x": "y",
     }
     for bad in (["novalue"], ["=3"], ["a b=1"]):
         with pytest.raises(ConfigError):
-            loadtest._client_options(bad)
+            client_options(bad)
     for text in ("", "abc", "1.5.2M", "-3", "4 XB"):
         with pytest.raises(ConfigError):
             parse_size(text)
@@ -245,6 +247,29 @@ def test_cli_json_and_plot(tmp_path):
     assert (res / "loadtest-mount-8.png").stat().st_size > 1000
     assert json.loads((res / "loadtest-mount-8.json").read_text())["timeline"]
     assert os.listdir(mnt) == []
+
+
+def test_cli_without_matplotlib_skips_the_plot_in_one_line(tmp_path):
+    """matplotlib is only in the bench extra: a plain install runs the load test, writes the
+    JSON and says in one line that there is no plot."""
+    mnt, res = tmp_path / "mnt", tmp_path / "res"
+    mnt.mkdir()
+    script = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now fails
+        "from tectonic_py.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, "loadtest", "--through-mount", str(mnt), "--ranks", "2",
+         "--processes", "1", "--shard-size", "64KiB", "--results-dir", str(res), "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if "no plot" in ln] == [
+        "loadtest: no plot: matplotlib is not installed (pip install 'tectonic-py[bench]')"
+    ]
+    assert json.loads(r.stdout)["bytes_verified"] == 2 * 64 * KiB
+    assert sorted(os.listdir(res)) == ["loadtest-mount-2.json"]
 
 
 @settings(max_examples=25, deadline=None)

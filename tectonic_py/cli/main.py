@@ -4,16 +4,27 @@ Each module in ``_COMMAND_MODULES`` exposes ``register(subparsers)``, which adds
 subcommands with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. User
 mistakes and domain failures (``TectonicError``) print one clear line and exit non-zero;
 only a genuine bug prints a traceback.
+
+Exit codes, the same for every subcommand: 0 done; 1 the command failed (one line on
+stderr); 2 a usage error (argparse); 3 (``cli.common.EXIT_UNHEALTHY``) the command ran but found the
+cluster unable to serve everything (``status``, ``repair --status``) or a load test with
+errors; 130 interrupted.
+
+A daemon subcommand names its loggers in ``set_defaults(daemon_loggers=[...])``: those log at
+INFO even without ``-v`` (start, ready, shutdown), which is what a service log needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
+from tectonic_py.cli.common import Parser
 from tectonic_py.core.errors import TectonicError
 
 _COMMAND_MODULES = [
@@ -24,15 +35,25 @@ _COMMAND_MODULES = [
     "tectonic_py.cli.mount",  # tectonic mount/umount
     "tectonic_py.cli.status",  # tectonic status
     "tectonic_py.cli.maintenance",  # tectonic maintenance / repair
-    "tectonic_py.loadtest",  # tectonic loadtest
+    "tectonic_py.cli.loadtest",  # tectonic loadtest
 ]
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("tectonic-py")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree that is not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tectonic", description="tectonic-py: an erasure-coded checkpoint filesystem"
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _COMMAND_MODULES:
@@ -46,17 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(verbose: int) -> None:
+def setup_logging(verbose: int, daemon_loggers: Sequence[str] = ()) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for name in daemon_loggers:
+        logging.getLogger(name).setLevel(min(level, logging.INFO))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, getattr(args, "daemon_loggers", ()))
     try:
         return int(args.func(args) or 0)
     except TectonicError as e:

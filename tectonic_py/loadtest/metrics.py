@@ -1,0 +1,200 @@
+"""What a load test measures, and the figures made from it.
+
+``phase_figures`` turns one phase's rank results into that phase's figures; ``Recorder``
+collects the phases, errors and metadata timings of the whole run and ``Recorder.result``
+makes the run's figures (the ``--json`` object). A new figure is one entry in either dict:
+the per-rank raw data (``RankResult``) and the workers' ``done`` messages are all here.
+
+CPU-seconds are counted for all processes together: the workers (their own rusage), the
+coordinator, and any watched PIDs (the cluster's daemons, or a peer filesystem's), per GiB
+written and read. Peak RSS of workers and watched processes shows memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from tectonic_py.core.units import GiB
+from tectonic_py.loadtest.config import LoadtestConfig, RankResult, shard_size
+
+
+class CpuMeter:
+    """CPU-seconds and peak RSS of a set of processes (psutil), sampled over time; processes
+    that vanish keep their last reading, so a daemon that dies is not subtracted."""
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        import psutil
+
+        self.procs: dict[int, Any] = {}
+        self.last: dict[int, float] = {}
+        self.peak_rss: dict[int, int] = {}
+        for pid in pids:
+            try:
+                self.procs[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
+        self.sample()
+        self.first = dict(self.last)
+
+    def used(self) -> float:
+        """CPU-s the set spent since this meter was made."""
+        return self.sample() - sum(self.first.values())
+
+    def sample(self) -> float:
+        """Total CPU-s of the set now (latest readings)."""
+        import psutil
+
+        for pid, p in self.procs.items():
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    self.last[pid] = t.user + t.system
+                    rss = p.memory_info().rss
+                self.peak_rss[pid] = max(self.peak_rss.get(pid, 0), rss)
+            except psutil.Error:
+                pass
+        return sum(self.last.values())
+
+    def max_rss(self) -> int:
+        return max(self.peak_rss.values(), default=0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def gbps(phases: list[dict[str, Any]]) -> float:
+    """Aggregate GB/s over bursts: bytes moved over the sum of their pauses."""
+    seconds = sum(p["seconds"] for p in phases)
+    return sum(p["bytes"] for p in phases) / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def phase_figures(
+    phase: str,
+    step: int,
+    t0: float,
+    results: list[RankResult],
+    done: list[dict[str, Any]],
+    watched_cpu_s: float,
+) -> dict[str, Any]:
+    """One burst's figures from its ranks' results and its workers' ``done`` messages."""
+    times = [r.t_done for r in results]
+    opens = [r.t_open for r in results if not r.error]
+    moved = sum(r.size for r in results if not r.error)
+    pause = max(times, default=0.0)
+    return {
+        "phase": phase,
+        "step": step,
+        "t0": t0,
+        "ranks": len(results),
+        "bytes": moved,
+        "seconds": pause,
+        "gbps": moved / pause / 1e9 if pause > 0 else 0.0,
+        "p50": percentile(times, 0.5),
+        "p90": percentile(times, 0.9),
+        "p99": percentile(times, 0.99),
+        "max": pause,
+        "open_p50": percentile(opens, 0.5),
+        "open_max": max(opens, default=0.0),
+        "opens_per_s": len(opens) / max(opens) if opens and max(opens) > 0 else 0.0,
+        "worker_cpu_s": sum(float(m["cpu_s"]) for m in done),
+        "watched_cpu_s": watched_cpu_s,
+        "errors": sum(1 for r in results if r.error),
+        "verified": sum(r.verified for r in results),
+    }
+
+
+class Recorder:
+    """Everything one run measured, in the order it happened."""
+
+    def __init__(self, cfg: LoadtestConfig) -> None:
+        self.cfg = cfg
+        self.run_t0 = time.time()
+        self.own_cpu0 = time.process_time()
+        self.timeline: list[tuple[float, str, int]] = []  # (wall time, phase, cumulative bytes)
+        self.phases: list[dict[str, Any]] = []
+        self.rank_results: list[RankResult] = []
+        self.errors: list[str] = []
+        self.meta_ops = 0
+        self.meta_seconds = 0.0
+        self.deleted_steps: list[int] = []
+        self.delete_seconds = 0.0
+        self.timed_out = False
+
+    def add_phase(self, figures: dict[str, Any], results: list[RankResult]) -> None:
+        self.phases.append(figures)
+        self.rank_results.extend(results)
+        for r in results:
+            if r.error:
+                self.errors.append(f"step {r.step} rank {r.rank} {r.phase}: {r.error}")
+
+    def written(self, step: int) -> dict[str, dict[str, int]]:
+        """The step's index entries: size and crc32c of every rank written without error."""
+        return {
+            str(r.rank): {"size": r.size, "crc32c": r.crc}
+            for r in self.rank_results
+            if r.step == step and r.phase == "write" and not r.error
+        }
+
+    def result(self, processes: int, worker_max_rss: int, watched_max_rss: int) -> dict[str, Any]:
+        """The run's figures: the ``--json`` object."""
+        cfg = self.cfg
+        writes = [p for p in self.phases if p["phase"] == "write"]
+        reads = [p for p in self.phases if p["phase"] == "read"]
+        written = sum(p["bytes"] for p in writes)
+        read = sum(p["bytes"] for p in reads)
+        write_times = [r.t_done for r in self.rank_results if r.phase == "write"]
+        creates = sum(p["ranks"] for p in writes)
+        create_seconds = sum(p["open_max"] for p in writes)
+        write_cpu = sum(p["worker_cpu_s"] + p["watched_cpu_s"] for p in writes)
+        read_cpu = sum(p["worker_cpu_s"] + p["watched_cpu_s"] for p in reads)
+        return {
+            "mode": "mount" if cfg.through_mount else "client",
+            "target": cfg.through_mount or cfg.cluster_file,
+            "ranks": cfg.ranks,
+            "processes": processes,
+            "steps": cfg.steps,
+            "size_dist": cfg.size_dist,
+            "shard_bytes_per_step": sum(shard_size(cfg, r) for r in range(cfg.ranks)),
+            "errors": len(self.errors),
+            "error_samples": self.errors[:10],
+            "timed_out": self.timed_out,
+            "bytes_written": written,
+            "bytes_read": read,
+            "bytes_verified": sum(p["verified"] for p in reads),
+            "write_gbps": gbps(writes),
+            "read_gbps": gbps(reads),
+            "pause_s": max((p["seconds"] for p in writes), default=0.0),
+            "pause_s_per_step": [round(p["seconds"], 4) for p in writes],
+            "restore_s": max((p["seconds"] for p in reads), default=0.0),
+            "rank_write_p50_s": percentile(write_times, 0.5),
+            "rank_write_p90_s": percentile(write_times, 0.9),
+            "rank_write_p99_s": percentile(write_times, 0.99),
+            "rank_write_max_s": max(write_times, default=0.0),
+            "metadata_ops": self.meta_ops + creates + sum(p["ranks"] for p in reads),
+            "creates_per_s": creates / create_seconds if create_seconds > 0 else 0.0,
+            "deleted_steps": self.deleted_steps,
+            "delete_seconds": round(self.delete_seconds, 4),
+            "cpu_s_write": write_cpu,
+            "cpu_s_read": read_cpu,
+            "cpu_s_per_gib_write": write_cpu / (written / GiB) if written else None,
+            "cpu_s_per_gib_read": read_cpu / (read / GiB) if read else None,
+            "coordinator_cpu_s": time.process_time() - self.own_cpu0,
+            "worker_max_rss": worker_max_rss,
+            "watched_max_rss": watched_max_rss,
+            "wall_s": time.time() - self.run_t0,
+            "phases": self.phases,
+            "timeline": [(round(t - self.run_t0, 4), ph, b) for t, ph, b in self.timeline],
+            "rank_times": {
+                "write": sorted(write_times),
+                "read": sorted(r.t_done for r in self.rank_results if r.phase == "read"),
+            },
+        }
