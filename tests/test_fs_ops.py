@@ -223,3 +223,32 @@ async def test_open_racing_the_last_release_keeps_a_working_writer(
     await ops.release(fh)
     attrs = await ops.meta.getattr(entry.st_ino)
     assert attrs.sealed and attrs.size == len(b"second")
+
+
+@pytest.mark.parametrize("other_closed", [False, True])
+async def test_a_fenced_writer_gets_estale(
+    ops: Operations, shared_cluster: LocalCluster, other_closed: bool
+) -> None:
+    """A second mount opens the file for writing: the first one's handle is fenced, and its
+    next commit fails with ESTALE, whether the other writer is still writing or has already
+    closed (sealed) the file. The failure is sticky and the fenced handle never seals."""
+    name = b"fenced-%d" % other_closed
+    fi, entry = await ops.create(ROOT_ID, name, 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops.write(fi.fh, 0, b"first")
+    await ops.flush(fi.fh)
+    async with open_client(shared_cluster.cluster_file) as other_client:
+        other = Operations(other_client)
+        inode = (await other.lookup(ROOT_ID, name, CTX)).st_ino
+        fi2 = await other.open(inode, os.O_WRONLY | os.O_TRUNC, CTX)
+        await other.write(fi2.fh, 0, b"second writer")
+        await other.flush(fi2.fh)
+        if other_closed:
+            await other.release(fi2.fh)
+        await ops.write(fi.fh, 5, b" more")
+        assert await _errno(ops.flush(fi.fh)) == errno.ESTALE
+        assert await _errno(ops.write(fi.fh, 10, b"x")) == errno.ESTALE  # sticky
+        await ops.release(fi.fh)
+        if not other_closed:
+            await other.release(fi2.fh)
+    attrs = await ops.meta.getattr(entry.st_ino)
+    assert attrs.sealed and attrs.size == len(b"second writer")

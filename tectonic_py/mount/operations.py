@@ -444,9 +444,18 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=handle.fh)
 
     async def _guard(self, ofile: OpenFile, call: Awaitable[T]) -> T:
-        """Run a write-path call; its first failure becomes the inode's sticky error."""
+        """Run a write-path call; its first failure becomes the inode's sticky error.
+
+        A writer here holds a writer token, so a file found sealed under it was taken by
+        another writer (or by lease recovery) and closed: fenced, as when the other writer is
+        still writing. Both answer ESTALE, the errno NFS gives a handle that went stale, and
+        not EPERM, which would send the user looking at file permissions.
+        """
         try:
-            return await call
+            try:
+                return await call
+            except FileSealed as e:
+                raise StaleWriterToken(f"{e}: another writer took and closed it") from e
         except Exception as e:
             if ofile.error is None:
                 ofile.error = e
