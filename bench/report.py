@@ -116,7 +116,7 @@ def _header(results: dict[str, Any], plot_name: str) -> list[str]:
         ),
         (
             f"Load average at start {lb[0]:.1f}, at end {la[0]:.1f}: the machine's 2 cores are "
-            "shared with other engineers' test runs, so MB/s figures are noisy (up to 2x between "
+            "shared with other users' test runs, so MB/s figures are noisy (up to 2x between "
             "runs); CPU-seconds per GiB are steadier. Every ratio is to a ceiling measured in this "
             "same run."
         ),
@@ -419,7 +419,7 @@ def _ceilings(results: dict[str, Any]) -> list[str]:
 
 def _other_scripts(results: dict[str, Any]) -> list[str]:
     """Each separate bench script's figures, flattened, or why it did not run."""
-    lines = ["## The other engineers' bench scripts", ""]
+    lines = ["## The per-component bench scripts", ""]
     for name, r in (results.get("others") or {}).items():
         status = r.get("status", "ok") if isinstance(r, dict) else "?"
         lines += [f"### {name}: {status}", ""]
