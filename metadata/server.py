@@ -130,7 +130,8 @@ def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
 class MetadataServer(MaintenanceOps):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
-    The ops of the background services come from ``MaintenanceOps`` (metadata/maintenance_ops.py)."""
+    The ops of the background services come from ``MaintenanceOps``
+    (metadata/maintenance_ops.py)."""
 
     def __init__(
         self,

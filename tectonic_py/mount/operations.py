@@ -1,11 +1,12 @@
 """The FUSE mount: a pyfuse3 ``Operations`` class, a thin layer over the client library.
 
-All logic of reads and writes lives in ``tectonic_py.client.tectonic_client`` (as in Tectonic); this module
-only translates kernel requests into client calls and keeps the per-mount bookkeeping the
-kernel needs (``tectonic_py.mount.inode_cache``). It is also the ONE place where domain errors
-become errno (``errno_of``): pyfuse3 ends the whole mount when a handler raises anything but
-``FUSEError``, so every handler goes through ``_fuse_op``, which maps ``TectonicError`` to its
-errno and turns a bug into EIO plus a traceback in the log instead of a dead mount.
+All logic of reads and writes lives in the client library (``tectonic_py.client``, as in
+Tectonic); this module only translates kernel requests into client calls and keeps the
+per-mount bookkeeping the kernel needs (``tectonic_py.mount.inode_cache``). It is also the
+ONE place where domain errors become errno (``errno_of``): pyfuse3 ends the whole mount when
+a handler raises anything but ``FUSEError``, so every handler goes through ``_fuse_op``,
+which maps ``TectonicError`` to its errno and turns a bug into EIO plus a traceback in the
+log instead of a dead mount.
 
 Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 
