@@ -81,7 +81,7 @@ from bench.common import process_cpu
 from chunkstore import layout
 from chunkstore.client import ChunkClient
 from chunkstore.server import DISK_WORKERS
-from tectonic_py.core import capability, ids, wire
+from tectonic_py.core import capability, ids, rpc_client
 from tectonic_py.core.checksum import checksum
 
 MiB = 1024 * 1024
@@ -141,7 +141,7 @@ def _reserve_huge_pages(count: int) -> int:
 async def _node_stats(port: int, secret: bytes) -> dict[str, Any]:
     """The daemon's ``node_stats``: where its put buffers came from, its hugetlb counts,
     where its gets were read."""
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         return dict((await conn.call("node_stats")).fields)
 
 
@@ -172,7 +172,7 @@ async def run_case(
         chunk_ids.append(cid)
         caps[cid] = cap
     results = []
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
 
         async def run(op: str) -> dict[str, Any]:

@@ -12,7 +12,8 @@ same run*. Each stage of the data path has its own ceiling here:
 * zfec RS(k, m) encode and decode, 1 and 2 threads (zfec releases the GIL, so two threads
   should nearly double it), as MB/s of *data* and CPU-seconds per GiB;
 * loopback TCP: blocking sockets (the kernel's ceiling), a trio stream using ``recv_into``,
-  and our own wire protocol (``tectonic_py.core.wire``) both ways, so its overhead is visible;
+  and our own wire protocol (``tectonic_py.core.rpc_server`` and ``rpc_client``) both ways,
+  so its overhead is visible;
 * msgpack: packing a header that holds 1 MiB of bytes, the copy the wire design avoids.
 
 CPU-seconds per GiB are steadier than MB/s on a shared machine, so every function reports
@@ -43,7 +44,8 @@ import zfec
 
 from bench.common import print_results
 from chunkstore.layout import direct_span
-from tectonic_py.core import wire
+from tectonic_py.core import buffers, rpc_client, rpc_server
+from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +136,9 @@ DIRECT_BLOCK = 4 * MiB
 
 @contextmanager
 def _huge_view(n: int) -> Iterator[memoryview]:
-    """A view of ``n`` bytes of a huge-page buffer (``wire.huge_page_buffer``), as the chunk
+    """A view of ``n`` bytes of a huge-page buffer (``buffers.huge_page_buffer``), as the chunk
     store reads and writes with O_DIRECT; unmapped on leaving."""
-    buf = wire.huge_page_buffer(n)
+    buf = buffers.huge_page_buffer(n)
     whole = memoryview(buf)
     view = whole[:n]
     try:
@@ -238,7 +240,7 @@ def files_read_direct(paths: Sequence[str | os.PathLike[str]], threads: int) -> 
     disk (or a virtual disk) that pays per request serves gets at its small-file speed, which
     can be half its sequential speed. Run on a chunk store's own chunk files, this is what
     its disk does for exactly the reads its gets make, with no daemon in the way. The reads
-    go into huge-page buffers, as the chunk store's do (``wire.huge_page_buffer``).
+    go into huge-page buffers, as the chunk store's do (``buffers.huge_page_buffer``).
     """
     files = [Path(p) for p in paths]
     sizes = {path: path.stat().st_size for path in files}
@@ -494,14 +496,14 @@ def tcp_wire(total: int = GiB, message: int = MiB, inflight: int = 8) -> dict[st
     source = os.urandom(message)
     out: dict[str, dict] = {}
 
-    async def sink(req: wire.Request) -> dict:
+    async def sink(req: Request) -> dict:
         return {"n": len(req.require_payload())}
 
-    async def serve_bytes(req: wire.Request) -> tuple[dict, bytes]:
+    async def serve_bytes(req: Request) -> tuple[dict, bytes]:
         n = req.int("n", hi=message)
         return {}, source[:n] if n < message else source
 
-    async def run_direction(conn: wire.Connection, put: bool) -> int:
+    async def run_direction(conn: rpc_client.Connection, put: bool) -> int:
         moved = [0]
         count = max(1, -(-total // message))
         todo = iter(range(count))
@@ -522,10 +524,10 @@ def tcp_wire(total: int = GiB, message: int = MiB, inflight: int = 8) -> dict[st
         return moved[0]
 
     async def main() -> None:
-        server = wire.RpcServer("ceiling", secret, {"sink": sink, "source": serve_bytes})
+        server = rpc_server.RpcServer("ceiling", secret, {"sink": sink, "source": serve_bytes})
         async with trio.open_nursery() as nursery:
             _, port = await nursery.start(server.serve, "127.0.0.1", 0)
-            async with wire.open_connection("127.0.0.1", port, secret) as conn:
+            async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
                 for name, put in (("wire_put", True), ("wire_get", False)):
                     with _Clock() as clock:
                         moved = await run_direction(conn, put)

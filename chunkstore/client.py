@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import trio
 
 from chunkstore.layout import file_size_for
-from tectonic_py.core import wire
+from tectonic_py.core import framing, rpc_client
 from tectonic_py.core.checksum import KEEP_GIL_MAX
 from tectonic_py.core.checksum import checksum as crc32c
 from tectonic_py.core.errors import ChecksumMismatch
@@ -54,7 +54,7 @@ class NodeStats:
     bytes_out: int
 
 
-async def _crc(data: wire.Buffer) -> int:
+async def _crc(data: framing.Buffer) -> int:
     if memoryview(data).nbytes <= _INLINE_CRC:
         return crc32c(data, keep_gil=True)
     return await trio.to_thread.run_sync(crc32c, data)
@@ -63,11 +63,11 @@ async def _crc(data: wire.Buffer) -> int:
 class ChunkClient:
     """Calls on one chunk store; shares ``conn`` (many calls may be in flight at once)."""
 
-    def __init__(self, conn: wire.Connection) -> None:
+    def __init__(self, conn: rpc_client.Connection) -> None:
         self.conn = conn
 
     async def put(
-        self, chunk_id: str, data: wire.Buffer, cap: bytes, checksum: int | None = None
+        self, chunk_id: str, data: framing.Buffer, cap: bytes, checksum: int | None = None
     ) -> None:
         """Store a chunk durably; returns once it is on the store's disk.
 

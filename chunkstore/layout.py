@@ -371,7 +371,7 @@ def put_room(length: int) -> tuple[int, int]:
     """Where a received payload of ``length`` bytes should sit in a page-aligned buffer so
     that the buffer is already the chunk file's image: (offset of the data = header size,
     buffer size = file size rounded up to ``DIRECT_ALIGN``). The RPC server receives a put
-    into such a buffer (``wire.RpcServer(payload_room=...)``) and ``write_chunk`` writes
+    into such a buffer (``rpc_server.RpcServer(payload_room=...)``) and ``write_chunk`` writes
     it with O_DIRECT, so the bytes never pass through the page cache."""
     offset = data_offset_for(length)
     return offset, direct_span(offset + length)

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from chunkstore.server import DISK_WORKERS, StoreConfig, serve
-from tectonic_py.core import wire
+from tectonic_py.core import auth, sockets
 from tectonic_py.core.aio import open_service_nursery
 
 log = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ def _raise_fd_limit() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    host, port = wire.parse_address(args.listen)
+    host, port = sockets.parse_address(args.listen)
     config = StoreConfig(
         data_dir=args.data_dir,
         node_id=args.node_id,
         failure_domain=args.failure_domain,
-        secret=wire.load_secret(args.secret_file),
+        secret=auth.load_secret(args.secret_file),
         host=host,
         port=port,
         capacity=args.capacity,

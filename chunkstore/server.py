@@ -63,7 +63,7 @@ from chunkstore.writer_process import (
     WriterProcess,
     read_chunk_into,
 )
-from tectonic_py.core import capability, wire
+from tectonic_py.core import buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.errors import (
     Busy,
@@ -73,8 +73,9 @@ from tectonic_py.core.errors import (
     Unavailable,
     WriterLost,
 )
+from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
-from tectonic_py.core.wire import Buffer
+from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class StoreConfig:
     spare_files: int = 1024  # deleted chunk files kept for puts to reuse (chunkstore/spares.py)
     spare_bytes: int = 1024 * MiB  # and their bytes at most
     spare_min: int = 32  # empty spares made in idle time, so a fresh store has some
-    limits: wire.Limits = field(init=False)
+    limits: framing.Limits = field(init=False)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -147,8 +148,8 @@ class StoreConfig:
         if min(self.spare_files, self.spare_bytes, self.spare_min) < 0:
             raise ConfigError("spare files, bytes and minimum must be >= 0")
         if self.registry is not None:
-            wire.parse_address(self.registry)
-        self.limits = wire.Limits(
+            sockets.parse_address(self.registry)
+        self.limits = framing.Limits(
             max_payload=MAX_CHUNK,
             payload_budget=self.payload_budget,
             max_payload_waiters=self.max_payload_waiters,
@@ -191,7 +192,7 @@ class _ReplyBudget:
     buffer is reused for a later get (a fresh one costs a memset and page faults per get).
     """
 
-    def __init__(self, capacity: int, spares: wire.SpareBuffers | None = None) -> None:
+    def __init__(self, capacity: int, spares: buffers.SpareBuffers | None = None) -> None:
         """``spares``: the pool to take buffers from (the RPC server's, whose put payload
         buffers then serve gets too); by default one of private huge pages of its own."""
         self.capacity = capacity
@@ -200,7 +201,7 @@ class _ReplyBudget:
         self.waiting = 0
         self._lot = trio.lowlevel.ParkingLot()
         if spares is None:
-            spares = wire.SpareBuffers(min(capacity // 4, 80 * MiB), huge=True)
+            spares = buffers.SpareBuffers(min(capacity // 4, 80 * MiB), huge=True)
         self.spares = spares
 
     async def acquire(self, n: int) -> None:
@@ -272,7 +273,7 @@ class ChunkStoreServer:
             )
         else:
             self._writers = DiskWorkers(writers_name, config.max_concurrent_writes)
-        self.rpc = wire.RpcServer(
+        self.rpc = rpc_server.RpcServer(
             f"chunkstore[{config.node_id}]",
             config.secret,
             {
@@ -423,10 +424,10 @@ class ChunkStoreServer:
     # --- handlers ----------------------------------------------------------------------------
 
     @staticmethod
-    def _chunk_id(req: wire.Request) -> str:
+    def _chunk_id(req: Request) -> str:
         return layout.validate_chunk_id(req.str("chunk_id", max_len=layout.MAX_CHUNK_ID_LEN))
 
-    async def _put(self, req: wire.Request) -> dict[str, Any]:
+    async def _put(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
         checksum = req.int("checksum", hi=2**32 - 1)
         cap = req.bytes("cap", max_len=16384)
@@ -517,8 +518,8 @@ class ChunkStoreServer:
             self.chunk_count += 1
 
     async def _get(
-        self, req: wire.Request
-    ) -> tuple[dict[str, Any], memoryview | wire.Piped, Callable[[], None]]:
+        self, req: Request
+    ) -> tuple[dict[str, Any], memoryview | buffers.Piped, Callable[[], None]]:
         chunk_id = self._chunk_id(req)
         offset = req.int("offset", 0, hi=MAX_CHUNK)
         length = req.int("length", None, hi=MAX_CHUNK)
@@ -582,7 +583,7 @@ class ChunkStoreServer:
 
     async def _splice(
         self, chunk_id: str, length: int | None
-    ) -> tuple[dict[str, Any], wire.Piped, Callable[[], None]] | None:
+    ) -> tuple[dict[str, Any], buffers.Piped, Callable[[], None]] | None:
         """A whole get as pipes holding the chunk's pages (``layout.splice_chunk``), sent
         unverified with ``verified: False``; None where it goes the verified way. The reply
         budget is taken for the length asked for, or the last whole get's (a get without a
@@ -625,7 +626,7 @@ class ChunkStoreServer:
             "range_checksum": header.checksum,
             "verified": False,
         }
-        return fields, wire.Piped(tuple(pipes)), release
+        return fields, buffers.Piped(tuple(pipes)), release
 
     async def _read_by_writer(
         self, chunk_id: str, length: int | None, buf: Buffer
@@ -655,7 +656,7 @@ class ChunkStoreServer:
             return None
         return header, view[start : start + n], crc
 
-    async def _delete(self, req: wire.Request) -> dict[str, Any]:
+    async def _delete(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
         self._outstanding += 1
         try:
@@ -700,10 +701,10 @@ class ChunkStoreServer:
 
         return await trio.to_thread.run_sync(look)
 
-    async def _scrub_report(self, req: wire.Request) -> dict[str, Any]:
+    async def _scrub_report(self, req: Request) -> dict[str, Any]:
         return self.scrubber.report()
 
-    async def _stat(self, req: wire.Request) -> dict[str, Any]:
+    async def _stat(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
 
         def stat() -> dict[str, Any]:
@@ -713,7 +714,7 @@ class ChunkStoreServer:
         async with self._reads:
             return await trio.to_thread.run_sync(stat)
 
-    async def _list(self, req: wire.Request) -> dict[str, Any]:
+    async def _list(self, req: Request) -> dict[str, Any]:
         after = req.str("after", "", max_len=layout.MAX_CHUNK_ID_LEN)
         limit = req.int("limit", 1000, lo=1, hi=LIST_LIMIT)
         async with self._reads:
@@ -722,7 +723,7 @@ class ChunkStoreServer:
             )
         return {"chunks": [[c, n] for c, n in chunks], "next": nxt}
 
-    async def _node_stats(self, req: wire.Request) -> dict[str, Any]:
+    async def _node_stats(self, req: Request) -> dict[str, Any]:
         return await self.node_stats()
 
     async def node_stats(self) -> dict[str, Any]:
@@ -757,17 +758,17 @@ class ChunkStoreServer:
     async def _heartbeat_loop(self) -> None:
         """Heartbeat the registry forever; ready file after the first accepted heartbeat."""
         assert self.config.registry is not None
-        host, port = wire.parse_address(self.config.registry)
+        host, port = sockets.parse_address(self.config.registry)
         down_logged = False
         async with trio.open_nursery() as nursery:
-            conn: wire.Connection | None = None
+            conn: rpc_client.Connection | None = None
             while True:
                 try:
                     if conn is None or conn.broken is not None:
                         if conn is not None:
                             await conn.aclose()
                         conn = None
-                        conn = await wire.Connection.connect(
+                        conn = await rpc_client.Connection.connect(
                             host,
                             port,
                             self.config.secret,
@@ -823,7 +824,7 @@ def _advertised_address(host: str, port: int, registry: str | None) -> str:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if registry is None:
         return f"127.0.0.1:{port}" if host == "0.0.0.0" else f"[::1]:{port}"
-    rhost, rport = wire.parse_address(registry)
+    rhost, rport = sockets.parse_address(registry)
     family = socket.AF_INET6 if ":" in rhost else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:

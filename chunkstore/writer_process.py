@@ -17,7 +17,7 @@ against 0.80-0.90.
 
 The payload is not copied. The RPC server receives every large payload into a
 ``SharedBuffers`` buffer (a file of a private tmpfs, or a memfd, each mapped shared;
-``wire.SpareBuffers(make=...)``); a job names the buffer and carries its descriptor
+``SpareBuffers(make=...)``); a job names the buffer and carries its descriptor
 (SCM_RIGHTS), and the writer maps it the first time it sees it, so the O_DIRECT write reads
 the very pages the socket wrote. The writer keeps its mappings of live buffers and drops
 those the daemon has freed (the daemon says which, with its next job or, when idle, every
@@ -76,9 +76,9 @@ import trio
 
 from chunkstore import huge_tmpfs, layout
 from tectonic_py.core.aio import acquire_soon
+from tectonic_py.core.buffers import HUGE_PAGE
 from tectonic_py.core.errors import Busy, TectonicError, Unavailable, WriterLost
 from tectonic_py.core.process_env import child_env
-from tectonic_py.core.wire import HUGE_PAGE
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _now_and_then(level: int, count: int, message: str, error: OSError) -> None:
 
 
 class SharedBuffers:
-    """Makes the RPC server's large payload buffers (``wire.SpareBuffers(make=...)``): a
+    """Makes the RPC server's large payload buffers (``SpareBuffers(make=...)``): a
     shared mapping of a file each (the descriptor travels with a job), so that the writer
     process can map the same pages. A buffer's file stays open while the buffer lives; when
     it is freed ``on_release`` hears of it, so that the writer drops its mapping.
@@ -615,7 +615,7 @@ class WriterProcess:
         it ended.
 
         All the answers there are, then a wait: the jobs' tasks then wake in one pass of
-        the scheduler and their replies leave in one ``writev`` (``wire._Outbox``); read
+        the scheduler and their replies leave in one ``writev`` (``rpc_server._Outbox``); read
         one per pass, as ``recv_into`` does, each reply went alone. (The answers waiting are
         bounded by the jobs sent, so this never starves the other tasks.)"""
         buf = bytearray(MAX_MESSAGE)

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from tectonic_py.core import wire
+from tectonic_py.core import rpc_client, sockets
 from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
@@ -127,7 +127,7 @@ class MetadataClient:
         self._shard_addr = {
             s: server.address for server in config.metadata_servers for s in server.shards
         }
-        self._pools: dict[str, list[wire.Connection | None]] = {}
+        self._pools: dict[str, list[rpc_client.Connection | None]] = {}
         self._pool_locks: dict[tuple[str, int], trio.Lock] = {}
         self._next = 0
         self._dir_policy: dict[int, tuple[float, str, int]] = {}
@@ -146,7 +146,7 @@ class MetadataClient:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _connection(self, address: str) -> wire.Connection:
+    async def _connection(self, address: str) -> rpc_client.Connection:
         pool = self._pools.setdefault(address, [None] * POOL_SIZE)
         self._next = (self._next + 1) % POOL_SIZE
         slot = self._next
@@ -160,8 +160,10 @@ class MetadataClient:
                 return conn
             if self._closed:
                 raise ShardUnavailable("the metadata client is closed")
-            host, port = wire.parse_address(address)
-            conn = await wire.Connection.connect(host, port, self._secret, nursery=self._nursery)
+            host, port = sockets.parse_address(address)
+            conn = await rpc_client.Connection.connect(
+                host, port, self._secret, nursery=self._nursery
+            )
             pool[slot] = conn
             return conn
 

@@ -10,8 +10,9 @@ import trio
 
 from metadata.server import MetadataServer, parse_shard_list
 from tectonic_py.core.aio import _single
+from tectonic_py.core.auth import load_secret
 from tectonic_py.core.errors import ConfigError, TectonicError
-from tectonic_py.core.wire import load_secret, parse_address
+from tectonic_py.core.sockets import parse_address
 
 log = logging.getLogger(__name__)
 

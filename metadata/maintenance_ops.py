@@ -45,9 +45,9 @@ import msgpack
 
 from metadata.block_layer import repoint_chunk
 from metadata.shard import now_ns
-from tectonic_py.core import wire
 from tectonic_py.core.errors import FileNotFound, InvalidArgument
 from tectonic_py.core.ids import MAX_ID, NODE_ID_RE
+from tectonic_py.core.rpc_server import Request
 
 MAX_SCAN = 10_000
 
@@ -239,7 +239,7 @@ def recover_lease(
 # --- handlers --------------------------------------------------------------------------------
 
 
-def _pairs(req: wire.Request, field: str, width: int) -> list[tuple[int, ...]]:
+def _pairs(req: Request, field: str, width: int) -> list[tuple[int, ...]]:
     items = req.list(field, max_len=MAX_SCAN)
     out = []
     for item in items:
@@ -258,17 +258,17 @@ def _pairs(req: wire.Request, field: str, width: int) -> list[tuple[int, ...]]:
 class MaintenanceOps:
     """Mixin of ``MetadataServer`` (which provides ``_store``)."""
 
-    def _store(self, req: wire.Request) -> Any:  # provided by MetadataServer
+    def _store(self, req: Request) -> Any:  # provided by MetadataServer
         raise NotImplementedError
 
-    async def op_block__scan(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__scan(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         blocks, nxt = store.read(
             scan_blocks, req.int("after", 0, hi=MAX_ID), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
         )
         return {"blocks": blocks, "next": nxt}
 
-    async def op_block__set_chunk(self, req: wire.Request) -> None:
+    async def op_block__set_chunk(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             set_chunk,
@@ -279,7 +279,7 @@ class MaintenanceOps:
             req.int("checksum", hi=2**32 - 1),
         )
 
-    async def op_block__forget(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__forget(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         state = req.str("state", max_len=16)
         if state not in ("allocated", "committed"):
@@ -293,13 +293,13 @@ class MaintenanceOps:
         )
         return {"forgotten": done}
 
-    async def op_block__dead_chunks(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__dead_chunks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         node = req.str("node_id", max_len=64)
         chunks = [(b, i) for b, i in _pairs(req, "chunks", 2)]
         return {"dead": [list(c) for c in store.read(dead_chunks, node, chunks)]}
 
-    async def op_file__gc_queue(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__gc_queue(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         rows = store.read(
             gc_queue,
@@ -308,18 +308,18 @@ class MaintenanceOps:
         )
         return {"blocks": [list(r) for r in rows]}
 
-    async def op_file__gc_ack(self, req: wire.Request) -> None:
+    async def op_file__gc_ack(self, req: Request) -> None:
         store = self._store(req)
         ids = req.list("block_ids", max_len=MAX_SCAN)
         if not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_ID for b in ids):
             raise InvalidArgument("file.gc_ack: block_ids must be block ids")
         await store.write(gc_ack, ids)
 
-    async def op_file__referenced(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__referenced(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"referenced": store.read(referenced, _pairs(req, "refs", 3))}
 
-    async def op_file__expired_leases(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         rows = store.read(
             expired_leases,
@@ -328,7 +328,7 @@ class MaintenanceOps:
         )
         return {"files": [list(r) for r in rows]}
 
-    async def op_file__recover_lease(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__recover_lease(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         outcome = await store.write(
             recover_lease,

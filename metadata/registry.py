@@ -24,7 +24,7 @@ from metadata.shard import ShardStore, now_ns
 from tectonic_py.core.errors import InvalidArgument
 from tectonic_py.core.ids import NODE_ID_RE
 from tectonic_py.core.records import NodeInfo
-from tectonic_py.core.wire import parse_address
+from tectonic_py.core.sockets import parse_address
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ from metadata import block_layer, file_layer, name_layer
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
-from tectonic_py.core import capability, wire
+from tectonic_py.core import capability, rpc_client, rpc_server, sockets
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
@@ -86,6 +86,7 @@ from tectonic_py.core.errors import (
 )
 from tectonic_py.core.ids import MAX_ID, ROOT_ID, shard_of
 from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs, validate_name
+from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +101,16 @@ def _attrs(attrs: Attrs) -> dict[str, Any]:
     return dict(attrs.__dict__)
 
 
-def _id(req: wire.Request, name: str) -> int:
+def _id(req: Request, name: str) -> int:
     return req.int(name, lo=1, hi=MAX_ID)
 
 
-def _name(req: wire.Request, field: str = "name") -> str:
+def _name(req: Request, field: str = "name") -> str:
     value = req.fields.get(field)
     return validate_name(value)
 
 
-def _kind(req: wire.Request) -> str:
+def _kind(req: Request) -> str:
     kind = req.str("kind", max_len=8)
     if kind not in (KIND_FILE, KIND_DIR):
         raise InvalidArgument(f"{req.op}: unknown kind {kind!r}")
@@ -169,12 +170,12 @@ class MetadataServer(MaintenanceOps):
             else None
         )
         self.address = ""
-        handlers: dict[str, Callable[[wire.Request], Awaitable[Any]]] = {}
+        handlers: dict[str, Callable[[Request], Awaitable[Any]]] = {}
         for attr in dir(self):
             if attr.startswith("op_"):
                 op = attr[3:].replace("__", ".", 1)
                 handlers[op] = getattr(self, attr)
-        self.rpc = wire.RpcServer(f"metadata[{shards[0]}..]", secret, handlers)
+        self.rpc = rpc_server.RpcServer(f"metadata[{shards[0]}..]", secret, handlers)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class MetadataServer(MaintenanceOps):
         )
         log.info("created the root directory in shard %d", root_shard)
 
-    def _store(self, req: wire.Request) -> ShardStore:
+    def _store(self, req: Request) -> ShardStore:
         shard = req.int("shard", hi=2**31)
         store = self.stores.get(shard)
         if store is None:
@@ -232,7 +233,7 @@ class MetadataServer(MaintenanceOps):
 
     # --- Name layer ---------------------------------------------------------------------------
 
-    async def op_name__lookup(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__lookup(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         child, kind = store.read(name_layer.lookup, _id(req, "dir"), _name(req))
         reply: dict[str, Any] = {"id": child, "kind": kind}
@@ -245,20 +246,20 @@ class MetadataServer(MaintenanceOps):
                 pass
         return reply
 
-    async def op_name__insert(self, req: wire.Request) -> None:
+    async def op_name__insert(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             name_layer.insert, _id(req, "dir"), _name(req), _id(req, "id"), _kind(req)
         )
 
-    async def op_name__list(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__list(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         after = req.str("after", "", max_len=1024)
         limit = req.int("limit", 1000, lo=1, hi=name_layer.MAX_PAGE)
         entries, cursor = store.read(name_layer.list_entries, _id(req, "dir"), after, limit)
         return {"entries": [[e.name, e.id, e.kind] for e in entries], "next": cursor}
 
-    async def op_name__remove(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__remove(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         child = await store.write(
             name_layer.remove,
@@ -269,7 +270,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"id": child}
 
-    async def op_name__rename(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__rename(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         src_dir, dst_dir = _id(req, "src_dir"), _id(req, "dst_dir")
         if (
@@ -286,10 +287,10 @@ class MetadataServer(MaintenanceOps):
             req.int("replace_dir", 0, hi=MAX_ID),
         )
 
-    async def op_name__rename_prepare(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__rename_prepare(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         dst_address = req.str("dst_address", max_len=300)
-        wire.parse_address(dst_address)
+        sockets.parse_address(dst_address)
         return await store.write(
             name_layer.rename_prepare,
             _id(req, "src_dir"),
@@ -300,7 +301,7 @@ class MetadataServer(MaintenanceOps):
             req.int("deadline_ns", hi=2**63 - 1),
         )
 
-    async def op_name__rename_apply(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__rename_apply(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return await store.write(
             name_layer.rename_apply,
@@ -313,17 +314,17 @@ class MetadataServer(MaintenanceOps):
             req.int("replace_dir", 0, hi=MAX_ID),
         )
 
-    async def op_name__rename_finish(self, req: wire.Request) -> None:
+    async def op_name__rename_finish(self, req: Request) -> None:
         store = self._store(req)
         await store.write(name_layer.rename_finish, _id(req, "intent"), req.bool("applied"))
 
-    async def op_name__intents(self, req: wire.Request) -> dict[str, Any]:
+    async def op_name__intents(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"intents": store.read(name_layer.intents, req.int("before_ns", hi=2**63 - 1))}
 
     # --- File layer ---------------------------------------------------------------------------
 
-    async def op_file__create(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__create(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         parent = _id(req, "parent")
         spec = {
@@ -341,7 +342,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"attrs": _attrs(attrs), "token": token}
 
-    async def op_file__get(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__get(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         file_id = _id(req, "id")
         return {
@@ -349,7 +350,7 @@ class MetadataServer(MaintenanceOps):
             "parent": store.read(file_layer.parent_of, file_id),
         }
 
-    async def op_file__open(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__open(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         token = await store.write(
             file_layer.open_for_write,
@@ -360,7 +361,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"token": token}
 
-    async def op_file__renew(self, req: wire.Request) -> None:
+    async def op_file__renew(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             file_layer.renew_lease,
@@ -370,7 +371,7 @@ class MetadataServer(MaintenanceOps):
             self.lease_ns,
         )
 
-    async def op_file__commit(self, req: wire.Request) -> None:
+    async def op_file__commit(self, req: Request) -> None:
         store = self._store(req)
         entries = []
         for item in req.list("entries", max_len=100_000):
@@ -391,7 +392,7 @@ class MetadataServer(MaintenanceOps):
             now_ns(),
         )
 
-    async def op_file__seal(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__seal(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         attrs = await store.write(
             file_layer.seal,
@@ -402,7 +403,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"attrs": _attrs(attrs)}
 
-    async def op_file__set_size(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__set_size(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         attrs = await store.write(
             file_layer.set_size,
@@ -413,7 +414,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"attrs": _attrs(attrs)}
 
-    async def op_file__setattr(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__setattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         changes = {
             "mode": req.int("mode", None, hi=MAX_MODE),
@@ -426,39 +427,39 @@ class MetadataServer(MaintenanceOps):
         attrs = await store.write(file_layer.setattr_, _id(req, "id"), changes, now_ns())
         return {"attrs": _attrs(attrs)}
 
-    async def op_file__link(self, req: wire.Request) -> None:
+    async def op_file__link(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.link, _id(req, "id"), _id(req, "parent"), _name(req))
 
-    async def op_file__unlink(self, req: wire.Request) -> None:
+    async def op_file__unlink(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.unlink, _id(req, "id"), now_ns())
 
-    async def op_file__kill_dir(self, req: wire.Request) -> None:
+    async def op_file__kill_dir(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.kill_dir, _id(req, "id"))
 
-    async def op_file__revive_dir(self, req: wire.Request) -> None:
+    async def op_file__revive_dir(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.revive_dir, _id(req, "id"))
 
-    async def op_file__drop(self, req: wire.Request) -> None:
+    async def op_file__drop(self, req: Request) -> None:
         store = self._store(req)
         file_id = _id(req, "id")
         if file_id == ROOT_ID:
             raise InvalidArgument("the root directory cannot be removed")
         await store.write(file_layer.drop, file_id, now_ns())
 
-    async def op_file__blocks(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__blocks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"blocks": [list(p) for p in store.read(file_layer.blocks, _id(req, "id"))]}
 
-    async def op_file__getxattr(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__getxattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         value = store.read(file_layer.getxattr, _id(req, "id"), req.str("name", max_len=255))
         return {"value": value}
 
-    async def op_file__setxattr(self, req: wire.Request) -> None:
+    async def op_file__setxattr(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             file_layer.setxattr,
@@ -467,15 +468,15 @@ class MetadataServer(MaintenanceOps):
             req.bytes("value", max_len=file_layer.MAX_XATTR_VALUE),
         )
 
-    async def op_file__listxattr(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__listxattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"names": store.read(file_layer.listxattr, _id(req, "id"))}
 
-    async def op_file__removexattr(self, req: wire.Request) -> None:
+    async def op_file__removexattr(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.removexattr, _id(req, "id"), req.str("name", max_len=255))
 
-    async def op_file__orphans(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__orphans(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {
             "orphans": store.read(
@@ -485,11 +486,11 @@ class MetadataServer(MaintenanceOps):
             )
         }
 
-    async def op_file__collect_orphan(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__collect_orphan(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"deleted": await store.write(file_layer.collect_orphan, _id(req, "id"), now_ns())}
 
-    async def op_file__gc_blocks(self, req: wire.Request) -> dict[str, Any]:
+    async def op_file__gc_blocks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {
             "block_ids": store.read(file_layer.gc_blocks, req.int("limit", 1000, lo=1, hi=10_000))
@@ -497,7 +498,7 @@ class MetadataServer(MaintenanceOps):
 
     # --- Block layer --------------------------------------------------------------------------
 
-    def _node_list(self, req: wire.Request, field: str = "nodes") -> list[str]:
+    def _node_list(self, req: Request, field: str = "nodes") -> list[str]:
         from tectonic_py.core.ids import NODE_ID_RE
 
         nodes = req.list(field, max_len=256)
@@ -505,7 +506,7 @@ class MetadataServer(MaintenanceOps):
             raise InvalidArgument(f"{req.op}: {field} must be node ids")
         return nodes
 
-    async def op_block__allocate(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__allocate(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         nodes = self._node_list(req)
         block_id = await store.write(
@@ -519,13 +520,13 @@ class MetadataServer(MaintenanceOps):
         )
         return {"block_id": block_id, "capability": capability.issue(self.secret, block_id, nodes)}
 
-    async def op_block__grant(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__grant(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         block_id = _id(req, "block_id")
         nodes = await store.write(block_layer.grant_more, block_id, self._node_list(req))
         return {"nodes": nodes, "capability": capability.issue(self.secret, block_id, nodes)}
 
-    async def op_block__commit(self, req: wire.Request) -> None:
+    async def op_block__commit(self, req: Request) -> None:
         store = self._store(req)
         file_id = _id(req, "file_id")
         infos = [block_layer.info_from_wire(b) for b in req.list("blocks", max_len=10_000)]
@@ -539,14 +540,14 @@ class MetadataServer(MaintenanceOps):
 
         await store.write(commit_all)
 
-    async def op_block__locate(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__locate(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         ids = req.list("ids", max_len=100_000)
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= MAX_ID for i in ids):
             raise InvalidArgument("block.locate: ids must be block ids")
         return {"blocks": [b.to_wire() for b in store.read(block_layer.locate, ids)]}
 
-    async def op_block__by_node(self, req: wire.Request) -> dict[str, Any]:
+    async def op_block__by_node(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         chunks = store.read(
             block_layer.by_node,
@@ -556,7 +557,7 @@ class MetadataServer(MaintenanceOps):
         )
         return {"chunks": [list(c) for c in chunks]}
 
-    async def op_block__replace_chunk(self, req: wire.Request) -> None:
+    async def op_block__replace_chunk(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             block_layer.replace_chunk,
@@ -574,7 +575,7 @@ class MetadataServer(MaintenanceOps):
             raise WrongShard(f"the node registry lives with shard {REGISTRY_SHARD}, not here")
         return self.registry
 
-    async def op_node__heartbeat(self, req: wire.Request) -> None:
+    async def op_node__heartbeat(self, req: Request) -> None:
         registry = self._registry()
         await registry.heartbeat(
             {
@@ -588,17 +589,17 @@ class MetadataServer(MaintenanceOps):
             }
         )
 
-    async def op_node__list(self, req: wire.Request) -> dict[str, Any]:
+    async def op_node__list(self, req: Request) -> dict[str, Any]:
         return {"nodes": [n.to_wire() for n in self._registry().nodes()]}
 
-    async def op_node__place(self, req: wire.Request) -> dict[str, Any]:
+    async def op_node__place(self, req: Request) -> dict[str, Any]:
         registry = self._registry()
         count = req.int("count", lo=1, hi=256)
         minimum = req.int("minimum", count, lo=0, hi=count)
         exclude = self._node_list(req, "exclude") if req.fields.get("exclude") else []
         return {"nodes": [n.to_wire() for n in registry.place(count, minimum, exclude)]}
 
-    async def op_server__stats(self, req: wire.Request) -> dict[str, Any]:
+    async def op_server__stats(self, req: Request) -> dict[str, Any]:
         shards = {}
         files = 0
         for s, store in self.stores.items():
@@ -654,9 +655,9 @@ class MetadataServer(MaintenanceOps):
             if local is not None:
                 child, _ = local.read(name_layer.lookup, intent["dst_dir"], intent["dst_name"])
             else:
-                host, port = wire.parse_address(intent["dst_address"])
+                host, port = sockets.parse_address(intent["dst_address"])
                 with trio.fail_after(10):
-                    async with wire.open_connection(host, port, self.secret) as conn:
+                    async with rpc_client.open_connection(host, port, self.secret) as conn:
                         resp = await conn.call(
                             "name.lookup",
                             {

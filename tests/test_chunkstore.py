@@ -23,7 +23,7 @@ from chunkstore.client import ChunkClient
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.server import ChunkStoreServer, StoreConfig
 from chunkstore.spares import Spare, SpareFiles
-from tectonic_py.core import capability, ids, wire
+from tectonic_py.core import buffers, capability, framing, ids, rpc_client, rpc_server
 from tectonic_py.core.checksum import checksum as crc32c
 from tectonic_py.core.errors import (
     AuthError,
@@ -38,6 +38,7 @@ from tectonic_py.core.errors import (
     TectonicError,
     Unavailable,
 )
+from tectonic_py.core.rpc_server import Request
 
 NODE = "node-1"
 KiB, MiB = 1024, 1024 * 1024
@@ -57,7 +58,7 @@ async def start_store(nursery, data_dir: Path, secret: bytes, **kw) -> tuple[Chu
 
 @asynccontextmanager
 async def open_client(port: int, secret: bytes):
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         yield ChunkClient(conn)
 
 
@@ -565,7 +566,7 @@ async def _good_client_still_served(port: int, secret: bytes) -> None:
 
 async def _send_and_drain(sock: trio.socket.SocketType, data: bytes, half_close: bool) -> None:
     try:
-        await wire._send_all(sock, data)
+        await framing.send_all(sock, data)
         if half_close:
             sock.shutdown(socket.SHUT_WR)
     except OSError:
@@ -593,7 +594,7 @@ def _put_frame(secret: bytes, plen_claimed: int, body: bytes) -> bytes:
         },
         use_bin_type=True,
     )
-    return wire.PREFIX.pack(1, 0, 0, len(header), plen_claimed) + header + body
+    return framing.PREFIX.pack(1, 0, 0, len(header), plen_claimed) + header + body
 
 
 async def test_truncated_and_oversized_frames(store, secret):
@@ -601,9 +602,9 @@ async def test_truncated_and_oversized_frames(store, secret):
     frames = [
         _put_frame(secret, 1000, b"x" * 10),  # payload cut short, then EOF
         _put_frame(secret, 2**31, b""),  # payload length over the limit
-        wire.PREFIX.pack(1, 0, 0, 2**30, 0),  # header length over the limit
-        wire.PREFIX.pack(1, 0, 0, 40, 0) + b"\x83",  # header cut short
-        wire.PREFIX.pack(1, 0, 0, 10, 0)[:6],  # prefix cut short
+        framing.PREFIX.pack(1, 0, 0, 2**30, 0),  # header length over the limit
+        framing.PREFIX.pack(1, 0, 0, 40, 0) + b"\x83",  # header cut short
+        framing.PREFIX.pack(1, 0, 0, 10, 0)[:6],  # prefix cut short
     ]
     for frame in frames:
         sock = await raw_authenticated(port, secret)
@@ -620,12 +621,12 @@ async def test_truncated_and_oversized_frames(store, secret):
     garbage=st.one_of(
         st.binary(min_size=1, max_size=400),
         st.builds(
-            lambda h, p: wire.PREFIX.pack(1, 0, 0, len(h), p) + h,
+            lambda h, p: framing.PREFIX.pack(1, 0, 0, len(h), p) + h,
             st.binary(min_size=1, max_size=200),
             st.integers(0, 2**32 - 1),
         ),
         st.builds(
-            lambda f: wire._pack_frame({"op": "put", "rid": 7, "f": f}, 0),
+            lambda f: framing.pack_frame({"op": "put", "rid": 7, "f": f}, 0),
             st.dictionaries(
                 st.sampled_from(["chunk_id", "checksum", "cap", "x"]),
                 st.one_of(
@@ -645,7 +646,7 @@ def test_garbage_never_hurts_the_store(tmp_path_factory, secret, garbage, authen
     async def main():
         async with trio.open_nursery() as nursery:
             server = ChunkStoreServer(make_config(data_dir, secret))
-            server.rpc.limits = wire.Limits(auth_timeout=1, max_payload=64 * MiB)
+            server.rpc.limits = framing.Limits(auth_timeout=1, max_payload=64 * MiB)
             _, port = await nursery.start(server.serve)
             if authenticate:
                 sock = await raw_authenticated(port, secret)
@@ -758,10 +759,10 @@ async def test_get_replies_in_memory_are_bounded_by_the_reply_budget(nursery, tm
     # A reader that asks for 48 MiB of replies and never reads them.
     stalled = await raw_authenticated(port, secret)
     frames = b"".join(
-        wire._pack_frame({"op": "get", "rid": rid, "f": {"chunk_id": cid}}, 0)
+        framing.pack_frame({"op": "get", "rid": rid, "f": {"chunk_id": cid}}, 0)
         for rid in range(1, 49)
     )
-    await wire._send_all(stalled, frames)
+    await framing.send_all(stalled, frames)
     for _ in range(500):  # bounded: until the store is stuck sending to it
         if server._replies.waiting:
             break
@@ -849,7 +850,7 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
     beats: list[dict] = []
     refuse = 3
 
-    async def heartbeat(req: wire.Request):
+    async def heartbeat(req: Request):
         nonlocal refuse
         if refuse:
             refuse -= 1
@@ -857,7 +858,7 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
         beats.append(dict(req.fields))
         return {}
 
-    registry = wire.RpcServer("registry", secret, {"node.heartbeat": heartbeat})
+    registry = rpc_server.RpcServer("registry", secret, {"node.heartbeat": heartbeat})
     _, rport = await nursery.start(registry.serve, "127.0.0.1", 0)
     ready = tmp_path / "ready.json"
     _server, port = await start_store(
@@ -1068,8 +1069,8 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
     # 18 gets of two buffer sizes, each buffer back before the next get: all but the first
     # of each size can reuse one (a few may find theirs still viewed by a worker thread).
     assert server._replies.spares.reused >= 12
-    # A whole get reads into whole huge pages (one disk request per chunk, wire.HUGE_PAGE).
-    assert all(size % wire.HUGE_PAGE == 0 for size in server._replies.spares._free if size > MiB)
+    # A whole get reads into whole huge pages (one disk request per chunk, buffers.HUGE_PAGE).
+    assert all(size % buffers.HUGE_PAGE == 0 for size in server._replies.spares._free if size > MiB)
     assert any(size > MiB for size in server._replies.spares._free)
 
 
@@ -1079,7 +1080,7 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     layout.recover(data_dir)
     data = os.urandom(length)
     offset, size = layout.put_room(length)
-    buf = wire.SpareBuffers(0).take(max(size, wire.SpareBuffers.MIN_SIZE))
+    buf = buffers.SpareBuffers(0).take(max(size, buffers.SpareBuffers.MIN_SIZE))
     image = memoryview(buf)[:size]
     image[:] = b"\xee" * size  # stale bytes around the payload must not reach the file
     image[offset : offset + length] = data
@@ -1119,7 +1120,7 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
     length = 8192
     data = payload(length, 7)
     offset, size = layout.put_room(length)
-    image = memoryview(wire.SpareBuffers(0).take(wire.SpareBuffers.MIN_SIZE))[:size]
+    image = memoryview(buffers.SpareBuffers(0).take(buffers.SpareBuffers.MIN_SIZE))[:size]
     image[offset : offset + length] = data
     spare = data_dir / "spares" / "spare-test"
     spare.parent.mkdir(exist_ok=True)
@@ -1149,7 +1150,7 @@ def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypat
         return view
 
     monkeypatch.setattr(layout, "_read_whole_direct", spy)
-    spares = wire.SpareBuffers(0)
+    spares = buffers.SpareBuffers(0)
     # The cluster client always sends the length (version 2 chunks too: 4 MiB).
     want = None if asked == "none" else length
     header, out, crc = layout.read_chunk(data_dir, cid, 0, want, alloc=spares.take)

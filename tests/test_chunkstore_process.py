@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from chunkstore.client import ChunkClient
-from tectonic_py.core import capability, ids, wire
+from tectonic_py.core import capability, ids, rpc_client
 from tectonic_py.core.errors import Busy, ChunkNotFound, TectonicError, Unavailable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def daemons():
 
 @asynccontextmanager
 async def open_client(port: int, secret: bytes):
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         yield ChunkClient(conn)
 
 

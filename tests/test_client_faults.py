@@ -16,7 +16,7 @@ from cluster_fixtures import suite_cluster
 
 from chunkstore import layout as chunk_layout
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
-from tectonic_py.core import wire
+from tectonic_py.core import auth, rpc_client, sockets
 from tectonic_py.core.errors import NoSpace, QuorumLost
 from tectonic_py.core.ids import chunk_id
 from tectonic_py.local_cluster import LocalCluster
@@ -125,9 +125,9 @@ async def test_a_corrupt_chunk_sent_unverified_is_read_around(tmp_path):
             assert await r.read() == data
             assert fresh.stats.corrupt_chunks == 1
             assert (info.block_id, 1, victim.node_id, "corrupt") in fresh.stats.bad_chunks
-        host, port = wire.parse_address(cluster.chunkstore_address(node))
-        secret = wire.load_secret(cluster.secret_file)
-        async with wire.open_connection(host, port, secret) as conn:
+        host, port = sockets.parse_address(cluster.chunkstore_address(node))
+        secret = auth.load_secret(cluster.secret_file)
+        async with rpc_client.open_connection(host, port, secret) as conn:
             stats = (await conn.call("node_stats")).fields
         assert stats["gets_spliced"] >= 1
 

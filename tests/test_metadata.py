@@ -10,7 +10,7 @@ from metadata_fixtures import open_meta_cluster, register_nodes
 from tmpfs_helpers import small_tmpfs
 
 from metadata import name_layer
-from tectonic_py.core import capability, wire
+from tectonic_py.core import capability, rpc_client, sockets
 from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
@@ -542,9 +542,9 @@ async def test_max_length_name_accepted(mc):
 
 async def test_malformed_requests_and_unknown_shards(mc):
     addr = mc.config.metadata_servers[0].address
-    host, port = wire.parse_address(addr)
+    host, port = sockets.parse_address(addr)
     secret = mc.config.secret()
-    async with wire.open_connection(host, port, secret) as conn:
+    async with rpc_client.open_connection(host, port, secret) as conn:
         with pytest.raises(WrongShard):
             await conn.call("file.get", {"shard": 7, "id": 5})
         with pytest.raises(InvalidArgument):
@@ -591,19 +591,19 @@ async def test_malformed_requests_and_unknown_shards(mc):
         )
         assert r is None or r.fields["attrs"]["id"] == ROOT_ID
     # The registry lives with shard 0: the other server refuses registry ops.
-    host, port = wire.parse_address(mc.config.metadata_servers[1].address)
-    async with wire.open_connection(host, port, secret) as conn:
+    host, port = sockets.parse_address(mc.config.metadata_servers[1].address)
+    async with rpc_client.open_connection(host, port, secret) as conn:
         with pytest.raises(WrongShard):
             await conn.call("node.list", {})
     # Wrong secret: refused at the handshake.
     with pytest.raises(Exception) as info:
-        async with wire.open_connection(host, port, b"x" * 32):
+        async with rpc_client.open_connection(host, port, b"x" * 32):
             pass
     assert info.value.code in ("auth", "unavailable")
 
 
 async def test_garbage_frame_closes_only_that_connection(mc):
-    host, port = wire.parse_address(mc.config.metadata_servers[0].address)
+    host, port = sockets.parse_address(mc.config.metadata_servers[0].address)
     sock = trio.socket.socket()
     await sock.connect((host, port))
     await sock.recv(4096)  # hello

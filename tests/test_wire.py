@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_helpers import address_of, raw_authenticated, vma_fields
 
-from tectonic_py.core import wire
+from tectonic_py.core import auth, buffers, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.errors import (
     AuthError,
     Busy,
@@ -25,38 +25,39 @@ from tectonic_py.core.errors import (
     Unavailable,
     UnknownOp,
 )
+from tectonic_py.core.rpc_server import Request
 
 
-async def _echo(req: wire.Request):
+async def _echo(req: Request):
     data = req.payload
     return {"n": req.int("n", 0), "len": 0 if data is None else len(data)}, (data or b"")
 
 
-async def _slow(req: wire.Request):
+async def _slow(req: Request):
     await trio.sleep(req.float("s"))
     return {"tag": req.int("tag")}
 
 
-async def _missing(req: wire.Request):
+async def _missing(req: Request):
     raise ChunkNotFound(f"no chunk {req.str('id')}")
 
 
-async def _crash(req: wire.Request):
+async def _crash(req: Request):
     raise RuntimeError("bug")
 
 
 HANDLERS = {"echo": _echo, "slow": _slow, "missing": _missing, "crash": _crash}
 
 
-async def start_server(nursery, secret, limits=wire.DEFAULT_LIMITS):
-    server = wire.RpcServer("test", secret, HANDLERS, limits)
+async def start_server(nursery, secret, limits=framing.DEFAULT_LIMITS):
+    server = rpc_server.RpcServer("test", secret, HANDLERS, limits)
     _host, port = await nursery.start(server.serve, "127.0.0.1", 0)
     return server, port
 
 
 async def test_round_trip_payload_and_fields(nursery, secret):
     _, port = await start_server(nursery, secret)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         data = bytes(range(256)) * 4096
         resp = await conn.call("echo", {"n": 7}, data)
         assert resp.fields == {"n": 7, "len": len(data)}
@@ -69,7 +70,7 @@ async def test_round_trip_payload_and_fields(nursery, secret):
 async def test_many_in_flight_matched_by_request_id(nursery, secret):
     _, port = await start_server(nursery, secret)
     results = {}
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
 
         async def one(tag):
             # Later tags finish first: replies come back out of order.
@@ -86,16 +87,16 @@ async def test_replies_ready_together_share_a_write_and_each_reaches_its_caller(
     release = trio.Event()
     arrived = 0
 
-    async def gate(req: wire.Request):
+    async def gate(req: Request):
         nonlocal arrived
         arrived += 1
         await release.wait()
         return {"tag": req.int("tag")}
 
-    server = wire.RpcServer("test", secret, {"gate": gate, "echo": _echo})
+    server = rpc_server.RpcServer("test", secret, {"gate": gate, "echo": _echo})
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
     results = {}
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
 
         async def one(tag):
             results[tag] = (await conn.call("gate", {"tag": tag})).fields["tag"]
@@ -119,7 +120,7 @@ async def test_a_peer_that_does_not_read_its_replies_makes_senders_wait_not_memo
     its request's in-flight slot, which stops the server reading more requests)."""
     a, b = trio.socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    outbox = wire._Outbox(a, trio.Lock(), wire.ServerStats())
+    outbox = rpc_server._Outbox(a, trio.Lock(), rpc_server.ServerStats())
     returned = 0
 
     async def reply(i: int) -> None:
@@ -136,7 +137,7 @@ async def test_a_peer_that_does_not_read_its_replies_makes_senders_wait_not_memo
                 nursery.start_soon(reply, i)
             await trio.testing.wait_all_tasks_blocked()
             assert outbox.queued == 400
-            assert returned <= 100 + wire.MAX_QUEUED_REPLIES  # the other senders wait
+            assert returned <= 100 + rpc_server.MAX_QUEUED_REPLIES  # the other senders wait
             got = bytearray()
             while len(got) < 500 * 1000:
                 got += await b.recv(65536)
@@ -149,7 +150,7 @@ async def test_a_peer_that_does_not_read_its_replies_makes_senders_wait_not_memo
 
 async def test_domain_errors_come_back_as_the_same_class(nursery, secret):
     _, port = await start_server(nursery, secret)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         with pytest.raises(ChunkNotFound, match="no chunk abc"):
             await conn.call("missing", {"id": "abc"})
         with pytest.raises(UnknownOp):
@@ -167,7 +168,7 @@ async def test_domain_errors_come_back_as_the_same_class(nursery, secret):
 async def test_wrong_secret_is_refused_both_ways(nursery, secret):
     _, port = await start_server(nursery, secret)
     with pytest.raises(AuthError):
-        async with wire.open_connection("127.0.0.1", port, b"x" * 32):
+        async with rpc_client.open_connection("127.0.0.1", port, b"x" * 32):
             pass
 
 
@@ -176,17 +177,17 @@ async def test_client_rejects_impostor_server(nursery, secret):
 
     async def impostor(stream):
         sock = stream.socket
-        await wire._send_all(
-            sock, wire._pack_frame({"op": "hello", "proto": 1, "nonce": b"n" * 32}, 0)
+        await framing.send_all(
+            sock, framing.pack_frame({"op": "hello", "proto": 1, "nonce": b"n" * 32}, 0)
         )
-        await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-        await wire._send_all(sock, wire._pack_frame({"op": "welcome", "mac": b"m" * 32}, 0))
+        await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
+        await framing.send_all(sock, framing.pack_frame({"op": "welcome", "mac": b"m" * 32}, 0))
         await trio.sleep(1)
 
     listeners = await nursery.start(trio.serve_tcp, impostor, 0)
     port = listeners[0].socket.getsockname()[1]
     with pytest.raises(AuthError):
-        async with wire.open_connection("127.0.0.1", port, secret):
+        async with rpc_client.open_connection("127.0.0.1", port, secret):
             pass
 
 
@@ -196,15 +197,15 @@ async def test_unreachable_server_is_unavailable(secret):
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(Unavailable):
-        async with wire.open_connection("127.0.0.1", port, secret):
+        async with rpc_client.open_connection("127.0.0.1", port, secret):
             pass
 
 
 async def _read_reply(sock):
     with trio.fail_after(5):
         try:
-            return await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-        except (wire._Closed, ConnectionResetError):
+            return await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
+        except (framing.PeerClosed, ConnectionResetError):
             return None
 
 
@@ -216,18 +217,18 @@ async def _read_reply(sock):
         struct.pack("!BBHII", 1, 0, 0, 2**31, 0),  # oversized header
         struct.pack("!BBHII", 1, 0, 0, 4, 2**31) + b"abcd",  # oversized payload
         struct.pack("!BBHII", 1, 0, 0, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
-        wire.PREFIX.pack(1, 0, 0, 2, 0) + msgpack.packb([1]),  # not a map
-        wire._pack_frame({"op": 5, "rid": 1}, 0),  # op not a string
-        wire._pack_frame({"op": "echo", "rid": -1}, 0),  # bad rid
-        wire._pack_frame({"op": "echo", "rid": 1, "f": [1]}, 0),  # fields not a map
-        wire.PREFIX.pack(1, 0, 0, 50, 0) + b"\x81",  # truncated frame, then EOF
+        framing.PREFIX.pack(1, 0, 0, 2, 0) + msgpack.packb([1]),  # not a map
+        framing.pack_frame({"op": 5, "rid": 1}, 0),  # op not a string
+        framing.pack_frame({"op": "echo", "rid": -1}, 0),  # bad rid
+        framing.pack_frame({"op": "echo", "rid": 1, "f": [1]}, 0),  # fields not a map
+        framing.PREFIX.pack(1, 0, 0, 50, 0) + b"\x81",  # truncated frame, then EOF
     ],
 )
 async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(nursery, secret, frame):
     _server, port = await start_server(nursery, secret)
     sock = await raw_authenticated(port, secret)
-    await wire._send_all(sock, frame)
-    if frame.startswith(wire.PREFIX.pack(1, 0, 0, 50, 0)):
+    await framing.send_all(sock, frame)
+    if frame.startswith(framing.PREFIX.pack(1, 0, 0, 50, 0)):
         sock.shutdown(socket.SHUT_WR)
     reply = await _read_reply(sock)
     if reply is not None:
@@ -237,7 +238,7 @@ async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(nurser
     assert await _read_reply(sock) is None
     sock.close()
     # ...and still serves everyone else.
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         assert (await conn.call("echo", {"n": 3})).fields["n"] == 3
 
 
@@ -248,14 +249,14 @@ async def test_malformed_frames_get_an_error_and_the_server_keeps_serving(nurser
 def test_garbage_never_hurts_the_server(secret, garbage, authenticate):
     async def main():
         async with trio.open_nursery() as nursery:
-            _, port = await start_server(nursery, secret, wire.Limits(auth_timeout=1))
+            _, port = await start_server(nursery, secret, framing.Limits(auth_timeout=1))
             if authenticate:
                 sock = await raw_authenticated(port, secret)
             else:
                 sock = trio.socket.socket()
                 await sock.connect(("127.0.0.1", port))
             try:
-                await wire._send_all(sock, garbage)
+                await framing.send_all(sock, garbage)
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
@@ -266,7 +267,7 @@ def test_garbage_never_hurts_the_server(secret, garbage, authenticate):
                 except ConnectionResetError:
                     pass
             sock.close()
-            async with wire.open_connection("127.0.0.1", port, secret) as conn:
+            async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
                 assert (await conn.call("echo", {"n": 1})).fields["n"] == 1
             nursery.cancel_scope.cancel()
 
@@ -274,17 +275,17 @@ def test_garbage_never_hurts_the_server(secret, garbage, authenticate):
 
 
 async def test_payload_budget_refuses_with_busy_past_the_queue(nursery, secret):
-    limits = wire.Limits(payload_budget=1024 * 1024, max_payload_waiters=0)
+    limits = framing.Limits(payload_budget=1024 * 1024, max_payload_waiters=0)
     hold = trio.Event()
 
     async def blocking(req):
         await hold.wait()
         return {}
 
-    server = wire.RpcServer("t", secret, {"hold": blocking, **HANDLERS}, limits)
+    server = rpc_server.RpcServer("t", secret, {"hold": blocking, **HANDLERS}, limits)
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
     async with (
-        wire.open_connection("127.0.0.1", port, secret) as conn,
+        rpc_client.open_connection("127.0.0.1", port, secret) as conn,
         trio.open_nursery() as n,
     ):
         n.start_soon(conn.call, "hold", {}, b"x" * (1024 * 1024))
@@ -300,13 +301,13 @@ async def test_payload_budget_refuses_with_busy_past_the_queue(nursery, secret):
 
 
 async def test_a_payload_in_pipes_is_spliced_into_the_reply(nursery, secret):
-    """A handler's reply payload may lie in pipes (``wire.Piped``): it arrives whole, in
+    """A handler's reply payload may lie in pipes (``buffers.Piped``): it arrives whole, in
     order, beside other replies on the connection, and the handler's release callback (which
     closes the pipes) runs once it is sent."""
     pieces = [os.urandom(n) for n in (200_000, 1, 65_536)]
     released = []
 
-    async def piped(req: wire.Request):
+    async def piped(req: Request):
         pipes = []
         for piece in pieces:
             r, w = os.pipe()
@@ -320,11 +321,14 @@ async def test_a_payload_in_pipes_is_spliced_into_the_reply(nursery, secret):
                 os.close(r)
             released.append(True)
 
-        return {"k": req.int("k")}, wire.Piped(tuple(pipes)), release
+        return {"k": req.int("k")}, buffers.Piped(tuple(pipes)), release
 
-    server = wire.RpcServer("t", secret, {"piped": piped, **HANDLERS})
+    server = rpc_server.RpcServer("t", secret, {"piped": piped, **HANDLERS})
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn, trio.open_nursery() as n:
+    async with (
+        rpc_client.open_connection("127.0.0.1", port, secret) as conn,
+        trio.open_nursery() as n,
+    ):
         for k in range(4):
             n.start_soon(conn.call, "echo", {"n": k}, b"y" * 100_000)
         for k in range(8):
@@ -335,7 +339,7 @@ async def test_a_payload_in_pipes_is_spliced_into_the_reply(nursery, secret):
 
 async def test_cancelled_call_leaves_the_connection_usable(nursery, secret):
     _, port = await start_server(nursery, secret)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         with trio.move_on_after(0.05):
             await conn.call("slow", {"s": 0.5, "tag": 1})
         resp = await conn.call("echo", {}, b"z" * 100_000)
@@ -344,7 +348,7 @@ async def test_cancelled_call_leaves_the_connection_usable(nursery, secret):
 
 async def test_a_call_made_when_already_cancelled_sends_nothing(nursery, secret):
     server, port = await start_server(nursery, secret)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         await conn.call("echo", {})
         before = server.stats.requests
         with trio.CancelScope() as scope:
@@ -362,9 +366,9 @@ def _congestion(sock) -> str:
 
 async def test_loopback_connections_use_a_congestion_control_that_does_not_pace(nursery, secret):
     _, port = await start_server(nursery, secret)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         await conn.call("echo", {})
-        assert _congestion(conn._sock) in wire.LOOPBACK_CONGESTION
+        assert _congestion(conn._sock) in sockets.LOOPBACK_CONGESTION
     # A socket that starts with BBR (internal pacing without fq) is switched.
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.socket()
@@ -374,8 +378,8 @@ async def test_loopback_connections_use_a_congestion_control_that_does_not_pace(
         except OSError:
             pytest.skip("no bbr in this kernel")
         client.connect(listener.getsockname())
-        wire._unpaced_on_loopback(trio.socket.from_stdlib_socket(client))
-        assert _congestion(client) in wire.LOOPBACK_CONGESTION
+        sockets.unpaced_on_loopback(trio.socket.from_stdlib_socket(client))
+        assert _congestion(client) in sockets.LOOPBACK_CONGESTION
     finally:
         client.close()
         listener.close()
@@ -397,11 +401,11 @@ def test_connections_to_other_hosts_keep_the_systems_congestion_control():
 
     for address in (("10.1.2.3", 9000), ("fd00::5", 9000, 0, 0), ("::ffff:10.0.0.1", 1, 0, 0)):
         peer = Peer(address)
-        wire._unpaced_on_loopback(peer)
+        sockets.unpaced_on_loopback(peer)
         assert peer.set == []
     for address in (("127.0.0.5", 9000), ("::1", 9000, 0, 0), ("::ffff:127.0.0.1", 1, 0, 0)):
         peer = Peer(address)
-        wire._unpaced_on_loopback(peer)
+        sockets.unpaced_on_loopback(peer)
         assert peer.set and peer.set[0][2] == b"cubic"
 
 
@@ -411,11 +415,11 @@ async def test_server_death_fails_pending_calls_with_unavailable(secret):
 
         async def run_server(task_status=trio.TASK_STATUS_IGNORED):
             with server_scope:
-                server = wire.RpcServer("t", secret, HANDLERS)
+                server = rpc_server.RpcServer("t", secret, HANDLERS)
                 await server.serve("127.0.0.1", 0, task_status=task_status)
 
         _, port = await outer.start(run_server)
-        async with wire.open_connection("127.0.0.1", port, secret) as conn:
+        async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
             async with trio.open_nursery() as n:
 
                 async def doomed():
@@ -438,22 +442,22 @@ async def test_a_send_waiting_on_a_full_socket_gets_unavailable_when_the_connect
 
     async def authenticates_then_never_reads(stream):
         sock = stream.socket
-        await wire._send_all(
-            sock, wire._pack_frame({"op": "hello", "proto": wire.PROTO, "nonce": sn}, 0)
+        await framing.send_all(
+            sock, framing.pack_frame({"op": "hello", "proto": auth.PROTO, "nonce": sn}, 0)
         )
-        header, _ = await wire._read_prefix_and_header(sock, wire.DEFAULT_LIMITS)
-        mac = wire._mac(secret, b"server", header["nonce"], sn)
-        await wire._send_all(sock, wire._pack_frame({"op": "welcome", "mac": mac}, 0))
+        header, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
+        mac = auth.mac(secret, b"server", header["nonce"], sn)
+        await framing.send_all(sock, framing.pack_frame({"op": "welcome", "mac": mac}, 0))
         await trio.sleep_forever()
 
     listeners = await nursery.start(trio.serve_tcp, authenticates_then_never_reads, 0)
     port = listeners[0].socket.getsockname()[1]
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         errors: list[BaseException] = []
 
         async def send_more_than_the_socket_holds():
             try:
-                await conn.call("echo", {}, bytes(32 * wire.MiB))
+                await conn.call("echo", {}, bytes(32 * framing.MiB))
             except BaseException as e:  # noqa: BLE001  (the test looks at which one)
                 errors.append(e)
 
@@ -466,28 +470,28 @@ async def test_a_send_waiting_on_a_full_socket_gets_unavailable_when_the_connect
 
 
 def test_parse_address():
-    assert wire.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
-    assert wire.parse_address("[::1]:9") == ("::1", 9)
+    assert sockets.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert sockets.parse_address("[::1]:9") == ("::1", 9)
     from tectonic_py.core.errors import ConfigError
 
     for bad in ["nohost", ":80", "h:", "h:99999", "h:x"]:
         with pytest.raises(ConfigError):
-            wire.parse_address(bad)
+            sockets.parse_address(bad)
 
 
 async def test_payload_buffers_are_reused_but_never_while_a_view_lives(nursery, secret):
     kept: list[memoryview] = []
 
-    async def keep(req: wire.Request):
+    async def keep(req: Request):
         kept.append(req.require_payload())
         return {}
 
-    async def digest(req: wire.Request):
+    async def digest(req: Request):
         return {"sum": sum(req.require_payload()[::4096])}
 
-    server = wire.RpcServer("t", secret, {"keep": keep, "digest": digest})
+    server = rpc_server.RpcServer("t", secret, {"keep": keep, "digest": digest})
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         size = 256 * 1024
         await conn.call("digest", {}, bytes([1]) * size)
         before = server._spares.reused
@@ -500,16 +504,16 @@ async def test_payload_buffers_are_reused_but_never_while_a_view_lives(nursery, 
             await conn.call("digest", {}, b"\x09" * size)
         assert bytes(kept[0]) == b"\x07" * size  # the kept view was never handed out again
         # echo replies with a view of its own payload: the buffer is reused only after the send.
-        echo_server = wire.RpcServer("e", secret, HANDLERS)
+        echo_server = rpc_server.RpcServer("e", secret, HANDLERS)
         _, eport = await nursery.start(echo_server.serve, "127.0.0.1", 0)
-    async with wire.open_connection("127.0.0.1", eport, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", eport, secret) as conn:
         for i in range(3):
             data = bytes([i]) * size
             assert bytes((await conn.call("echo", {}, data)).payload) == data
 
 
 def test_spare_buffer_is_not_handed_out_while_a_view_lives():
-    spares = wire.SpareBuffers(keep=8 * 1024 * 1024)
+    spares = buffers.SpareBuffers(keep=8 * 1024 * 1024)
     buf = spares.take(100_000)
     view = memoryview(buf)[10:20]
     view[:] = b"k" * 10
@@ -535,10 +539,10 @@ def test_huge_spare_buffers_are_whole_huge_pages_of_private_memory():
     is private and advised for THP (shared anonymous memory is shmem, kept in small pages
     by default), so the kernel can back it with 2 MiB pages."""
     MiB = 1024 * 1024
-    spares = wire.SpareBuffers(keep=16 * MiB, huge=True)
+    spares = buffers.SpareBuffers(keep=16 * MiB, huge=True)
     assert spares.size_class(1028 * 1024) == 2 * MiB
     assert spares.size_class(4 * MiB + 4096) == 6 * MiB
-    assert spares.size_class(MiB) == wire.SpareBuffers(0).size_class(MiB) == MiB
+    assert spares.size_class(MiB) == buffers.SpareBuffers(0).size_class(MiB) == MiB
     buf = spares.take(1028 * 1024)
     assert len(buf) == 2 * MiB
     buf[:] = b"x" * len(buf)  # fault it in
@@ -564,7 +568,7 @@ def test_spare_buffers_make_room_for_a_new_size():
     """A pool full of one size must not refuse every buffer of the next size (1 MiB chunks
     after 4 MiB ones): spares of the size used least recently are dropped instead."""
     MiB = 1024 * 1024
-    spares = wire.SpareBuffers(keep=8 * MiB)
+    spares = buffers.SpareBuffers(keep=8 * MiB)
     big = [spares.take(4 * MiB) for _ in range(2)]
     for buf in big:
         spares.give_back(buf)

@@ -18,7 +18,8 @@ from wire_helpers import address_of, mapping_at, mappings, vma_fields
 from chunkstore import huge_tmpfs, layout, writer_process
 from chunkstore.server import ChunkStoreServer
 from chunkstore.writer_process import NotShared, SharedBuffers, WriterProcess
-from tectonic_py.core import wire
+from tectonic_py.core import rpc_client
+from tectonic_py.core.buffers import HUGE_PAGE
 from tectonic_py.core.errors import InvalidArgument, Unavailable, WriterLost
 
 
@@ -266,7 +267,7 @@ async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledge
     """kill -9 of the writer process under puts: each put is acknowledged or fails with a
     retryable error; the retries succeed on the restarted writer; every chunk reads back."""
     from chunkstore.client import ChunkClient
-    from tectonic_py.core import capability, ids, wire
+    from tectonic_py.core import capability, ids, rpc_client
     from tectonic_py.core.checksum import checksum
     from tectonic_py.core.errors import TectonicError
 
@@ -278,7 +279,7 @@ async def test_a_chunk_store_whose_writer_is_killed_mid_put_loses_no_acknowledge
     cap = capability.issue(secret, block, [NODE])
     chunks = {ids.chunk_id(block, i): os.urandom(256 * 1024 + i) for i in range(48)}
     failed: list[str] = []
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
 
         async def put(cid: str) -> None:
@@ -313,12 +314,12 @@ async def test_counts_follow_a_put_or_delete_whose_writer_died_after_its_rename(
     """Whether the writer died before or after the rename is read from the disk: a spare that
     became the chunk is counted as stored, a chunk that became the spare as deleted."""
     from chunkstore.client import ChunkClient
-    from tectonic_py.core import capability, ids, wire
+    from tectonic_py.core import capability, ids, rpc_client
 
     server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
     block = ids.new_id()
     cid = ids.chunk_id(block, 0)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
         await client.put(cid, os.urandom(10_000), capability.issue(secret, block, [NODE]))
         path = layout.chunk_path(server.data_dir, cid)
@@ -357,7 +358,7 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
     import errno
 
     from chunkstore.client import ChunkClient
-    from tectonic_py.core import capability, ids, wire
+    from tectonic_py.core import capability, ids, rpc_client
     from tectonic_py.core.errors import Busy
 
     server, port = await start_store(nursery, tmp_path / "data", secret, spare_min=0)
@@ -368,7 +369,7 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
     def no_fds(*_args: object) -> int:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
         await client.put(ids.chunk_id(block, 9), large[: 1 << 20], cap)  # (a smaller buffer)
         await client.delete(ids.chunk_id(block, 9))  # its file becomes a spare
@@ -389,7 +390,7 @@ async def test_out_of_file_descriptors_a_large_put_is_busy_and_the_store_serves_
 def test_without_reserved_huge_pages_buffers_are_ordinary_memfds() -> None:
     buffers = SharedBuffers(hugetlb=False, tmpfs=False)
     assert not buffers.huge and buffers.pages == "small"
-    buf = buffers.new(2 * wire.HUGE_PAGE)
+    buf = buffers.new(2 * HUGE_PAGE)
     buf[:] = b"x" * len(buf)
     assert _page_kib(buf) == 4 and buffers.hugetlb == buffers.hugetlb_short == 0
 
@@ -404,13 +405,13 @@ async def test_reserved_huge_pages_back_whole_huge_page_buffers_until_used_up(
     assert buffers.huge and buffers.pages == "hugetlb"
     pool = WriterProcess("test", 1, buffers)
     await nursery.start(pool.serve)
-    bufs = [buffers.new(wire.HUGE_PAGE) for _ in range(reserved_huge_pages + 1)]
+    bufs = [buffers.new(HUGE_PAGE) for _ in range(reserved_huge_pages + 1)]
     for buf in bufs:
         memoryview(buf)[:] = os.urandom(len(buf))
         assert await pool.run(zlib.crc32, memoryview(buf)[4096:]) == zlib.crc32(buf[4096:])
     assert [_page_kib(buf) for buf in bufs] == [2048] * reserved_huge_pages + [4]
     assert buffers.hugetlb == reserved_huge_pages and buffers.hugetlb_short == 1
-    assert buffers.new(wire.HUGE_PAGE // 2) is not None  # not whole pages: never tried
+    assert buffers.new(HUGE_PAGE // 2) is not None  # not whole pages: never tried
     assert buffers.hugetlb_short == 1
 
 
@@ -449,11 +450,11 @@ def test_a_host_that_refuses_huge_pages_after_all_gets_small_ones(monkeypatch) -
     monkeypatch.setattr(writer_process, "hugetlb_available", lambda: True)  # found at start
     buffers = SharedBuffers(tmpfs=False)
     monkeypatch.setattr(os, "memfd_create", memfd_create)
-    buf = buffers.new(wire.HUGE_PAGE)
+    buf = buffers.new(HUGE_PAGE)
     buf[:] = b"x" * len(buf)
     assert _page_kib(buf) == 4 and buffers.hugetlb == 0 and buffers.hugetlb_short == 1
     refusal[0] = errno.EMFILE
-    assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
+    assert buffers.new(HUGE_PAGE) is not None and buffers.private == 1
 
 
 # --- a private tmpfs of huge pages (chunkstore.huge_tmpfs) ------------------------------------
@@ -492,7 +493,7 @@ async def test_payload_buffers_are_huge_pages_of_a_tmpfs_no_one_else_sees(
     assert buffers.pages == "thp-tmpfs" and buffers.huge
     pool = WriterProcess("test", 1, buffers)
     await nursery.start(pool.serve)
-    buf = buffers.new(2 * wire.HUGE_PAGE)
+    buf = buffers.new(2 * HUGE_PAGE)
     memoryview(buf)[:] = os.urandom(len(buf))
     assert _pmd_mapped_kib(vma_fields(address_of(buf))) == 4096
     name = _mapping_name(buf)
@@ -579,7 +580,7 @@ def test_without_a_tmpfs_buffers_are_memfds(monkeypatch) -> None:
     monkeypatch.setattr(huge_tmpfs, "private_tmpfs", lambda: None)
     buffers = SharedBuffers(hugetlb=False)
     assert buffers.pages == "small" and not buffers.huge
-    buf = buffers.new(wire.HUGE_PAGE)
+    buf = buffers.new(HUGE_PAGE)
     assert "memfd:tectonic-payload" in _mapping_name(buf)
 
 
@@ -595,10 +596,10 @@ def test_a_tmpfs_that_refuses_a_file_gives_a_memfd_instead(monkeypatch, payload_
 
     buffers = SharedBuffers(hugetlb=False)
     monkeypatch.setattr(huge_tmpfs, "tmpfile_buffer", refuse)
-    buf = buffers.new(wire.HUGE_PAGE)
+    buf = buffers.new(HUGE_PAGE)
     assert "memfd:tectonic-payload" in _mapping_name(buf) and buffers.tmpfs_short == 1
     refusal[0] = errno.EMFILE
-    assert buffers.new(wire.HUGE_PAGE) is not None and buffers.private == 1
+    assert buffers.new(HUGE_PAGE) is not None and buffers.private == 1
 
 
 async def test_a_chunk_store_puts_from_its_tmpfs_of_huge_pages(
@@ -627,7 +628,7 @@ async def test_gets_and_puts_share_the_tmpfs_buffers(
     block = ids.new_id()
     cap = capability.issue(secret, block, [NODE])
     chunk = os.urandom(1 << 20)
-    async with wire.open_connection("127.0.0.1", port, secret) as conn:
+    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
         await client.put(ids.chunk_id(block, 0), chunk, cap)
         reused = server.rpc.buffers.reused

@@ -44,7 +44,8 @@ from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Timeout, Unavailable
 from tectonic_py.core.records import BlockInfo, NodeInfo
-from tectonic_py.core.wire import open_connection, parse_address
+from tectonic_py.core.rpc_client import open_connection
+from tectonic_py.core.sockets import parse_address
 
 log = logging.getLogger(__name__)
 

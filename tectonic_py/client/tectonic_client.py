@@ -76,7 +76,7 @@ import trio
 
 from tectonic_py.client.codec import Codec, EncodedBlock
 from tectonic_py.client.stripe import Layout, chunk_len_for, chunk_ranges
-from tectonic_py.core import cluster_file, wire
+from tectonic_py.core import cluster_file, rpc_client, sockets
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
@@ -417,7 +417,7 @@ class ChunkPool:
     """Persistent, pooled connections to chunk stores, one (or a few) per node.
 
     Connections are opened on first use and replaced when broken; their receiver tasks live
-    in the client's nursery. ``wire.Connection`` multiplexes many requests, so one connection
+    in the client's nursery. ``rpc_client.Connection`` multiplexes many requests, so one connection
     per node carries every block's chunk for that node.
     """
 
@@ -437,7 +437,7 @@ class ChunkPool:
         self._view = view
         self._stats = stats
         self.connect_timeout = connect_timeout
-        self._conns: dict[str, list[wire.Connection]] = {}
+        self._conns: dict[str, list[rpc_client.Connection]] = {}
         self._locks: dict[str, trio.Lock] = {}
         self._rr = itertools.count()
 
@@ -450,10 +450,10 @@ class ChunkPool:
             attempts = self._stats.node_attempts
             attempts[address] = attempts.get(address, 0) + 1
 
-    async def get(self, address: str) -> wire.Connection:
+    async def get(self, address: str) -> rpc_client.Connection:
         return (await self._get(address))[0]
 
-    async def _get(self, address: str) -> tuple[wire.Connection, bool]:
+    async def _get(self, address: str) -> tuple[rpc_client.Connection, bool]:
         """A live connection to ``address``, and whether a connect was attempted for it.
         Raises Unavailable at once while the address is backing off, so the tasks queued
         behind a failed connect do not each try (and time out) again."""
@@ -474,13 +474,13 @@ class ChunkPool:
             conns.append(await self._connect(address))
             return conns[-1], True
 
-    async def _connect(self, address: str) -> wire.Connection:
+    async def _connect(self, address: str) -> rpc_client.Connection:
         """Connect within ``connect_timeout``: a cut link blackholes SYNs (no RST comes
         back), and the kernel's own retries would take minutes."""
-        host, port = wire.parse_address(address)
+        host, port = sockets.parse_address(address)
         try:
             with trio.move_on_after(self.connect_timeout) as scope:
-                return await wire.Connection.connect(
+                return await rpc_client.Connection.connect(
                     host, port, self._secret, nursery=self._nursery
                 )
             assert scope.cancelled_caught
@@ -498,7 +498,7 @@ class ChunkPool:
         payload: Buffer | None = None,
         *,
         into: memoryview | None = None,
-    ) -> wire.Response:
+    ) -> rpc_client.Response:
         conn, connected = await self._get(address)
         if not connected:
             self._attempt(address)  # a connect already counted as this request's attempt

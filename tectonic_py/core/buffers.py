@@ -34,10 +34,10 @@ def huge_page_buffer(used: int) -> mmap.mmap:
     Why: an O_DIRECT transfer into 4 KiB pages is cut into a device request per 254 pages
     (the queue's segment limit), at least two for a 1 MiB chunk and its header, and a
     virtio disk pays per request. A buffer in 2 MiB pages is one segment per page, so one
-    request up to the queue's ``max_sectors_kb``. The memory must be private: ``mmap(-1, n)`` is shared, and shared
-    anonymous memory is shmem, which the default ``shmem_enabled=never`` keeps in small
-    pages. The kernel aligns anonymous mappings of whole huge pages to a huge page, and
-    where THP is off the buffer is an ordinary one."""
+    request up to the queue's ``max_sectors_kb``. The memory must be private:
+    ``mmap(-1, n)`` is shared, and shared anonymous memory is shmem, which the default
+    ``shmem_enabled=never`` keeps in small pages. The kernel aligns anonymous mappings of
+    whole huge pages to a huge page, and where THP is off the buffer is an ordinary one."""
     buf = mmap.mmap(-1, whole_huge_pages(used), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     huge = used // HUGE_PAGE * HUGE_PAGE
     if used - huge > HUGE_PAGE // 2:

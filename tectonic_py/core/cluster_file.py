@@ -24,9 +24,10 @@ from pathlib import Path
 
 import tomli_w
 
+from tectonic_py.core.auth import load_secret
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError
-from tectonic_py.core.wire import load_secret, parse_address
+from tectonic_py.core.sockets import parse_address
 
 REGISTRY_SHARD = 0
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024

@@ -2,7 +2,7 @@
 
 Every layer below the FUSE mount and the RPC server raises these classes and nothing
 else for domain failures. Each class carries a stable wire ``code``: the RPC server
-encodes an error to its code in exactly one place (``wire.error_to_header``), and the
+encodes an error to its code in exactly one place (``rpc_server.error_to_header``), and the
 client raises the same class again from the code (``error_from_code``), so a caller
 three hops away catches ``ChunkCorrupt`` as if it had happened locally. The FUSE layer
 maps classes to errno in exactly one place (``tectonic_py.mount.operations``).
