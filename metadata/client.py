@@ -1,6 +1,6 @@
 """Client of the metadata service: routes each call to the shard that owns its key.
 
-CONTRACT (the data-path client in tectonic_py/client.py and the FUSE layer code against these
+CONTRACT (the data-path client in tectonic_py/client/ and the FUSE layer code against these
 signatures; the metadata implementation fills them in without changing them):
 
 Every method raises only ``tectonic_py.core.errors`` classes (FileNotFound, FileExists,

@@ -7,7 +7,7 @@ hands the GIL to the disk threads, and the request yields soon anyway.
 ``open_service_nursery`` is a nursery for objects that own background tasks (connection
 receivers, pools, flushers): those tasks never raise on purpose, so any exception leaving it
 comes from the body. trio wraps even a single exception in an ExceptionGroup; public client
-APIs must not leak groups (STYLE.md), so a group of exactly one exception is unwrapped here.
+APIs must not leak groups, so a group of exactly one exception is unwrapped here.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class Connection:
                         raise ProtocolError("malformed response header")
                     pending.response = Response(fields, payload)
                 pending.done.set()
-                await trio.lowlevel.checkpoint()  # one per frame (``_recv_exactly`` has none)
+                await trio.lowlevel.checkpoint()  # one per frame (``recv_exactly`` has none)
         except PeerClosed:
             self._fail(Unavailable(f"{self.address} closed the connection"))
         except TectonicError as e:
@@ -185,9 +185,9 @@ class Connection:
                     await send_frame(self._sock, frame, payload if size else None, sent)
                 except trio.Cancelled:
                     # A half-sent frame poisons the stream: drop the connection. A frame
-                    # not started (a trio socket call that is cancelled sent nothing) leaves
-                    # it intact: dropping it then failed every other request on it, so one
-                    # cancelled hedge or slow get became many failed chunks under a burst.
+                    # not started (a send cancelled while it waits sent nothing) leaves it
+                    # intact: dropping it would fail every other request on it, and turn
+                    # one cancelled hedge or slow get into many failed chunks under a burst.
                     if sent[0]:
                         self._fail(Unavailable(f"{self.address}: send cancelled mid-frame"))
                         self._sock.close()
