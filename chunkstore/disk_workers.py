@@ -10,7 +10,7 @@ deque. On the project machine this raised 1 MiB puts by 15-20% (puts only, 1 GiB
 chunks with 16 in flight, medians of 8 interleaved rounds each) and cut the daemon's context
 switches per put from 18 to 15. Results go back the same way: jobs that finish while a
 delivery to the event loop is pending ride along with it (puts released together by one
-directory fsync, ``layout._DirSync``, cost the event loop one wake-up), another 5%.
+directory fsync, ``writes._DirSync``, cost the event loop one wake-up), another 5%.
 
 The threads are still trio's: each is one long ``trio.to_thread.run_sync`` call owned by a
 task of ``serve``'s nursery, so the pool lives and dies with the daemon's nursery. The queue

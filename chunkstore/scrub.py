@@ -3,7 +3,7 @@
 Silent corruption (a flipped bit on disk, a torn sector) is found by a read only; a chunk that
 nobody reads for months would otherwise be found bad exactly when it is needed for a degraded
 read. So each chunk store walks its chunks in id order, a pass at a time, re-reading the
-header, every segment CRC and the whole-chunk CRC (``layout.verify_chunk``), in a worker
+header, every segment CRC and the whole-chunk CRC (``reads.verify_chunk``), in a worker
 thread, paced to ``rate`` bytes per second so that scrub never competes seriously with
 checkpoint writes. A new pass starts at most every ``interval`` seconds.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 
-from chunkstore import layout
+from chunkstore import layout, reads
 from tectonic_py.core.errors import ChunkNotFound, TectonicError
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Scrubber:
         path = layout.chunk_path(self.data_dir, chunk_id)
         try:
             size = path.stat().st_size
-            return layout.verify_chunk(path), size
+            return reads.verify_chunk(path), size
         except (FileNotFoundError, ChunkNotFound):
             return None, 0
         except TectonicError:
@@ -95,7 +95,7 @@ class Scrubber:
         spent = 0
         while after is not None:
             chunks, after = await trio.to_thread.run_sync(
-                layout.list_chunks, self.data_dir, after, PAGE
+                reads.list_chunks, self.data_dir, after, PAGE
             )
             for chunk_id, _length in chunks:
                 ok, nbytes = await trio.to_thread.run_sync(self._check, chunk_id)

@@ -29,7 +29,7 @@ Chunks, spares and puts in flight together stay within ``--capacity``: spares ar
 to make room before a put is refused, and all of them before a retry after a real ENOSPC.
 
 Puts of one chunk id are serialised (``_ChunkLocks``), which makes the exists-check and the
-rename of ``layout.write_chunk`` one step as far as this process can see; a lock file in the
+rename of ``writes.write_chunk`` one step as far as this process can see; a lock file in the
 data directory keeps a second daemon off the same directory.
 
 Membership: with a registry configured, the daemon calls ``node.heartbeat`` every interval
@@ -52,7 +52,7 @@ from typing import Any
 
 import trio
 
-from chunkstore import layout
+from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
@@ -110,7 +110,7 @@ class StoreConfig:
     # has reserved huge pages).
     payload_tmpfs: bool = True
     # Whole gets of large chunks spliced from the page cache into the socket, unverified; the
-    # reader verifies them (``layout.splice_chunk``). Off by default: a 9-store cluster's
+    # reader verifies them (``reads.splice_chunk``). Off by default: a 9-store cluster's
     # reads were now faster, now slower with it, the slow runs in the readers' copies out
     # of new page-cache pages on this VM (docs/operations.md).
     splice_gets: bool = False
@@ -359,7 +359,7 @@ class ChunkStoreServer:
             os.close(fd)
             raise ConfigError(f"data directory {self.data_dir} is in use by another chunk store")
         self._lock_fd = fd
-        scan = layout.recover(self.data_dir)
+        scan = writes.recover(self.data_dir)
         self.chunk_count, self.used = scan.chunk_count, scan.used_bytes
         removed = self.spares.scan()
         log.info(
@@ -457,8 +457,8 @@ class ChunkStoreServer:
         checksum: int,
         image: memoryview | None,
         need: int,
-    ) -> layout.Stored:
-        """``layout.write_chunk`` into a spare file when there is one. A spare larger than
+    ) -> writes.Stored:
+        """``writes.write_chunk`` into a spare file when there is one. A spare larger than
         the chunk holds its extra bytes in ``_reserved`` until the write has cut it. On a
         real ENOSPC the spares are unlinked and the write is tried once more: their blocks
         are the disk's last free space."""
@@ -468,7 +468,7 @@ class ChunkStoreServer:
             self._reserved += extra
             try:
                 stored = await self._writers.run(
-                    layout.write_chunk,
+                    writes.write_chunk,
                     self.data_dir,
                     chunk_id,
                     data,
@@ -509,7 +509,7 @@ class ChunkStoreServer:
 
         def look() -> bool:
             if os.path.lexists(spare):
-                layout.remove_quietly(spare)
+                writes.remove_quietly(spare)
                 return False
             return layout.chunk_path(self.data_dir, chunk_id).exists()
 
@@ -565,7 +565,7 @@ class ChunkStoreServer:
                             return replies.alloc(n, taken)
 
                         read = await trio.to_thread.run_sync(
-                            layout.read_chunk, self.data_dir, chunk_id, offset, length, alloc
+                            reads.read_chunk, self.data_dir, chunk_id, offset, length, alloc
                         )
                     header, data, crc = read
                 except BaseException:
@@ -584,12 +584,12 @@ class ChunkStoreServer:
     async def _splice(
         self, chunk_id: str, length: int | None
     ) -> tuple[dict[str, Any], buffers.Piped, Callable[[], None]] | None:
-        """A whole get as pipes holding the chunk's pages (``layout.splice_chunk``), sent
+        """A whole get as pipes holding the chunk's pages (``reads.splice_chunk``), sent
         unverified with ``verified: False``; None where it goes the verified way. The reply
         budget is taken for the length asked for, or the last whole get's (a get without a
         length, of a chunk larger than that, goes the verified way and sets the next guess)."""
         need = length if length is not None else self._whole_len
-        if need < layout.SPLICE_MIN:
+        if need < reads.SPLICE_MIN:
             return None
         replies = self._replies
         assert replies is not None
@@ -600,7 +600,7 @@ class ChunkStoreServer:
                 await acquire_soon(self._reads)
                 try:
                     spliced = await trio.to_thread.run_sync(
-                        layout.splice_chunk, self.data_dir, chunk_id, length, need
+                        reads.splice_chunk, self.data_dir, chunk_id, length, need
                     )
                 finally:
                     self._reads.release()
@@ -665,7 +665,7 @@ class ChunkStoreServer:
                 lost: WriterLost | None = None
                 try:
                     size = await self._writers.run(
-                        layout.delete_chunk, self.data_dir, chunk_id, spare
+                        writes.delete_chunk, self.data_dir, chunk_id, spare
                     )
                 except WriterLost as e:
                     lost = e
@@ -708,7 +708,7 @@ class ChunkStoreServer:
         chunk_id = self._chunk_id(req)
 
         def stat() -> dict[str, Any]:
-            header, st = layout.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
+            header, st = reads.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
             return {"size": header.length, "checksum": header.checksum, "mtime": st.mtime}
 
         async with self._reads:
@@ -719,7 +719,7 @@ class ChunkStoreServer:
         limit = req.int("limit", 1000, lo=1, hi=LIST_LIMIT)
         async with self._reads:
             chunks, nxt = await trio.to_thread.run_sync(
-                layout.list_chunks, self.data_dir, after, limit
+                reads.list_chunks, self.data_dir, after, limit
             )
         return {"chunks": [[c, n] for c, n in chunks], "next": nxt}
 

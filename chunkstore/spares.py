@@ -19,7 +19,7 @@ Crash safety is unchanged (``chunkstore.layout``): a spare only ever becomes a c
 either whole or absent; whatever a spare holds (a deleted chunk's bytes, half of a put that
 failed) is never served, because only names under ``chunks/`` are chunks. ``recover`` keeps
 the spares it finds, within the bounds below. A reader that opened a chunk before its
-delete could see the file reused; ``layout.read_chunk`` checks after reading that the chunk's
+delete could see the file reused; ``reads.read_chunk`` checks after reading that the chunk's
 name still names the file it read (``ChunkNotFound`` otherwise).
 
 Bounds and accounting: at most ``max_files`` spares and ``max_bytes`` of their sizes; a
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import trio
 
-from chunkstore.layout import remove_quietly
+from chunkstore.writes import remove_quietly
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ from typing import Any, NamedTuple, TypeVar
 import outcome
 import trio
 
-from chunkstore import huge_tmpfs, layout
+from chunkstore import huge_tmpfs, layout, reads
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.buffers import HUGE_PAGE
 from tectonic_py.core.errors import Busy, TectonicError, Unavailable, WriterLost
@@ -109,7 +109,7 @@ class NotShared(ValueError):
 def read_chunk_into(
     data_dir: Path, chunk_id: str, offset: int, length: int | None, buf: memoryview
 ) -> tuple[layout.ChunkHeader, int, int, int]:
-    """``layout.read_chunk`` into ``buf`` (a read thread's job): (header, where the bytes
+    """``reads.read_chunk`` into ``buf`` (a read thread's job): (header, where the bytes
     start in ``buf``, how many, their crc32c). BufferTooSmall if ``buf`` cannot hold the
     read; nothing is read then."""
 
@@ -118,7 +118,7 @@ def read_chunk_into(
             raise BufferTooSmall(n)
         return buf
 
-    header, data, crc = layout.read_chunk(data_dir, chunk_id, offset, length, alloc)
+    header, data, crc = reads.read_chunk(data_dir, chunk_id, offset, length, alloc)
     with data:
         start = _address(data) - _address(buf) if data.nbytes else 0
         return header, start, data.nbytes, crc

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tmpfs_helpers import small_tmpfs
 from wire_helpers import raw_authenticated
 
-from chunkstore import layout
+from chunkstore import layout, reads, writes
 from chunkstore.client import ChunkClient
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.server import ChunkStoreServer, StoreConfig
@@ -169,41 +169,41 @@ def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
     """A retry of a put whose daemon died after its rename but before the directory fsync
     finds the file there; it must not be acknowledged before the name is durable."""
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     cid, _ = new_chunk(b"s" * 32)
     data = b"retried after a crash"
-    layout.write_chunk(data_dir, cid, data, crc32c(data))
+    writes.write_chunk(data_dir, cid, data, crc32c(data))
     synced: list[Path] = []
 
     class Recorder:
         def sync(self, path: Path) -> None:
             synced.append(path)
 
-    monkeypatch.setattr(layout, "_dir_sync", Recorder())
-    assert layout.write_chunk(data_dir, cid, data, crc32c(data)) == layout.Stored(0, 0, False)
+    monkeypatch.setattr(writes, "_dir_sync", Recorder())
+    assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(0, 0, False)
     assert synced == [layout.chunk_path(data_dir, cid).parent]
 
 
 def test_a_repeated_delete_makes_the_removal_durable(tmp_path, monkeypatch):
     """The twin: a retried delete finds the chunk gone, perhaps not durably yet."""
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     cid, _ = new_chunk(b"s" * 32)
     data = b"deleted before a crash"
-    layout.write_chunk(data_dir, cid, data, crc32c(data))
-    assert layout.delete_chunk(data_dir, cid) == layout.file_size_for(len(data))
+    writes.write_chunk(data_dir, cid, data, crc32c(data))
+    assert writes.delete_chunk(data_dir, cid) == layout.file_size_for(len(data))
     synced: list[Path] = []
 
     class Recorder:
         def sync(self, path: Path) -> None:
             synced.append(path)
 
-    monkeypatch.setattr(layout, "_dir_sync", Recorder())
-    assert layout.delete_chunk(data_dir, cid) is None
+    monkeypatch.setattr(writes, "_dir_sync", Recorder())
+    assert writes.delete_chunk(data_dir, cid) is None
     assert synced == [layout.chunk_path(data_dir, cid).parent]
     monkeypatch.undo()
     shutil.rmtree(layout.chunk_path(data_dir, cid).parent)  # no shard directory at all
-    assert layout.delete_chunk(data_dir, cid) is None
+    assert writes.delete_chunk(data_dir, cid) is None
 
 
 async def test_concurrent_puts_of_one_chunk_store_it_once(store, secret):
@@ -251,9 +251,9 @@ async def test_corrupt_data_is_detected_and_never_returned(store, secret):
     async with open_client(port, secret) as c:
         await c.put(cid, data, cap)
         path = chunk_file(server, cid)
-        header = layout.read_header(path)
+        header = reads.read_header(path)
         flip_byte(path, header.data_offset + 2 * layout.SEGMENT_SIZE + 17)  # segment 2
-        assert not layout.verify_chunk(path)
+        assert not reads.verify_chunk(path)
         with pytest.raises(ChunkCorrupt):
             await c.get(cid)
         with pytest.raises(ChunkCorrupt):
@@ -270,7 +270,7 @@ async def test_corrupt_data_is_detected_and_never_returned(store, secret):
         await _reply_budget_back(server)
         # A retried put of the right bytes heals it.
         await c.put(cid, data, cap)
-        assert layout.verify_chunk(path)
+        assert reads.verify_chunk(path)
         assert bytes(await c.get(cid)) == data
         assert (await c.node_stats()).chunk_count == 1
 
@@ -294,7 +294,7 @@ def _open_pipes() -> int:
 
 
 @pytest.mark.parametrize(
-    "size", [layout.SPLICE_MIN, layout.SPLICE_MIN + 1, MiB, 4 * MiB, 4 * MiB + 12345]
+    "size", [reads.SPLICE_MIN, reads.SPLICE_MIN + 1, MiB, 4 * MiB, 4 * MiB + 12345]
 )
 async def test_whole_gets_are_spliced_unverified_and_checked_by_the_client(
     nursery, tmp_path, secret, size
@@ -337,7 +337,7 @@ async def test_a_damaged_chunk_sent_unverified_is_corrupt_after_a_verified_read(
     async with open_client(port, secret) as c:
         await c.put(cid, data, cap)
         path = chunk_file(server, cid)
-        flip_byte(path, layout.read_header(path).data_offset + 777_777)
+        flip_byte(path, reads.read_header(path).data_offset + 777_777)
         # Sent unverified, it fails the client's check; the client asks for a verified
         # read, and only the store's read says ChunkCorrupt (the client's own check would
         # say ChecksumMismatch).
@@ -360,14 +360,14 @@ async def test_gets_are_read_verified_when_pipes_cannot_be_had(
     nursery, tmp_path, secret, monkeypatch
 ):
     """The user's pipe budget (fs.pipe-user-pages-soft) spent: F_SETPIPE_SZ refuses."""
-    real = layout.fcntl.fcntl
+    real = reads.fcntl.fcntl
 
     def fcntl(fd, cmd, *args):
-        if cmd == layout._F_SETPIPE_SZ:
+        if cmd == reads._F_SETPIPE_SZ:
             raise PermissionError(1, "Operation not permitted")
         return real(fd, cmd, *args)
 
-    monkeypatch.setattr(layout.fcntl, "fcntl", fcntl)
+    monkeypatch.setattr(reads.fcntl, "fcntl", fcntl)
     server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(MiB)
@@ -384,7 +384,7 @@ async def test_a_chunk_deleted_while_spliced_is_not_found(nursery, tmp_path, sec
     server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
     cid, cap = new_chunk(secret)
     data = os.urandom(MiB)
-    real = layout._still_named
+    real = reads._still_named
 
     def still_named(path, st):  # the delete lands between the splice and the check
         os.unlink(path)
@@ -392,7 +392,7 @@ async def test_a_chunk_deleted_while_spliced_is_not_found(nursery, tmp_path, sec
 
     async with open_client(port, secret) as c:
         await c.put(cid, data, cap)
-        monkeypatch.setattr(layout, "_still_named", still_named)
+        monkeypatch.setattr(reads, "_still_named", still_named)
         with pytest.raises(ChunkNotFound):
             await c.get(cid, 0, MiB)
     await _reply_budget_back(server)
@@ -417,7 +417,7 @@ async def test_damaged_header_or_size_is_corrupt(store, secret, damage):
                 f.write(b"x")
         else:
             os.truncate(path, 0)
-        assert not layout.verify_chunk(path)
+        assert not reads.verify_chunk(path)
         with pytest.raises(ChunkCorrupt):
             await c.get(cid)
         with pytest.raises(ChunkCorrupt):
@@ -434,20 +434,20 @@ async def test_ranged_get_reads_only_the_segments_it_touches(tmp_path, secret, m
     data_dir = tmp_path / "d"
     cid, _ = new_chunk(secret)
     data = os.urandom(4 * MiB)
-    layout.recover(data_dir)
-    layout.write_chunk(data_dir, cid, data, crc32c(data))
-    reads: list[int] = []
+    writes.recover(data_dir)
+    writes.write_chunk(data_dir, cid, data, crc32c(data))
+    preads: list[int] = []
     real = os.preadv
 
     def counting(fd, bufs, offset):
         n = real(fd, bufs, offset)
-        reads.append(n)
+        preads.append(n)
         return n
 
     monkeypatch.setattr(os, "preadv", counting)
-    _, out, crc = layout.read_chunk(data_dir, cid, 1 * MiB + 100, 4096)
+    _, out, crc = reads.read_chunk(data_dir, cid, 1 * MiB + 100, 4096)
     assert bytes(out) == data[MiB + 100 : MiB + 100 + 4096] and crc == crc32c(out)
-    assert sum(reads) == layout.SEGMENT_SIZE
+    assert sum(preads) == layout.SEGMENT_SIZE
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -957,17 +957,17 @@ def test_file_size_inversion_property(n):
 
 def test_listing_reports_lengths_of_both_versions(tmp_path):
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     lengths = {}
     for n in [1, 4096, 8192, 65536, 100_000, MiB]:
         cid, _ = new_chunk(b"s" * 32)
         data = payload(n, n)
-        layout.write_chunk(data_dir, cid, data, crc32c(data))
+        writes.write_chunk(data_dir, cid, data, crc32c(data))
         lengths[cid] = n
         path = layout.chunk_path(data_dir, cid)
         assert path.stat().st_size == layout.file_size_for(n)
-        assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
-    listed, nxt = layout.list_chunks(data_dir, "", 100)
+        assert bytes(reads.read_chunk(data_dir, cid)[1]) == data
+    listed, nxt = reads.list_chunks(data_dir, "", 100)
     assert dict(listed) == lengths and nxt is None
 
 
@@ -1017,10 +1017,10 @@ def test_layout_ranges_and_corruption_property(tmp_path_factory, size, seed, ran
     """Any range reads back exactly; after any one flipped byte, no read returns bad bytes."""
     data_dir = tmp_path_factory.getbasetemp() / "layout-property"
     if not data_dir.exists():  # one store for all examples: recover() makes 256 directories
-        layout.recover(data_dir)
+        writes.recover(data_dir)
     cid = ids.chunk_id(ids.new_id(), 0)
     data = payload(size, seed)
-    layout.write_chunk(data_dir, cid, data, crc32c(data))
+    writes.write_chunk(data_dir, cid, data, crc32c(data))
     path = layout.chunk_path(data_dir, cid)
     bad = None
     if flip is not None:
@@ -1031,7 +1031,7 @@ def test_layout_ranges_and_corruption_property(tmp_path_factory, size, seed, ran
         off = int(min(a, b) * size)
         n = int(max(a, b) * size) - off
         try:
-            _, out, crc = layout.read_chunk(data_dir, cid, off, n)
+            _, out, crc = reads.read_chunk(data_dir, cid, off, n)
         except ChunkCorrupt:
             assert bad is not None  # only damage is ever reported as damage
             continue
@@ -1039,7 +1039,7 @@ def test_layout_ranges_and_corruption_property(tmp_path_factory, size, seed, ran
         assert bytes(out) == data[off : off + n] and crc == crc32c(out)
         if bad is not None and bad < header_len:
             raise AssertionError("a damaged header went unnoticed")
-    assert layout.verify_chunk(path) is (bad is None)
+    assert reads.verify_chunk(path) is (bad is None)
 
 
 def test_advertised_address_for_wildcard_listen():
@@ -1077,7 +1077,7 @@ async def test_get_reply_buffers_are_reused_and_their_budget_returned(nursery, t
 @pytest.mark.parametrize("length", [1, 4095, 65536, 4 * MiB, 4 * MiB + 777])
 def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, length):
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     data = os.urandom(length)
     offset, size = layout.put_room(length)
     buf = buffers.SpareBuffers(0).take(max(size, buffers.SpareBuffers.MIN_SIZE))
@@ -1085,21 +1085,21 @@ def test_put_written_from_its_file_image_with_o_direct(tmp_path, monkeypatch, le
     image[:] = b"\xee" * size  # stale bytes around the payload must not reach the file
     image[offset : offset + length] = data
     direct: list[bool] = []
-    real = layout._write_direct
-    monkeypatch.setattr(layout, "_write_direct", lambda *a: direct.append(real(*a)) or direct[-1])
+    real = writes._write_direct
+    monkeypatch.setattr(writes, "_write_direct", lambda *a: direct.append(real(*a)) or direct[-1])
     cid, _ = new_chunk(b"s" * 32)
-    assert layout.write_chunk(data_dir, cid, image[offset : offset + length], crc32c(data), image)
+    assert writes.write_chunk(data_dir, cid, image[offset : offset + length], crc32c(data), image)
     path = layout.chunk_path(data_dir, cid)
     assert path.stat().st_size == layout.file_size_for(length)
-    assert layout.verify_chunk(path)
-    assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
+    assert reads.verify_chunk(path)
+    assert bytes(reads.read_chunk(data_dir, cid)[1]) == data
     assert direct in ([True], [False])  # False only where the filesystem refuses O_DIRECT
     # An image that does not hold the payload at its place is not used: buffered write.
     other = os.urandom(length)
     cid2, _ = new_chunk(b"s" * 32)
     direct.clear()
-    layout.write_chunk(data_dir, cid2, other, crc32c(other), image)
-    assert direct == [] and bytes(layout.read_chunk(data_dir, cid2)[1]) == other
+    writes.write_chunk(data_dir, cid2, other, crc32c(other), image)
+    assert direct == [] and bytes(reads.read_chunk(data_dir, cid2)[1]) == other
 
 
 def _chunk_in_a_removed_shard_dir(data_dir: Path) -> str:
@@ -1116,7 +1116,7 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
     """New file by O_DIRECT image, new file buffered, spare renamed: each finds the chunk's
     shard directory gone, makes it again and stores the chunk."""
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     length = 8192
     data = payload(length, 7)
     offset, size = layout.put_room(length)
@@ -1127,9 +1127,9 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
     spare.write_bytes(b"old")
     for kw in ({"image": image}, {}, {"spare": spare, "spare_size": 3}):
         cid = _chunk_in_a_removed_shard_dir(data_dir)
-        stored = layout.write_chunk(data_dir, cid, data, crc32c(data), **kw)
+        stored = writes.write_chunk(data_dir, cid, data, crc32c(data), **kw)
         assert stored.added_chunks == 1 and stored.spare_used == ("spare" in kw)
-        assert bytes(layout.read_chunk(data_dir, cid)[1]) == data
+        assert bytes(reads.read_chunk(data_dir, cid)[1]) == data
     assert not spare.exists()
 
 
@@ -1137,53 +1137,53 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
 @pytest.mark.parametrize("length", [64 * 1024, 4 * MiB, 4 * MiB + 777])
 def test_whole_get_read_with_o_direct_into_an_aligned_buffer(tmp_path, monkeypatch, length, asked):
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     data = os.urandom(length)
     cid, _ = new_chunk(b"s" * 32)
-    layout.write_chunk(data_dir, cid, data, crc32c(data))  # buffered: dirty pages, then O_DIRECT
+    writes.write_chunk(data_dir, cid, data, crc32c(data))  # buffered: dirty pages, then O_DIRECT
     used: list[bool] = []
-    real = layout._read_whole_direct
+    real = reads._read_whole_direct
 
     def spy(*args):
         view = real(*args)
         used.append(view is not None)
         return view
 
-    monkeypatch.setattr(layout, "_read_whole_direct", spy)
+    monkeypatch.setattr(reads, "_read_whole_direct", spy)
     spares = buffers.SpareBuffers(0)
     # The cluster client always sends the length (version 2 chunks too: 4 MiB).
     want = None if asked == "none" else length
-    header, out, crc = layout.read_chunk(data_dir, cid, 0, want, alloc=spares.take)
+    header, out, crc = reads.read_chunk(data_dir, cid, 0, want, alloc=spares.take)
     assert bytes(out) == data and crc == crc32c(data) and header.length == length
-    assert used[0] or layout.chunk_path(data_dir, cid).stat().st_dev in layout._no_direct
+    assert used[0] or layout.chunk_path(data_dir, cid).stat().st_dev in layout.no_direct
     # A flipped byte on disk is caught on the O_DIRECT path too.
     path = layout.chunk_path(data_dir, cid)
     with open(path, "r+b") as f:
         f.seek(header.data_offset + length // 2)
         f.write(bytes([data[length // 2] ^ 1]))
     with pytest.raises(ChunkCorrupt):
-        layout.read_chunk(data_dir, cid, alloc=spares.take)
+        reads.read_chunk(data_dir, cid, alloc=spares.take)
 
 
 def test_a_file_size_both_formats_fit_is_read_as_what_its_header_says(tmp_path):
     """8192 bytes is a version-2 chunk of 4096 or a version-1 chunk of 8156: a get at 0 of
     the other format's length is a ranged read (or past the end), never the whole chunk."""
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     assert set(layout.lengths_from_file_size(8192)) == {4096, 8156}
     v2, _ = new_chunk(b"s" * 32)
     small = payload(4096, 2)
-    layout.write_chunk(data_dir, v2, small, crc32c(small))
+    writes.write_chunk(data_dir, v2, small, crc32c(small))
     v1, _ = new_chunk(b"s" * 32)
     big = payload(8156, 1)
-    layout.write_chunk(data_dir, v1, big, crc32c(big))
+    writes.write_chunk(data_dir, v1, big, crc32c(big))
     for cid in (v1, v2):
         assert layout.chunk_path(data_dir, cid).stat().st_size == 8192
-    header, out, crc = layout.read_chunk(data_dir, v1, 0, 4096)
+    header, out, crc = reads.read_chunk(data_dir, v1, 0, 4096)
     assert header.length == 8156 and bytes(out) == big[:4096] and crc == crc32c(big[:4096])
     with pytest.raises(InvalidArgument):
-        layout.read_chunk(data_dir, v2, 0, 8156)
-    assert bytes(layout.read_chunk(data_dir, v2, 0, 4096)[1]) == small
+        reads.read_chunk(data_dir, v2, 0, 8156)
+    assert bytes(reads.read_chunk(data_dir, v2, 0, 4096)[1]) == small
 
 
 # --- spare files: deletes keep their inodes for later puts (chunkstore/spares.py) -----------
@@ -1340,8 +1340,8 @@ def _reuse_for_another_chunk(data_dir: Path, deleted: str, other: str, data: byt
         return
     spare = data_dir / "spares" / "spare-test"
     spare.parent.mkdir(exist_ok=True)
-    assert layout.delete_chunk(data_dir, deleted, spare)
-    stored = layout.write_chunk(data_dir, other, data, crc32c(data), spare=spare)
+    assert writes.delete_chunk(data_dir, deleted, spare)
+    stored = writes.write_chunk(data_dir, other, data, crc32c(data), spare=spare)
     assert stored.spare_used
 
 
@@ -1350,21 +1350,21 @@ def test_a_read_racing_delete_and_reuse_never_returns_another_chunks_bytes(
     tmp_path, monkeypatch, when
 ):
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     a, _ = new_chunk(b"s" * 32)
     b, _ = new_chunk(b"s" * 32)
     data_a, data_b = payload(200_000, 1), payload(200_000, 2)
-    layout.write_chunk(data_dir, a, data_a, crc32c(data_a))
+    writes.write_chunk(data_dir, a, data_a, crc32c(data_a))
     if when == "before_header":
         # The reader has opened a's file; then it is deleted, reused for b, and read: b's
         # header and b's bytes, which pass every checksum.
-        real = layout._read_open_chunk
+        real = reads._read_open_chunk
 
         def racing(fd, *args):
             _reuse_for_another_chunk(data_dir, a, b, data_b)
             return real(fd, *args)
 
-        monkeypatch.setattr(layout, "_read_open_chunk", racing)
+        monkeypatch.setattr(reads, "_read_open_chunk", racing)
         alloc = bytearray
     else:
         # a's header was read; the data read finds b's bytes (a checksum failure, which must
@@ -1374,28 +1374,28 @@ def test_a_read_racing_delete_and_reuse_never_returns_another_chunks_bytes(
             return bytearray(n)
 
     with pytest.raises(ChunkNotFound):
-        layout.read_chunk(data_dir, a, alloc=alloc)
+        reads.read_chunk(data_dir, a, alloc=alloc)
     with pytest.raises(ChunkNotFound):
-        layout.read_chunk(data_dir, a)
-    assert bytes(layout.read_chunk(data_dir, b)[1]) == data_b
+        reads.read_chunk(data_dir, a)
+    assert bytes(reads.read_chunk(data_dir, b)[1]) == data_b
 
 
 def test_verify_of_a_chunk_deleted_meanwhile_is_not_found(tmp_path, monkeypatch):
     data_dir = tmp_path / "d"
-    layout.recover(data_dir)
+    writes.recover(data_dir)
     a, _ = new_chunk(b"s" * 32)
     b, _ = new_chunk(b"s" * 32)
     data = payload(100_000, 4)
-    layout.write_chunk(data_dir, a, data, crc32c(data))
-    real = layout._verify_open_chunk
+    writes.write_chunk(data_dir, a, data, crc32c(data))
+    real = reads._verify_open_chunk
 
     def racing(fd, *args):
         _reuse_for_another_chunk(data_dir, a, b, payload(100_000, 5))
         return real(fd, *args)
 
-    monkeypatch.setattr(layout, "_verify_open_chunk", racing)
+    monkeypatch.setattr(reads, "_verify_open_chunk", racing)
     with pytest.raises(ChunkNotFound):  # scrub then forgets it instead of reporting it bad
-        layout.verify_chunk(layout.chunk_path(data_dir, a))
+        reads.verify_chunk(layout.chunk_path(data_dir, a))
 
 
 async def _put_three_delete_two(c, server, secret):
@@ -1481,8 +1481,8 @@ def _run_dir_syncs(monkeypatch, tmp_path, fail_first: bool) -> tuple[list, list]
         if not ok:
             raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(layout, "_fsync_dir", slow_fsync)
-    group = layout._DirSync()
+    monkeypatch.setattr(writes, "_fsync_dir", slow_fsync)
+    group = writes._DirSync()
 
     def caller(i):
         time.sleep(0.005 * i)
@@ -1537,9 +1537,9 @@ def test_a_directory_fsync_wakes_only_the_threads_waiting_for_that_directory(mon
             a_started.set()
             time.sleep(0.3)
 
-    monkeypatch.setattr(layout.threading, "Condition", CountingCondition)
-    monkeypatch.setattr(layout, "_fsync_dir", fsync)
-    group = layout._DirSync()
+    monkeypatch.setattr(writes.threading, "Condition", CountingCondition)
+    monkeypatch.setattr(writes, "_fsync_dir", fsync)
+    group = writes._DirSync()
     a, b = tmp_path / "a", tmp_path / "b"
     first_a = threading.Thread(target=group.sync, args=(a,))
     first_a.start()

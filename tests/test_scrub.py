@@ -17,7 +17,7 @@ from maintenance_helpers import (
     wait_for,
 )
 
-from chunkstore import layout
+from chunkstore import layout, writes
 from chunkstore.scrub import Scrubber
 from tectonic_py.core.checksum import checksum
 from tectonic_py.core.ids import chunk_id
@@ -33,11 +33,11 @@ def _flip(path: Path, offset_from_end: int) -> None:
 
 def _store(tmp_path: Path, n: int) -> list[str]:
     ids = []
-    layout.recover(tmp_path)
+    writes.recover(tmp_path)
     for i in range(n):
         data = bytes([i]) * (3000 + 1000 * i)
         cid = chunk_id(0x1234 + i, 0)
-        layout.write_chunk(tmp_path, cid, memoryview(data), checksum(data))
+        writes.write_chunk(tmp_path, cid, memoryview(data), checksum(data))
         ids.append(cid)
     return ids
 
@@ -55,9 +55,9 @@ async def test_scrub_pass_finds_flipped_bytes_and_forgets_deleted(tmp_path):
     report = s.report()
     assert [c for c, _ in report["bad"]] == sorted([ids[1], ids[3]])  # type: ignore[union-attr]
     # Deleted (repaired elsewhere): gone from the report; a vanished file is no error.
-    layout.delete_chunk(tmp_path, ids[1])
+    writes.delete_chunk(tmp_path, ids[1])
     s.forget(ids[1])
-    layout.delete_chunk(tmp_path, ids[3])
+    writes.delete_chunk(tmp_path, ids[3])
     assert await s.scrub_pass() == 0 and s.bad == {}
 
 

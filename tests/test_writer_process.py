@@ -15,7 +15,7 @@ import trio
 from test_chunkstore import NODE, new_chunk, open_client, start_store
 from wire_helpers import address_of, mapping_at, mappings, vma_fields
 
-from chunkstore import huge_tmpfs, layout, writer_process
+from chunkstore import huge_tmpfs, layout, reads, writer_process
 from chunkstore.server import ChunkStoreServer
 from chunkstore.writer_process import NotShared, SharedBuffers, WriterProcess
 from tectonic_py.core import rpc_client
@@ -750,13 +750,13 @@ def test_thread_counts_are_checked() -> None:
 def daemon_reads(monkeypatch) -> list[int]:
     """Counts the chunk reads this process (the daemon) does itself, in its threads."""
     calls: list[int] = []
-    real = layout.read_chunk
+    real = reads.read_chunk
 
     def read_chunk(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(layout, "read_chunk", read_chunk)
+    monkeypatch.setattr(reads, "read_chunk", read_chunk)
     return calls
 
 
@@ -797,7 +797,7 @@ async def test_whole_gets_are_read_by_the_writers_read_threads(
         with pytest.raises(ChunkNotFound):
             await client.get(new_chunk(secret)[0])
         path = layout.chunk_path(server.data_dir, cids[2])
-        flip_byte(path, layout.read_header(path).data_offset + 12345)
+        flip_byte(path, reads.read_header(path).data_offset + 12345)
         with pytest.raises(ChunkCorrupt):
             await client.get(cids[2])
         assert len(daemon_reads) == 3

@@ -1,0 +1,440 @@
+"""Reading chunk files: whole or ranged gets, their verification, scrub's check, listings.
+
+No byte leaves here unverified: a whole read is checked against the whole-chunk CRC in one
+pass, a ranged read against the CRCs of the segments it touches (``chunkstore.layout``).
+A whole-chunk get reads the file's image, header and all, with one O_DIRECT read into a
+page-aligned buffer; filesystems that refuse O_DIRECT are read buffered.
+
+Readers check after reading that the chunk's name still names the file they read
+(``_still_named``), since a deleted chunk's file may be reused by a put (``chunkstore.spares``).
+
+All functions here do blocking disk I/O and are meant to run in ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from chunkstore import syscalls
+from chunkstore.layout import (
+    DIRECT_ALIGN,
+    DIRECT_MIN,
+    HEADER,
+    MAGIC,
+    VERSIONS,
+    Buffer,
+    ChunkHeader,
+    chunk_path,
+    chunks_root,
+    decode_header,
+    direct_span,
+    header_bytes_needed,
+    length_from_file_size,
+    lengths_from_file_size,
+    no_direct,
+    segment_count,
+    validate_chunk_id,
+)
+from tectonic_py.core.checksum import KEEP_GIL_MAX, combine
+from tectonic_py.core.checksum import checksum as crc32c
+from tectonic_py.core.errors import ChunkCorrupt, ChunkNotFound, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+def _open(path: Path) -> int:
+    try:
+        return syscalls.open_existing(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ChunkNotFound(f"no chunk {path.name}") from None
+
+
+def _read_header_fd(fd: int, name: str, size: int | None = None) -> ChunkHeader:
+    if size is None:
+        size = syscalls.fstat(fd).size
+    buf = os.pread(fd, DIRECT_ALIGN, 0)
+    need = header_bytes_needed(buf)
+    if len(buf) < need <= size:
+        buf = os.pread(fd, need, 0)
+    try:
+        return decode_header(buf, size)
+    except ChunkCorrupt as e:
+        raise ChunkCorrupt(f"chunk {name}: {e}") from None
+
+
+def read_header(path: Path) -> ChunkHeader:
+    return stat_chunk(path)[0]
+
+
+def stat_chunk(path: Path) -> tuple[ChunkHeader, syscalls.Stat]:
+    """The header of the chunk file at ``path`` and the file's stat."""
+    fd = _open(path)
+    try:
+        st = syscalls.fstat(fd)
+        try:
+            header = _read_header_fd(fd, path.name, st.size)
+        except ChunkCorrupt:
+            _still_named(path, st)
+            raise
+        _still_named(path, st)
+        return header, st
+    finally:
+        syscalls.close(fd)
+
+
+def _still_named(path: Path, st: syscalls.Stat) -> None:
+    """ChunkNotFound unless ``path`` still names the file ``st`` describes, unchanged.
+
+    Why: a delete may rename a chunk's file into the spares (``chunkstore.spares``) while a
+    reader has it open, and a put may then overwrite it with another chunk, header and all,
+    whose bytes would pass every check. So a reader checks, after reading, that the chunk's
+    name still leads to the same inode with the same ctime (a rename or a write changes it);
+    then what it read was this chunk's file all along.
+    """
+    try:
+        now = syscalls.stat(path)
+    except FileNotFoundError:
+        raise ChunkNotFound(f"chunk {path.name} was deleted while being read") from None
+    if (now.ino, now.dev, now.ctime_ns) != (st.ino, st.dev, st.ctime_ns):
+        raise ChunkNotFound(f"chunk {path.name} was deleted or replaced while being read")
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise ChunkCorrupt(f"chunk {name}: file ends early")
+        view = view[n:]
+        offset += n
+
+
+def _aligned(view: memoryview) -> bool:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _read_whole_direct(
+    fd: int, st: syscalls.Stat, alloc: Callable[[int], Buffer], name: str
+) -> tuple[ChunkHeader, memoryview, int] | None:
+    """A whole chunk read, header and all, by one O_DIRECT read of its file into a
+    page-aligned buffer from ``alloc``: (header, data (a view of the buffer), crc). None
+    where the chunk is small, the buffer is not aligned or the filesystem refuses O_DIRECT
+    (the caller reads buffered); the fd is as it was then.
+
+    Why: a buffered read copies the whole chunk out of the page cache, a third of a get's
+    CPU, and a restore reads each chunk once. Reading the header from the same buffer
+    leaves one system call that waits for the disk, the only one that releases the GIL.
+    The kernel writes back any dirty pages of the range first, so a file written buffered
+    reads the same.
+    """
+    size = st.size
+    if size < HEADER.size + DIRECT_MIN or st.dev in no_direct:
+        return None
+    span = direct_span(size)
+    buf = memoryview(alloc(span))[:span]
+    if not _aligned(buf):
+        return None
+    try:
+        syscalls.set_direct(fd, True)
+        got = 0
+        while got < size:
+            # Whole blocks at aligned offsets; the kernel stops at the end of the file.
+            n = os.preadv(fd, [buf[got:]], got)
+            if n == 0:
+                raise ChunkCorrupt(f"chunk {name}: file ends early")
+            got += n
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        no_direct.add(st.dev)
+        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", st.dev)
+        syscalls.set_direct(fd, False)
+        return None
+    try:
+        header = decode_header(bytes(buf[: min(header_bytes_needed(buf), size)]), size)
+    except ChunkCorrupt as e:
+        raise ChunkCorrupt(f"chunk {name}: {e}") from None
+    data = buf[header.data_offset : size]
+    crc = crc32c(data, keep_gil=len(data) <= KEEP_GIL_MAX)
+    if crc != header.checksum:
+        raise ChunkCorrupt(f"chunk {name} failed its checksum")
+    return header, data, crc
+
+
+def read_chunk(
+    data_dir: Path,
+    chunk_id: str,
+    offset: int = 0,
+    length: int | None = None,
+    alloc: Callable[[int], Buffer] = bytearray,
+) -> tuple[ChunkHeader, memoryview, int]:
+    """Read verified bytes of a chunk: (header, bytes, crc32c of those bytes).
+
+    A whole read is checked against the whole-chunk CRC; a ranged read reads and checks
+    only the segments it overlaps. Either way, bytes that fail raise ChunkCorrupt and are
+    never returned. The bytes are a view of one buffer read straight from the file, made by
+    ``alloc``, which may give more than it was asked for (the daemon's allocator charges
+    it to a memory budget and reuses buffers).
+    """
+    path = chunk_path(data_dir, chunk_id)
+    fd = _open(path)
+    try:
+        st = syscalls.fstat(fd)
+        try:
+            result = None
+            if offset == 0 and (length is None or length in lengths_from_file_size(st.size)):
+                result = _read_whole_direct(fd, st, alloc, chunk_id)
+                if result is not None and length not in (None, result[0].length):
+                    # The size fits both formats and the header says it is the other one:
+                    # this is a ranged read after all (or past the end), done buffered.
+                    syscalls.set_direct(fd, False)
+                    result = None
+            if result is None:
+                result = _read_open_chunk(fd, st.size, chunk_id, offset, length, alloc)
+        except ChunkCorrupt:
+            _still_named(path, st)  # bad bytes of a file that is no longer this chunk's
+            raise
+        _still_named(path, st)
+        return result
+    finally:
+        syscalls.close(fd)
+
+
+def _read_open_chunk(
+    fd: int,
+    size: int,
+    chunk_id: str,
+    offset: int,
+    length: int | None,
+    alloc: Callable[[int], Buffer],
+) -> tuple[ChunkHeader, memoryview, int]:
+    header = _read_header_fd(fd, chunk_id, size)
+    if offset > header.length:
+        raise InvalidArgument(f"offset {offset} past the end of chunk {chunk_id} ({header.length})")
+    if length is None:
+        length = header.length - offset
+    if offset + length > header.length:
+        raise InvalidArgument(
+            f"range {offset}+{length} past the end of chunk {chunk_id} ({header.length})"
+        )
+    if offset == 0 and length == header.length:
+        buf = memoryview(alloc(length))[:length]
+        _pread_into(fd, buf, header.data_offset, chunk_id)
+        crc = crc32c(buf)
+        if crc != header.checksum:
+            raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum")
+        return header, buf, crc
+    seg = header.segment_size
+    first = offset // seg
+    last = segment_count(offset + length, seg) if length else first
+    start = first * seg
+    span = min(last * seg, header.length) - start
+    buf = memoryview(alloc(span))[:span]
+    _pread_into(fd, buf, header.data_offset + start, chunk_id)
+    for i in range(first, last):
+        lo = i * seg - start
+        if crc32c(buf[lo : lo + seg]) != header.segment_crcs[i]:
+            raise ChunkCorrupt(f"chunk {chunk_id} failed its checksum in segment {i}")
+    out = buf[offset - start : offset - start + length]
+    return header, out, crc32c(out)
+
+
+# A whole get of a chunk at least this large is spliced (``splice_chunk``); smaller ones cost
+# more in pipes and system calls than the copy and the CRC they save.
+SPLICE_MIN = 256 * 1024
+# Bytes per pipe: Linux's default ``fs.pipe-max-size``, the most a process may ask for
+# without privileges (a 4 MiB chunk takes four pipes).
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class Spliced(NamedTuple):
+    """A whole chunk's bytes held in pipes by reference: (read end, bytes in it) in order."""
+
+    header: ChunkHeader
+    pipes: list[tuple[int, int]]
+
+
+def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) -> Spliced | None:
+    """Move a whole chunk's bytes into pipes without copying them (``splice(2)`` from the page
+    cache), for the daemon to splice on into the client's socket; its header is checked, its
+    bytes are not. None where the chunk is smaller than SPLICE_MIN or larger than ``limit``
+    (the reply budget the caller holds), ``length`` is not the chunk's, or the kernel will
+    not give pipes of that size: the caller then reads it verified (``read_chunk``).
+
+    Why unverified: a get's reader checks the bytes against ``header.checksum`` anyway (the
+    checksum the put was checked against, end to end), and asks again for a verified read
+    when they fail (``ChunkClient.get``), which tells corruption on disk (ChunkCorrupt) from
+    damage in transit. Not checking them here leaves the daemon neither the CRC nor the copy
+    into and out of a buffer: against one store on 2 cores, 1 MiB gets ran 14-24% faster and
+    4 MiB ones 31%, at 10-25% less CPU per byte. But every get then fills new page-cache
+    pages for its reader to copy out of, and on a VM whose host backs new guest memory
+    slowly that copy made a 9-store cluster's reads 9-33% slower in some runs (20-52%
+    faster in others; docs/operations.md), where O_DIRECT into reused buffers never pays
+    it: so the store does this only with ``--splice-gets``. The chunk's file is checked to
+    still be this chunk's after the splice (``_still_named``), so a delete racing the read
+    is ChunkNotFound as usual.
+    """
+    path = chunk_path(data_dir, chunk_id)
+    fd = _open(path)
+    pipes: list[tuple[int, int]] = []
+    try:
+        st = syscalls.fstat(fd)
+        if st.size < SPLICE_MIN:
+            return None
+        header = _read_header_fd(fd, chunk_id, st.size)
+        if header.length > limit or length not in (None, header.length):
+            return None
+        pos, end = header.data_offset, header.file_size
+        while pos < end:
+            # A pipe holds page-sized slots, one per page a piece touches: the first piece
+            # (the data follows the header) ends on a page boundary, the others start on one.
+            skew = pos % mmap.PAGESIZE
+            piece = min(end - pos, PIPE_BYTES - skew)
+            r, w = os.pipe2(os.O_CLOEXEC)
+            pipes.append((r, piece))
+            try:
+                try:
+                    fcntl.fcntl(w, _F_SETPIPE_SZ, skew + piece)
+                except OSError as e:  # the user's pipe budget (fs.pipe-user-pages-soft) is spent
+                    if e.errno not in (errno.EPERM, errno.ENOMEM, errno.EBUSY):
+                        raise
+                    return None
+                stop = pos + piece
+                while pos < stop:
+                    try:  # (the disk may block it, a full pipe never does)
+                        n = os.splice(fd, w, stop - pos, offset_src=pos, flags=os.SPLICE_F_NONBLOCK)
+                    except BlockingIOError:  # more slots taken than pages: not expected
+                        return None
+                    except OSError as e:  # a filesystem that cannot splice
+                        if e.errno != errno.EINVAL:
+                            raise
+                        return None
+                    if n == 0:
+                        raise ChunkCorrupt(f"chunk {chunk_id}: file ends early")
+                    pos += n
+            finally:
+                os.close(w)
+        _still_named(path, st)
+        spliced, pipes = Spliced(header, pipes), []
+        return spliced
+    finally:
+        syscalls.close(fd)
+        for r, _ in pipes:
+            os.close(r)
+
+
+def verify_chunk(path: Path) -> bool:
+    """True if the chunk file at ``path`` is whole: header, every segment and the chunk CRC.
+
+    The reusable check for scrub. A missing file is ChunkNotFound, not False, and so is a
+    file deleted (and perhaps reused) while it was being checked.
+    """
+    fd = _open(path)
+    try:
+        st = syscalls.fstat(fd)
+        whole = _verify_open_chunk(fd, st.size, path.name)
+        _still_named(path, st)
+        return whole
+    finally:
+        syscalls.close(fd)
+
+
+def _verify_open_chunk(fd: int, size: int, name: str) -> bool:
+    try:
+        header = _read_header_fd(fd, name, size)
+    except ChunkCorrupt:
+        return False
+    buf = memoryview(bytearray(min(header.length, 16 * header.segment_size)))
+    pos, whole, i = 0, 0, 0
+    while pos < header.length:
+        view = buf[: min(len(buf), header.length - pos)]
+        try:
+            _pread_into(fd, view, header.data_offset + pos, name)
+        except ChunkCorrupt:
+            return False
+        for lo in range(0, len(view), header.segment_size):
+            piece = view[lo : lo + header.segment_size]
+            crc = crc32c(piece)
+            if crc != header.segment_crcs[i]:
+                return False
+            # Full segments combine from their CRCs (no second pass); the short last one
+            # is streamed (a table per odd length would not pay).
+            if len(piece) == header.segment_size:
+                whole = combine(whole, crc, len(piece))
+            else:
+                whole = crc32c(piece, whole)
+            i += 1
+        pos += len(view)
+    return whole == header.checksum
+
+
+# --- listing --------------------------------------------------------------------------------
+
+
+def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str, int]], str | None]:
+    """Chunk ids greater than ``after`` in order, with their lengths, at most ``limit``.
+
+    Walks the shard directories in order from ``after``'s, so a page costs a directory or
+    two, not a scan of the whole store, and a 32-byte read per chunk for its length.
+    ``next`` is the last id returned when more may follow.
+    """
+    root = chunks_root(data_dir)
+    try:
+        shards = sorted(d for d in os.listdir(root) if len(d) == 2 and d >= after[:2])
+    except FileNotFoundError:
+        return [], None
+    out: list[tuple[str, int]] = []
+    for shard in shards:
+        try:
+            entries = sorted(
+                (e.name, e) for e in os.scandir(root / shard) if e.name > after and is_chunk(e.name)
+            )
+        except FileNotFoundError:
+            continue
+        for name, entry in entries:
+            try:
+                length = _listed_length(Path(entry.path))
+            except FileNotFoundError:
+                continue
+            out.append((name, length))
+            if len(out) >= limit:
+                return out, name
+    return out, None
+
+
+def _listed_length(path: Path) -> int:
+    """A chunk's length from its header (the file size alone cannot tell the version), or
+    an estimate from its size when the header is unreadable (scrub will report it)."""
+    try:
+        fd = _open(path)
+    except ChunkNotFound:
+        raise FileNotFoundError(path) from None
+    try:
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) == HEADER.size:
+            version, magic, length = struct.unpack_from("!H6sQ", head)
+            if version in VERSIONS and magic == MAGIC:
+                return int(length)
+        return length_from_file_size(syscalls.fstat(fd).size)
+    finally:
+        syscalls.close(fd)
+
+
+def is_chunk(name: str) -> bool:
+    try:
+        validate_chunk_id(name)
+    except InvalidArgument:
+        return False
+    return True

@@ -1,0 +1,483 @@
+"""The durable, atomic ways to write and delete a chunk file, and the startup recovery.
+
+Durability protocol of a write: the chunk is written to a file that is not a chunk, either
+a spare file (``<data_dir>/spares/``, a deleted chunk's file kept for reuse, see
+``chunkstore.spares``) or a new temporary name (``.tmp-...``, never a valid chunk id) in the
+chunk's directory; it is made durable (one O_DIRECT ``pwritev2(RWF_DSYNC)`` when the file
+is whole blocks and needs no cut, else a write, a cut to size and an fdatasync), renamed to
+its final name, and the chunk's directory is fsynced. A crash leaves either no file under
+the final name or a complete one; leftover temporary files are removed at startup
+(``recover``), spares are kept. A delete unlinks the chunk or renames it into the spares,
+then fsyncs its directory. Directory fsyncs are group-committed (``_DirSync``): renames in
+one directory while another thread's fsync of it runs share the next one.
+
+CPU: a put arrives in a page-aligned buffer laid out as its own file image
+(``layout.put_room``: room for the header in front), one pass over the bytes gives the
+segment table and the whole CRC, and the image is written with O_DIRECT, so the bytes are
+never copied into the page cache. Filesystems that refuse O_DIRECT get buffered I/O, the
+same format and the same durability protocol.
+
+All functions here do blocking disk I/O and are meant to run in ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+from chunkstore import syscalls
+from chunkstore.layout import (
+    SEGMENT_SIZE,
+    TMP_PREFIX,
+    ChunkHeader,
+    chunk_path,
+    chunks_root,
+    encode_header,
+    no_direct,
+    put_room,
+)
+from chunkstore.reads import is_chunk, read_header, verify_chunk
+from tectonic_py.core.checksum import segment_checksums
+from tectonic_py.core.errors import (
+    ChecksumMismatch,
+    ChunkConflict,
+    ChunkCorrupt,
+    ChunkNotFound,
+    DiskFull,
+)
+
+log = logging.getLogger(__name__)
+
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+T = TypeVar("T")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = syscalls.open_existing(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        syscalls.close(fd)
+
+
+class _DirSync:
+    """Group commit of directory fsyncs: a rename is durable once an fsync of its directory
+    *started after it* has finished, so puts (and deletes) that renamed in one directory
+    while another thread's fsync of it ran share the next fsync instead of each waiting
+    for its own (a directory fsync is a synchronous write and cache flush, about 1 ms on
+    the project's disk under load). One thread syncs a directory at a time; the others wait
+    for it. A failed fsync covers nobody: each waiter then tries its own and sees its error.
+
+    Each directory has its own condition: puts spread over 256 shard directories, and one
+    condition for all made every fsync wake every waiting thread, each to take the GIL and
+    go back to sleep.
+    """
+
+    class _State:
+        __slots__ = ("changed", "done", "requested", "running")
+
+        def __init__(self, lock: threading.Lock) -> None:
+            self.requested = 0  # renames announced
+            self.done = 0  # renames known durable
+            self.running = False
+            self.changed = threading.Condition(lock)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dirs: dict[str, _DirSync._State] = {}
+
+    def sync(self, path: Path) -> None:
+        """Make every rename done in ``path`` before this call durable."""
+        key = str(path)
+        with self._lock:
+            state = self._dirs.get(key)
+            if state is None:
+                state = self._dirs[key] = _DirSync._State(self._lock)
+            state.requested += 1
+            mine = state.requested
+            while True:
+                if state.done >= mine:
+                    return
+                if not state.running:
+                    state.running = True
+                    target = state.requested
+                    break
+                state.changed.wait()
+        ok = False
+        try:
+            _fsync_dir(path)
+            ok = True
+        finally:
+            with self._lock:
+                state.running = False
+                if ok:
+                    state.done = max(state.done, target)
+                state.changed.notify_all()
+
+
+_dir_sync = _DirSync()
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """True if the two (non-empty, writable) views start at the same address."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a)) == ctypes.addressof(
+            ctypes.c_char.from_buffer(b)
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+# The device of each data directory, looked up once: a put should not pay a stat for it.
+_devices: dict[Path, int] = {}
+
+
+def _device(data_dir: Path) -> int:
+    dev = _devices.get(data_dir)
+    if dev is None:
+        dev = _devices[data_dir] = os.stat(data_dir).st_dev
+    return dev
+
+
+def _open_target(target: Path, flags: int, create: bool) -> int:
+    """Open the file a put writes: a new temporary file, or an existing spare (no
+    O_CREAT, and no O_TRUNC either: the write and the ``ftruncate`` after it replace the
+    contents, and the spare's blocks stay allocated for the write to reuse)."""
+    flags |= os.O_WRONLY | os.O_CLOEXEC
+    if create:
+        return os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    return syscalls.open_existing(target, flags)
+
+
+def _write_direct(
+    target: Path, image: memoryview, size: int, create: bool, dev: int, old_size: int | None
+) -> bool:
+    """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to ``target`` with
+    O_DIRECT, cut it to ``size`` bytes if needed and fdatasync it. False (and the file as it
+    was) if the filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
+    ``old_size``: the target's size before (0 for a new file; None if unknown).
+
+    Why: a buffered write copies every byte into the page cache, the largest single CPU
+    cost of a put (a chunk is not read again soon: it is a checkpoint's). fsync is still
+    needed for the file's size and extents and the device's write cache.
+    """
+    if dev in no_direct:
+        return False
+    try:
+        fd = _open_target(target, os.O_DIRECT, create)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        no_direct.add(dev)
+        log.info("%s: no O_DIRECT on this filesystem; chunk writes are buffered", target.parent)
+        if create:  # the kernel may have made the file before refusing the flag
+            remove_quietly(target)
+        return False
+    global _dsync_writes
+    cut = size != len(image) or old_size is None or old_size > size
+    try:
+        try:
+            if cut or not _dsync_writes:
+                _write_all(fd, [image])
+                synced = False
+            else:
+                # Durable when it returns (RWF_DSYNC: an fdatasync of the range within the
+                # same call): one system call that waits for the disk instead of two, and so
+                # one hand-off of the GIL fewer per put.
+                _pwrite_all(fd, image, os.RWF_DSYNC)
+                synced = True
+        except OSError as e:
+            if e.errno == errno.EOPNOTSUPP and not cut and _dsync_writes:
+                _dsync_writes = False  # an older kernel: write, then fdatasync
+                _write_all(fd, [image])
+                synced = False
+            elif e.errno != errno.EINVAL:
+                raise
+            else:
+                no_direct.add(dev)
+                log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
+                if create:
+                    remove_quietly(target)
+                return False
+        if cut:
+            # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
+            # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
+            os.ftruncate(fd, size)
+        if not synced:
+            # The data and what finds it (size, block map); a timestamp alone is not worth
+            # a write of the inode per put.
+            os.fdatasync(fd)
+    finally:
+        syscalls.close(fd)
+    return True
+
+
+# pwritev2(RWF_DSYNC) works (Linux 4.7+); cleared the first time the kernel says otherwise.
+_dsync_writes = hasattr(os, "RWF_DSYNC")
+
+
+def _pwrite_all(fd: int, view: memoryview, flags: int) -> None:
+    offset = 0
+    while offset < len(view):
+        offset += os.pwritev(fd, [view[offset:]], offset, flags)
+
+
+class Stored(NamedTuple):
+    """What ``write_chunk`` changed on disk."""
+
+    added_bytes: int  # file bytes added (the file's size, less a replaced file's)
+    added_chunks: int  # 1 for a new chunk id, 0 for a no-op or a replaced corrupt file
+    spare_used: bool  # the spare was written and renamed (False: it was not touched)
+
+
+def write_chunk(
+    data_dir: Path,
+    chunk_id: str,
+    data: memoryview | bytes | bytearray,
+    checksum: int,
+    image: memoryview | None = None,
+    spare: Path | None = None,
+    spare_size: int | None = None,
+) -> Stored:
+    """Store a chunk durably and atomically.
+
+    ``image``: optionally, a page-aligned buffer laid out by ``put_room`` whose bytes from
+    the header size on are ``data``; the header is written into its front and the whole
+    is written with O_DIRECT (buffered when the filesystem refuses it).
+
+    ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
+    instead of creating a temporary file; it is overwritten, cut to size if it was longer,
+    fsynced and renamed to the chunk's name (``spare_size``: its size, if known). If this
+    raises, the spare has been removed (whatever state it was left in, it must not be reused
+    blindly); if it returns, ``spare_used`` says whether it was renamed (False: the chunk was
+    already stored, the spare untouched).
+
+    Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
+    on the way). The same chunk again is a no-op (0, 0); different contents under the same id
+    raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
+    put heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary
+    file. The caller serialises writes of one chunk id.
+    """
+    try:
+        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
+    except BaseException:
+        if spare is not None:
+            remove_quietly(spare)
+        raise
+
+
+def _write_chunk(
+    data_dir: Path,
+    chunk_id: str,
+    data: memoryview | bytes | bytearray,
+    checksum: int,
+    image: memoryview | None,
+    spare: Path | None,
+    spare_size: int | None,
+) -> Stored:
+    view = memoryview(data).cast("B")
+    # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
+    segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE, keep_gil=True)
+    if whole != checksum:
+        raise ChecksumMismatch(
+            f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"
+        )
+    path = chunk_path(data_dir, chunk_id)
+    old_size: int | None = None
+    if syscalls.exists(path):  # (the common answer, no, without a stat or a GIL round trip)
+        try:
+            old_size = os.stat(path).st_size
+        except FileNotFoundError:
+            pass
+    existing: ChunkHeader | None = None
+    if old_size is not None:
+        try:
+            existing = read_header(path)
+        except ChunkNotFound:
+            old_size = None
+        except ChunkCorrupt as e:
+            log.warning(
+                "chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e
+            )
+    if existing is not None:
+        if existing.length != len(view) or existing.checksum != whole:
+            raise ChunkConflict(
+                f"chunk {chunk_id} exists with length {existing.length}"
+                f" crc {existing.checksum:08x},"
+                f" put has length {len(view)} crc {whole:08x}"
+            )
+        if verify_chunk(path):
+            # The same put again: perhaps the retry of one whose daemon was killed between
+            # its rename and the directory fsync, so the name may not be durable yet.
+            _dir_sync.sync(path.parent)
+            return Stored(0, 0, False)
+        log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
+    header = encode_header(view, whole, segment_crcs)
+    directory = path.parent
+    if spare is not None:
+        target = spare
+    else:
+        target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
+    size = len(header) + len(view)
+    if image is not None:
+        image = memoryview(image).cast("B")
+        if (len(header), len(image)) != put_room(len(view)) or not _same_memory(
+            image[len(header) : size], view
+        ):
+            image = None
+        else:
+            image[: len(header)] = header
+            image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
+    create = spare is None
+    before = 0 if create else spare_size
+    try:
+        # (A new file can fail for want of its shard directory; a spare, not.)
+        dev = _device(data_dir)
+        direct = image is not None and _in_shard_dir(
+            directory, lambda: create, _write_direct, target, image, size, create, dev, before
+        )
+        if not direct:
+            fd = _in_shard_dir(directory, lambda: create, _open_target, target, 0, create)
+            try:
+                _write_all(fd, [header, view])
+                os.ftruncate(fd, size)  # a spare may have been longer
+                os.fdatasync(fd)
+            finally:
+                syscalls.close(fd)
+        _in_shard_dir(directory, target.exists, syscalls.rename, target, path)
+        _dir_sync.sync(directory)
+    except OSError as e:
+        remove_quietly(target)
+        if e.errno in _NOSPACE:
+            raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
+        raise
+    return Stored(size - (old_size or 0), 1 if old_size is None else 0, spare is not None)
+
+
+def _in_shard_dir(
+    directory: Path, dir_may_be_missing: Callable[[], bool], fn: Callable[..., T], *args: Any
+) -> T:
+    """``fn(*args)``, made once more after recreating the chunk's shard directory when it
+    raised FileNotFoundError and ``dir_may_be_missing()`` says the directory can be why
+    (``recover`` makes them all; this heals one removed while the store runs)."""
+    try:
+        return fn(*args)
+    except FileNotFoundError:
+        if not dir_may_be_missing():
+            raise
+        _heal_shard_dir(directory)
+        return fn(*args)
+
+
+def _heal_shard_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    _fsync_dir(directory.parent)
+
+
+def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
+    views = [memoryview(p).cast("B") for p in pieces]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def remove_quietly(path: Path) -> None:
+    """Unlink ``path``; already gone is fine, any other failure is logged, never raised
+    (cleanup of temporary and spare files must not fail the operation it follows)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not remove %s: %s", path, e)
+
+
+def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> int | None:
+    """Remove a chunk durably; its file size if it existed, else None.
+
+    ``spare``: a new name in the spares directory (``chunkstore.spares``) to rename the
+    chunk's file to instead of unlinking it, so that a later put reuses the inode and its
+    blocks. Either way the chunk's name is gone, durably, when this returns.
+    """
+    path = chunk_path(data_dir, chunk_id)
+    try:
+        size = os.stat(path).st_size
+        if spare is None:
+            os.unlink(path)
+        else:
+            try:
+                syscalls.rename(path, spare)
+            except FileNotFoundError:
+                if not os.path.exists(path):
+                    raise
+                spare.parent.mkdir(parents=True, exist_ok=True)  # heal a removed spares dir
+                syscalls.rename(path, spare)
+    except FileNotFoundError:
+        # Already gone: perhaps the retry of a delete whose daemon was killed between the
+        # unlink or rename and the directory fsync, so the removal may not be durable yet
+        # (the twin of a repeated put in ``_write_chunk``).
+        try:
+            _dir_sync.sync(path.parent)
+        except FileNotFoundError:  # no shard directory: the chunk was never there
+            pass
+        return None
+    _dir_sync.sync(path.parent)
+    return size
+
+
+# --- recovery -------------------------------------------------------------------------------
+
+
+@dataclass
+class ScanResult:
+    chunk_count: int
+    used_bytes: int
+    temp_files_removed: int
+
+
+def recover(data_dir: Path) -> ScanResult:
+    """Startup pass: remove temporary files a crash left behind and count what is stored.
+
+    A scan of directory entries with one stat each; fast enough for the chunk counts of one
+    node (a persisted index would have to be kept crash-consistent itself).
+    """
+    root = chunks_root(data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    # Every shard directory exists (and is durable) before the first put, so a put never
+    # has to make one durable too.
+    missing = [root / f"{i:02x}" for i in range(256) if not (root / f"{i:02x}").is_dir()]
+    for d in missing:
+        d.mkdir(exist_ok=True)
+    if missing:
+        _fsync_dir(root)
+        _fsync_dir(data_dir)
+    count = used = removed = 0
+    for shard in os.scandir(root):
+        if not shard.is_dir(follow_symlinks=False):
+            continue
+        dirty = False
+        for entry in os.scandir(shard.path):
+            if entry.name.startswith(TMP_PREFIX):
+                remove_quietly(Path(entry.path))
+                removed += 1
+                dirty = True
+            elif is_chunk(entry.name) and entry.is_file(follow_symlinks=False):
+                count += 1
+                used += entry.stat().st_size
+        if dirty:
+            _fsync_dir(Path(shard.path))
+    if removed:
+        log.info("removed %d partial chunk files left by a crash", removed)
+    return ScanResult(count, used, removed)
