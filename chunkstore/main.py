@@ -14,6 +14,7 @@ import trio
 from chunkstore.server import DISK_WORKERS, StoreConfig, serve
 from tectonic_py.core import auth, sockets
 from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.units import size_arg
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--failure-domain", required=True, help="e.g. the rack of this node")
     p.add_argument("--secret-file", required=True, type=Path, help="the cluster secret")
     p.add_argument("--registry", help="HOST:PORT of the metadata server hosting shard 0")
-    p.add_argument("--capacity", type=int, help="bytes this node may store (default: the disk)")
+    p.add_argument(
+        "--capacity", type=size_arg, help="bytes this node may store, e.g. 2TiB (default: the disk)"
+    )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument("--ready-file", type=Path, help="written (JSON address, pid) once serving")
     p.add_argument(
@@ -59,8 +62,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
         "--payload-budget",
-        type=int,
-        default=256 * 1024 * 1024,
+        type=size_arg,
+        default="256MiB",
         help="bytes of put payloads held in memory at once",
     )
     p.add_argument(
@@ -71,14 +74,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--reply-budget",
-        type=int,
-        default=256 * 1024 * 1024,
+        type=size_arg,
+        default="256MiB",
         help="bytes of get replies held in memory at once (slow readers wait beyond it)",
     )
     p.add_argument(
         "--scrub-rate",
-        type=float,
-        default=16 * 1024 * 1024,
+        type=size_arg,
+        default="16MiB",
         help="bytes/s that scrub re-reads and verifies (0: no scrub)",
     )
     p.add_argument(
@@ -95,8 +98,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--spare-bytes",
-        type=int,
-        default=1024 * 1024 * 1024,
+        type=size_arg,
+        default="1GiB",
         help="bytes those spare files may hold at most",
     )
     p.add_argument(
@@ -105,7 +108,8 @@ def register(subparsers: Any) -> None:
         default=32,
         help="empty spare files made while idle, so a fresh store has some",
     )
-    p.set_defaults(func=run)
+    # a service log shows start, ready and shutdown without -v
+    p.set_defaults(func=run, daemon_loggers=["chunkstore"])
 
 
 def _raise_fd_limit() -> None:
@@ -143,7 +147,15 @@ def run(args: argparse.Namespace) -> int:
         spare_min=args.spare_min,
     )
     _raise_fd_limit()
+    log.info(
+        "chunk store %s starting: data in %s, listening on %s, failure domain %s",
+        args.node_id,
+        args.data_dir,
+        args.listen,
+        args.failure_domain,
+    )
     trio.run(_main, config)
+    log.info("chunk store %s stopped", args.node_id)
     return 0
 
 

@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=60.0,
         help="seconds a writer token stays live without renew_lease",
     )
-    p.set_defaults(func=run)
+    # a service log shows start, ready and shutdown without -v
+    p.set_defaults(func=run, daemon_loggers=["metadata"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
     )
+    log.info(
+        "metadata server starting: shards %s of %d, data in %s, listening on %s",
+        args.shards,
+        args.total_shards,
+        args.data_dir,
+        args.listen,
+    )
     try:
         trio.run(_serve_until_signalled, server, host, port, args.ready_file)
     except BaseExceptionGroup as group:
@@ -60,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if inner is not None and isinstance(inner, (TectonicError, KeyboardInterrupt)):
             raise inner from None
         raise
+    log.info("metadata server stopped")
     return 0
 
 
@@ -70,11 +79,12 @@ async def _serve_until_signalled(
     (a reply follows its commit), so stopping needs no flush, only closing the databases."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(
+            h, p = await nursery.start(
                 lambda task_status: server.serve(
                     host, port, ready_file=ready_file, task_status=task_status
                 )
             )
+            log.info("metadata server ready on %s:%d", h, p)
             async for signum in signals:
                 log.info("metadata server stopping on signal %d", signum)
                 nursery.cancel_scope.cancel()

@@ -265,3 +265,57 @@ def test_rebuild_matches_the_encoder(policy, chunk_len, seed):
     assert {i: got[i] for i in wanted} == {
         i: (bytes(enc.chunks[i]), enc.checksums[i]) for i in wanted
     }
+
+
+async def test_no_node_to_rebuild_on_is_one_warning_per_round(monkeypatch, caplog):
+    """A layout with no spare node (every up store holds a chunk of the block) cannot place
+    rebuilt chunks: each round says so once, with the count; the chunks go to DEBUG."""
+    import logging
+    from types import SimpleNamespace
+
+    from tectonic_py.core.records import BlockInfo, ChunkPlacement, NodeInfo
+    from tectonic_py.maintenance import repair as repair_module
+
+    nodes = {
+        f"n{i}": NodeInfo(f"n{i}", "", f"d{i}", state="down" if i == 0 else "up") for i in range(6)
+    }
+    chunks = [ChunkPlacement(i, f"n{i}", 7) for i in range(6)]
+    infos = [BlockInfo(b, "rs-4-2", 10, 40, chunks) for b in range(3)]
+    m = SimpleNamespace(
+        settings=SimpleNamespace(sweep_interval=3600.0, repair_concurrency=2),
+        counters=SimpleNamespace(lost_blocks=0),
+    )
+
+    async def all_nodes():  # type: ignore[no-untyped-def]
+        return nodes
+
+    async def no_bad_chunks(_nodes):  # type: ignore[no-untyped-def]
+        return set()
+
+    async def work(_nodes, _bad, _full):  # type: ignore[no-untyped-def]
+        return [assess(info, nodes, set()) for info in infos]
+
+    async def fetch(_info, live, _nodes, k):  # type: ignore[no-untyped-def]
+        return {i: b"x" for i in live[:k]}
+
+    async def nowhere(*_args):  # type: ignore[no-untyped-def]
+        return None
+
+    m.nodes = all_nodes
+    repairer = repair_module.Repairer(m)  # type: ignore[arg-type]
+    monkeypatch.setattr(repairer, "bad_chunks", no_bad_chunks)
+    monkeypatch.setattr(repairer, "find_work", work)
+    monkeypatch.setattr(repairer, "_fetch", fetch)
+    monkeypatch.setattr(repairer, "_place", nowhere)
+    monkeypatch.setattr(
+        repair_module, "_rebuild", lambda _p, _c, _len, wanted: {i: (b"", 7) for i in wanted}
+    )
+    caplog.set_level(logging.DEBUG, logger="tectonic_py.maintenance.repair")
+    await repairer.round()
+    await repairer.round()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and all(
+        w.startswith("repair: 3 chunks have no node") for w in warnings
+    )
+    per_chunk = [r for r in caplog.records if "no node to rebuild it on" in r.getMessage()]
+    assert len(per_chunk) == 6 and {r.levelno for r in per_chunk} == {logging.DEBUG}

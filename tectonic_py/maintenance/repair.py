@@ -74,6 +74,10 @@ class Repairer:
         self.m = m
         self._last_scan = 0.0
         self.queue_len = 0
+        # Chunks this round found no node for. A layout with no spare failure domain (as many
+        # domains as chunks per block) meets this for every chunk of every block of a lost
+        # store, every round: one warning per round with the count, the chunks at DEBUG.
+        self.unplaced = 0
 
     async def bad_chunks(self, nodes: dict[str, NodeInfo]) -> set[tuple[int, int, str]]:
         """(block, index, node) of every chunk an up chunk store's scrub reported bad."""
@@ -137,10 +141,20 @@ class Repairer:
             "repair: %d blocks need work (fewest live chunks: %d)", len(work), len(work[0].live)
         )
         # Most endangered first: the limiter admits jobs in the order they were started.
-        await gather(
-            [functools.partial(self._repair_one, w, nodes, bad) for w in work],
-            self.m.settings.repair_concurrency,
-        )
+        self.unplaced = 0
+        try:
+            await gather(
+                [functools.partial(self._repair_one, w, nodes, bad) for w in work],
+                self.m.settings.repair_concurrency,
+            )
+        finally:
+            if self.unplaced:
+                log.warning(
+                    "repair: %d chunks have no node to be rebuilt on (every up chunk store "
+                    "holds a chunk of their block already); add a chunk store in a new "
+                    "failure domain",
+                    self.unplaced,
+                )
 
     async def _repair_one(
         self, health: BlockHealth, nodes: dict[str, NodeInfo], bad: set[tuple[int, int, str]]
@@ -194,7 +208,8 @@ class Repairer:
                 info.block_id, index, data, crc, order, holders, used_domains
             )
             if target is None:
-                log.warning("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
+                self.unplaced += 1
+                log.debug("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
                 continue
             try:
                 await self.m.set_chunk(
