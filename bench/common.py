@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tectonic_py.client.tectonic_client import FileWriter
+    from tectonic_py.client.writer import FileWriter
 
 
 async def write_repeated(w: FileWriter, piece: bytes, size: int) -> None:

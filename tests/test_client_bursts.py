@@ -46,7 +46,7 @@ async def test_slow_chunks_never_fail_a_read(local_cluster, caplog):
     """Four stores of a block stopped (more than m = 3) for longer than a tiny slow_chunk_s:
     every chunk of every block is 'slow', parity hedges are slow too, and the read must still
     return the right bytes once the stores answer, because no request actually failed."""
-    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     data = _data(2 * 6 * 64 * 1024 + 77, seed=51)
     async with open_client(local_cluster.cluster_file) as client:
         w = await client.create("/slow-read")
@@ -74,7 +74,7 @@ async def test_slow_chunks_never_fail_a_write(local_cluster, caplog):
     """Four of nine stores stopped during a write with a tiny chunk_timeout and hedge delay:
     there is no spare node, so the puts must simply keep running until the stores answer; the
     blocks commit with all nine chunks and read back."""
-    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     data = _data(3 * 6 * 64 * 1024, seed=52)
     async with open_client(
         local_cluster.cluster_file, chunk_timeout=0.01, write_hedge_s=0.01
@@ -100,7 +100,7 @@ def _count_fetches(client: TectonicClient) -> dict[str, int]:
     """Wrap the client's whole-block fetch to record how many run at once and in total (a
     probe on the real fetch, which still runs)."""
     seen = {"now": 0, "peak": 0, "total": 0, "peak_bytes": 0}
-    fetch = client._fetch_block
+    fetch = client.blocks.fetch_block
 
     async def counted(info):  # type: ignore[no-untyped-def]
         size = 6 * info.chunk_len
@@ -113,7 +113,7 @@ def _count_fetches(client: TectonicClient) -> dict[str, int]:
             seen["now"] -= size
             seen["peak_bytes"] = max(seen["peak_bytes"], getattr(client.cache, "used", 0))
 
-    client._fetch_block = counted  # type: ignore[method-assign]
+    client.blocks.fetch_block = counted  # type: ignore[method-assign]
     return seen
 
 
@@ -130,7 +130,7 @@ async def test_many_readers_stay_inside_the_read_budget(local_cluster, caplog):
     """48 readers at once with a budget of four blocks: block fetches in flight never hold
     more than the budget (before the fix each reader fetched its whole block outside it),
     readers that find no room read their bytes directly, and every byte is right."""
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     block = 6 * 64 * 1024
     files = {f"/r/{i}": _data(block + 1000 * i, seed=100 + i) for i in range(48)}
     await _write_files(local_cluster.cluster_file, "/r", files)
@@ -159,7 +159,7 @@ async def test_readahead_does_not_evict_blocks_other_readers_are_about_to_use(
     """8 sequential readers of 6-block files share a cache of 5 blocks: readahead may only
     evict blocks their readers have finished, so no block is fetched twice (before, readahead
     evicted blocks other readers were about to consume, and they were fetched again)."""
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     block = 6 * 64 * 1024
     files = {f"/s/{i}": _data(6 * block, seed=200 + i) for i in range(8)}
     await _write_files(local_cluster.cluster_file, "/s", files)
@@ -187,7 +187,7 @@ async def test_out_of_order_and_tail_reads_stay_sequential(local_cluster, caplog
     """The kernel's readahead sends FUSE reads a little out of order and torch.load reads the
     zip tail first: the reader must still read whole blocks ahead, not one round trip per
     read (before, every one of these reads was a separate range read)."""
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     block = 6 * 64 * 1024
     data = _data(4 * block, seed=300)
     async with open_client(local_cluster.cluster_file) as client:

@@ -51,7 +51,7 @@ async def _put(client: TectonicClient, path: str, data: bytes) -> None:
 
 
 async def test_dead_and_stopped_stores_cost_one_attempt_each(cluster, caplog):
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     async with open_client(cluster.cluster_file, node_backoff_s=600.0) as writer:
         probe = await writer.create("/probe")
         block = probe.layout.block_size

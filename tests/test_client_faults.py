@@ -40,7 +40,7 @@ def _node_index(node_id: str) -> int:
 
 
 async def test_any_m_chunk_stores_killed_before_a_read(local_cluster, client, caplog):
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     probe = await client.create("/probe")
     block = probe.layout.block_size
     await probe.close()
@@ -60,7 +60,7 @@ async def test_any_m_chunk_stores_killed_before_a_read(local_cluster, client, ca
 
 
 async def test_chunk_store_killed_in_the_middle_of_a_large_write(local_cluster, client, caplog):
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     local_cluster.add_chunkstore()  # a tenth store, so a failed chunk has somewhere to go
     w = await client.create("/big")
     block = w.layout.block_size
@@ -83,7 +83,7 @@ async def test_chunk_store_killed_in_the_middle_of_a_large_write(local_cluster, 
 
 
 async def test_fewer_stores_than_the_write_quorum(local_cluster, client, caplog):
-    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     keep = _data(200_000, seed=5)
     await _put(client, "/closed", keep)
     for i in range(4):  # 5 of 9 left: RS(6,3) needs a quorum of 7
@@ -144,7 +144,7 @@ async def test_corrupt_chunk_on_disk_is_read_around_and_reported(local_cluster, 
     raw[-100] ^= 0xFF
     path.write_bytes(raw)
     async with open_client(local_cluster.cluster_file) as fresh:
-        with caplog.at_level(logging.WARNING, logger="tectonic_py.client.tectonic_client"):
+        with caplog.at_level(logging.WARNING, logger="tectonic_py.client"):
             r = await fresh.open_read("/c")
             assert await r.read() == data
         assert fresh.stats.corrupt_chunks == 1
@@ -209,7 +209,7 @@ async def _write_big(cluster: LocalCluster, window: int, proc: psutil.Process) -
 async def test_a_hung_chunk_store_is_read_around(local_cluster, caplog):
     """A store that stops answering (SIGSTOP, not dead: its connections stay open) must not
     stall a read: after read_hedge_s the missing data chunks are hedged with parity."""
-    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     data = _data(2 * 6 * 64 * 1024 + 77, seed=21)
     async with open_client(local_cluster.cluster_file) as client:
         fid = await _put(client, "/slow", data)
@@ -233,7 +233,7 @@ async def test_a_hung_chunk_store_is_read_around(local_cluster, caplog):
 async def test_writes_continue_with_a_node_known_down(local_cluster, client, caplog):
     """9 stores for RS(6,3) and one is down (the registry knows): a block gets 8 chunks,
     which meets the write quorum (k+1 = 7), and reads back."""
-    caplog.set_level(logging.ERROR, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.ERROR, logger="tectonic_py.client")
     local_cluster.kill_chunkstore(8)
     for _ in range(200):  # bounded wait for the registry's node timeout (5 s in the fixture)
         nodes = {n.node_id: n.state for n in await client.meta.nodes()}
@@ -253,7 +253,7 @@ async def test_writes_continue_with_a_node_known_down(local_cluster, client, cap
 async def test_a_hung_chunk_store_does_not_stall_a_write(local_cluster, caplog):
     """A store that stops answering mid-burst (SIGSTOP) is hedged around: its chunks go to a
     spare node after write_hedge_s, the write completes and reads back."""
-    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client.tectonic_client")
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
     local_cluster.add_chunkstore()
     local_cluster.add_chunkstore()  # 11 stores: two spares per RS(6,3) block
     pid = local_cluster.chunkstore_pids()[2]

@@ -37,7 +37,8 @@ WRITER = textwrap.dedent(
     """
     import sys, trio
     import tectonic_py.client.tectonic_client as c
-    c.LEASE_RENEW_S = 0.3  # the test's metadata servers grant 2 s writer leases
+    import tectonic_py.client.writer as writer
+    writer.LEASE_RENEW_S = 0.3  # the test's metadata servers grant 2 s writer leases
 
     async def main(cluster_file, ec):
         piece = bytes(range(256)) * 256  # 64 KiB

@@ -9,8 +9,8 @@ the same worker call, while the data is hot in cache. Replication (k = 1) skips 
 zfec and crc32c release the GIL, so ``Codec`` runs them in ``trio.to_thread.run_sync`` under a
 ``CapacityLimiter`` sized to the cores: two blocks encode at once on a 2-core machine while the
 event loop keeps sending. zfec allocates its parity outputs itself (its Python API has no
-output-buffer argument); the large input buffers are reused by the client's buffer pool, which
-is where the allocation cost lived (CEILINGS.md).
+output-buffer argument); the large input buffers are reused by the client's buffer pool, where
+most of the allocation cost of a block would otherwise be.
 """
 
 from __future__ import annotations
@@ -142,6 +142,10 @@ class Codec:
         await trio.to_thread.run_sync(
             decode_into, policy, chunks, chunk_len, out, in_place, limiter=self.limiter
         )
+
+    async def checksum(self, piece: Buffer) -> int:
+        """CRC-32C of one piece (a chunk read from a store), on the codec's threads."""
+        return (await self.checksums([piece]))[0]
 
     async def checksums(self, pieces: Sequence[Buffer]) -> list[int]:
         """CRC-32C of each piece in one worker call (small pieces are not worth a thread)."""

@@ -28,7 +28,9 @@ from typing import Any, Self, TypeVar
 
 import trio
 
-from tectonic_py.client.tectonic_client import FileReader, FileWriter, TectonicClient, open_client
+from tectonic_py.client.reader import FileReader
+from tectonic_py.client.tectonic_client import TectonicClient, open_client
+from tectonic_py.client.writer import FileWriter
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import InvalidArgument, TectonicError, Unavailable
 from tectonic_py.core.records import Attrs, DirEntry

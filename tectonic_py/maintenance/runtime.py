@@ -22,8 +22,8 @@ from typing import Any
 
 import trio
 
+from chunkstore.client import ChunkPool
 from metadata.client import MetadataClient
-from tectonic_py.client.tectonic_client import ChunkPool
 from tectonic_py.core import capability
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.checksum import checksum

@@ -46,7 +46,7 @@ class OpenFile:
     # Last known attrs while a writer is open (getattr then needs no round trip); None for
     # an inode only open for reading (its getattr goes to the metadata service).
     attrs: Attrs | None = None
-    # The shared FileWriter (tectonic_py.client.tectonic_client) while any handle writes, else None.
+    # The shared FileWriter (tectonic_py.client.writer) while any handle writes, else None.
     writer: Any = None
     write_handles: int = 0
     handles: set[int] = field(default_factory=set)
@@ -76,7 +76,7 @@ class Handle:
     ofile: OpenFile
     readable: bool
     writable: bool
-    # A FileReader of the sealed file (tectonic_py.client.tectonic_client); None while reads use the writer.
+    # A FileReader of the sealed file (tectonic_py.client.reader); None while reads use the writer.
     reader: Any = None
 
 

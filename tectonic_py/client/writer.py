@@ -1,0 +1,359 @@
+"""FileWriter: an open file being written, holding its writer token.
+
+Bytes go into the *open block*, a buffer of one block (k chunks of C bytes) taken from the
+client-wide ``BufferPool``. When the open block is full it is handed to a flush task in the
+client's nursery (``BlockIO.store_block``, then the commit: Block layer, then File layer at
+its ``file_index``, with the writer token). Several blocks are in flight at once inside the
+window, which keeps the cores busy (one encoding while another's chunks are on the wire); a
+writer that outruns the cluster waits in ``write`` for a buffer, so nothing buffers without
+bound.
+
+``fsync`` flushes the open block, even a short one (committed at its index; when the writer
+later fills it, the full block replaces it at the same index), and waits until every flush
+task has committed. ``close`` is fsync + seal. Commits of one index are ordered by a
+per-index generation, so an older, slower flush of a block never overwrites a newer one. A
+writer whose token was stolen gets ``StaleWriterToken`` from its next commit, and from
+every call after (errors are sticky).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from tectonic_py.client.stripe import Layout
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import InvalidArgument, TectonicError
+from tectonic_py.core.records import Attrs, BlockInfo
+
+if TYPE_CHECKING:
+    from tectonic_py.client.tectonic_client import TectonicClient
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+LEASE_RENEW_S = 15.0  # well inside the metadata server's writer lease (60 s by default)
+
+
+class FileWriter:
+    """An open file being written; holds the writer token (see the module docstring)."""
+
+    def __init__(
+        self, client: TectonicClient, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
+    ) -> None:
+        self.client = client
+        self.attrs = attrs
+        self.file_id = attrs.id
+        self.token = token
+        self.policy = ECPolicy.parse(attrs.ec)
+        self.layout = Layout(self.policy, attrs.chunk_size)
+        self.size = attrs.size
+        self._lock = trio.Lock()
+        self._committed = blocks
+        self._charge = self.layout.block_size * self.policy.n // self.policy.k
+        self._open_index: int | None = None
+        self._open_buf: bytearray | None = None
+        self._open_len = 0
+        self._dirty = False
+        self._gen = itertools.count(1)
+        self._committed_gen: dict[int, int] = {}
+        self._commit_locks: dict[int, trio.Lock] = {}
+        self._inflight: dict[int, int] = {}
+        self._idle = trio.lowlevel.ParkingLot()
+        self._synced_size = self.size
+        self._error: TectonicError | None = None
+        self._aborted = False
+        self._closed = False
+        self._final: Attrs | None = None
+        self._renewed = time.monotonic()
+        self.last_write = time.monotonic()
+        self.spilling = False
+
+    # --- public ------------------------------------------------------------------------------
+
+    async def write(self, data: Buffer) -> int:
+        """Append at the current end of the file: the fast path."""
+        async with self._lock:
+            return await self._pwrite(data, self.size)
+
+    async def pwrite(self, data: Buffer, offset: int) -> int:
+        """Write anywhere: the open block is patched, committed blocks are rewritten
+        (read-modify-write at the same index), a write past the end leaves a hole."""
+        async with self._lock:
+            return await self._pwrite(data, offset)
+
+    async def pread(self, offset: int, length: int) -> bytes:
+        """Read back what this writer wrote: buffered bytes and committed blocks."""
+        async with self._lock:
+            return await self._pread(offset, length)
+
+    async def truncate(self, size: int) -> None:
+        """Shrink (later bytes are dropped) or grow sparse (the new bytes read as zeros)."""
+        async with self._lock:
+            await self._truncate(size)
+
+    async def fsync(self) -> None:
+        """Return when every byte written so far is durable and committed."""
+        async with self._lock:
+            await self._fsync()
+
+    async def close(self) -> Attrs:
+        """fsync, then seal the file and release the writer token. Idempotent."""
+        async with self._lock:
+            return await self._close()
+
+    async def abort(self) -> None:
+        """Drop buffered bytes; the file keeps its last committed state."""
+        self._aborted = True
+        self._closed = True
+        async with self._lock:
+            self._release_open()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    async def spill_open(self) -> None:
+        """Flush the open block of an idle writer to give its buffer back (BufferPool)."""
+        try:
+            async with self._lock:
+                if self._open_buf is not None and not self._closed:
+                    await self._flush_open()
+        finally:
+            self.spilling = False
+
+    async def _pwrite(self, data: Buffer, offset: int) -> int:
+        self._check()
+        self.last_write = time.monotonic()
+        if offset < 0:
+            raise InvalidArgument(f"negative write offset {offset}")
+        view = memoryview(data).cast("B")
+        if not view.nbytes:
+            return 0
+        layout = self.layout
+        for piece in layout.pieces(offset, view.nbytes):
+            if piece.block_index != self._open_index:
+                await self._switch_open(piece.block_index)
+            buf = self._open_buf
+            assert buf is not None
+            bo, n = piece.block_offset, piece.length
+            if bo > self._open_len:
+                buf[self._open_len : bo] = bytes(bo - self._open_len)
+            buf[bo : bo + n] = view[piece.out_offset : piece.out_offset + n]
+            self._open_len = max(self._open_len, bo + n)
+            self._dirty = True
+            self.size = max(self.size, layout.block_start(piece.block_index) + bo + n)
+            if bo + n == layout.block_size:
+                await self._flush_open()
+            self._check()
+        return view.nbytes
+
+    async def _pread(self, offset: int, length: int) -> bytes:
+        self._check()
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"bad read range {offset}+{length}")
+        length = max(0, min(length, self.size - offset))
+        out = bytearray(length)
+        view = memoryview(out)
+        for piece in self.layout.pieces(offset, length):
+            dst = view[piece.out_offset : piece.out_offset + piece.length]
+            if piece.block_index == self._open_index:
+                assert self._open_buf is not None
+                avail = max(0, min(piece.length, self._open_len - piece.block_offset))
+                dst[:avail] = memoryview(self._open_buf)[
+                    piece.block_offset : piece.block_offset + avail
+                ]
+                continue
+            await self._wait_index(piece.block_index)
+            self._check()
+            info = self._committed.get(piece.block_index)
+            if info is None:
+                continue
+            avail = max(0, min(piece.length, info.data_len - piece.block_offset))
+            if avail:
+                data = await self.client.read_block(info)
+                dst[:avail] = data[piece.block_offset : piece.block_offset + avail]
+        return bytes(out)
+
+    async def _truncate(self, size: int) -> None:
+        self._check()
+        if size < 0:
+            raise InvalidArgument(f"negative size {size}")
+        await self._flush_open()
+        await self._drain()
+        self._check()
+        layout = self.layout
+        await self._meta_call(self.client.meta.set_size(self.file_id, self.token, size))
+        if size < self.size:
+            for index in [i for i in self._committed if layout.block_start(i) >= size]:
+                del self._committed[index]
+            self.size = size
+            bi = layout.block_of(size)
+            info = self._committed.get(bi)
+            if info is not None and layout.block_start(bi) + info.data_len > size:
+                # Cut the block that straddles the new end, so that growing the file later
+                # shows zeros there rather than the old bytes.
+                await self._switch_open(bi)
+                self._dirty = True
+        self.size = size
+        self._synced_size = size
+
+    async def _fsync(self) -> None:
+        self._check()
+        if self._dirty and self._open_buf is not None and self._open_index is not None:
+            index, n = self._open_index, self._open_len
+            gen = next(self._gen)
+            self._begin(index)
+            try:
+                info = await self.client.store_block(
+                    self.file_id, self.token, self.policy, index, memoryview(self._open_buf), n
+                )
+                await self._commit(index, gen, info)
+            except TectonicError as e:
+                self._fail(e)
+            finally:
+                self._end(index)
+            self._dirty = False
+        await self._drain()
+        self._check()
+        if self.size != self._synced_size:
+            await self._meta_call(self.client.meta.set_size(self.file_id, self.token, self.size))
+            self._synced_size = self.size
+
+    async def _close(self) -> Attrs:
+        if self._final is not None:
+            return self._final
+        try:
+            await self._fsync()
+            self._final = await self._meta_call(
+                self.client.meta.seal(self.file_id, self.token, self.size)
+            )
+            self.attrs = self._final
+            return self._final
+        finally:
+            self._release_open()
+            self._closed = True
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise InvalidArgument(f"file {self.file_id} is closed for writing")
+
+    def _fail(self, error: TectonicError) -> None:
+        if self._error is None:
+            self._error = error
+            log.info("writer of file %d failed: %s", self.file_id, error)
+
+    async def _meta_call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except TectonicError as e:
+            self._fail(e)
+            raise
+
+    def _release_open(self) -> None:
+        self.client.buffers.holders.discard(self)
+        if self._open_buf is not None:
+            self.client.buffers.release(self._open_buf, self._charge)
+        self._open_buf = None
+        self._open_index = None
+        self._open_len = 0
+        self._dirty = False
+
+    async def _switch_open(self, index: int) -> None:
+        """Make block ``index`` the open block, loading what it already holds."""
+        await self._flush_open()
+        buf = await self.client.buffers.acquire(self.layout.block_size, self._charge)
+        self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
+        self.client.buffers.holders.add(self)
+        valid = self.layout.block_data_len(index, self.size)
+        if valid <= 0:
+            return
+        await self._wait_index(index)
+        self._check()
+        info = self._committed.get(index)
+        have = 0
+        if info is not None:
+            have = min(info.data_len, valid)
+            data = await self.client.read_block(info)
+            buf[:have] = data[:have]
+        buf[have:valid] = bytes(valid - have)
+        self._open_len = valid
+
+    async def _flush_open(self) -> None:
+        """Hand the open block to a background flush task (or drop it if clean)."""
+        buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
+        self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
+        self.client.buffers.holders.discard(self)
+        if buf is None:
+            return
+        if not dirty or n == 0 or index is None:
+            self.client.buffers.release(buf, self._charge)
+            return
+        gen = next(self._gen)
+        self._begin(index)
+        self.client.nursery.start_soon(self._flush_task, index, buf, n, gen)
+        now = time.monotonic()
+        if now - self._renewed > LEASE_RENEW_S:
+            self._renewed = now
+            self.client.nursery.start_soon(self._renew_lease)
+
+    async def _renew_lease(self) -> None:
+        """Keep the writer token's lease alive during a long write (GC recovers files whose
+        writer's lease ran out); a stolen token shows up here as StaleWriterToken."""
+        try:
+            await self.client.meta.renew_lease(self.file_id, self.token)
+        except TectonicError as e:
+            self._fail(e)
+
+    async def _flush_task(self, index: int, buf: bytearray, n: int, gen: int) -> None:
+        try:
+            info = await self.client.store_block(
+                self.file_id, self.token, self.policy, index, memoryview(buf), n
+            )
+            await self._commit(index, gen, info)
+        except TectonicError as e:
+            self._fail(e)
+        except Exception as e:  # a bug: keep the client alive, fail this writer loudly
+            log.exception("flush of block %d of file %d failed", index, self.file_id)
+            self._fail(TectonicError(f"internal error flushing block {index}: {e!r}"))
+        finally:
+            self.client.buffers.release(buf, self._charge)
+            self._end(index)
+
+    async def _commit(self, index: int, gen: int, info: BlockInfo) -> None:
+        lock = self._commit_locks.setdefault(index, trio.Lock())
+        async with lock:
+            if self._aborted or self._error is not None:
+                return
+            if gen < self._committed_gen.get(index, 0):
+                return  # a newer version of this block is already committed
+            await self.client.meta.commit_blocks(self.file_id, self.token, [info])
+            self._committed_gen[index] = gen
+            old = self._committed.get(index)
+            if old is not None:
+                self.client.cache.discard(old.block_id)
+            self._committed[index] = info
+
+    def _begin(self, index: int) -> None:
+        self._inflight[index] = self._inflight.get(index, 0) + 1
+
+    def _end(self, index: int) -> None:
+        left = self._inflight[index] - 1
+        if left:
+            self._inflight[index] = left
+        else:
+            del self._inflight[index]
+        self._idle.unpark_all()
+
+    async def _wait_index(self, index: int) -> None:
+        while index in self._inflight:
+            await self._idle.park()
+
+    async def _drain(self) -> None:
+        while self._inflight:
+            await self._idle.park()
