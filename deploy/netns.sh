@@ -40,7 +40,7 @@ record() { echo "$*" >> "$STATE"; }
 state_get() { [ -f "$STATE" ] && awk -v k="$1" '$1 == k { print $2 }' "$STATE" || true; }
 
 cmd_up() {
-    local chunkstores=9 metadata_servers=1 shards=64 ec=rs-6-3 subnet=10.213.7 prefix=tecto
+    local chunkstores=10 metadata_servers=1 shards=64 ec=rs-6-3 subnet=10.213.7 prefix=tecto
     local rate="" delay="" node_timeout=10 heartbeat=1
     while [ $# -gt 0 ]; do
         case $1 in

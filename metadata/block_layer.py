@@ -9,6 +9,11 @@ time), so the GC service can find chunks of writes that were aborted before comm
 same transaction. A committed block is immutable except for ``replace_chunk`` (repair and
 rebalance move one chunk to another node), which keeps the reverse index in step.
 
+``report_bad_chunk``: a reader that found a chunk corrupt or missing records it (if the
+block still has that chunk on that node) so that repair's next round rebuilds it, as it does
+for chunks the chunk stores' scrub reports, instead of waiting for the scrub to get there.
+The record goes when the chunk moves (``repoint_chunk``) or the block is forgotten.
+
 commit_blocks ordering (client side): Block layer first, File layer append second. A crash
 between the two leaves a committed block no file references: garbage the GC finds by
 checking ``file_id``/``file_index`` against the File layer after a grace period; never a file
@@ -194,6 +199,25 @@ def replace_chunk(
     repoint_chunk(conn, block_id, index, old_node, new_node, checksum)
 
 
+def report_bad_chunk(
+    conn: sqlite3.Connection, block_id: int, index: int, node_id: str, reason: str, now_ns: int
+) -> bool:
+    """Record a reader's report of a bad chunk; False (nothing recorded) when the block has
+    no such chunk on that node any more: the reader's block list was stale."""
+    row = conn.execute(
+        "SELECT 1 FROM block_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
+        (block_id, index, node_id),
+    ).fetchone()
+    if row is None:
+        return False
+    conn.execute(
+        "INSERT OR IGNORE INTO bad_chunks (block_id, idx, node_id, reason, reported_ns)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (block_id, index, node_id, reason, now_ns),
+    )
+    return True
+
+
 def repoint_chunk(
     conn: sqlite3.Connection, block_id: int, index: int, old_node: str, new_node: str, checksum: int
 ) -> None:
@@ -204,6 +228,10 @@ def repoint_chunk(
         conn.execute(
             "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
             (old_node, block_id, index),
+        )
+        conn.execute(
+            "DELETE FROM bad_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
+            (block_id, index, old_node),
         )
     conn.execute(
         "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",

@@ -698,6 +698,19 @@ class MetadataClient:
             checksum=checksum,
         )
 
+    async def report_bad_chunk(self, block_id: int, index: int, node_id: str, reason: str) -> bool:
+        """Tell the Block layer a reader found this chunk corrupt or missing, so repair's next
+        round rebuilds it; False if the block no longer has that chunk on that node."""
+        r = await self._shard(
+            self._of(block_id),
+            "block.report_bad_chunk",
+            block_id=block_id,
+            index=index,
+            node_id=node_id,
+            reason=reason,
+        )
+        return bool(r["recorded"])
+
     # --- Node registry ----------------------------------------------------------------------
 
     async def nodes(self) -> list[NodeInfo]:

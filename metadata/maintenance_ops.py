@@ -15,6 +15,8 @@ block.set_chunk      block_id, index, old_node ("" = none), new_node,      {}
                      checksum
 block.forget         block_id, state, [file_id, file_index]                forgotten
 block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
+block.bad_chunks     after, limit                                          chunks [[b, i, n]],
+                                                                           next
 file.gc_queue        older_than_ns, limit                                  blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
@@ -144,7 +146,35 @@ def forget_block(
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM block_chunks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM node_blocks WHERE block_id = ?", (block_id,))
+    conn.execute("DELETE FROM bad_chunks WHERE block_id = ?", (block_id,))
     return True
+
+
+def reported_bad_chunks(
+    conn: sqlite3.Connection, after: int, limit: int
+) -> tuple[list[tuple[int, int, str]], int | None]:
+    """Chunks readers reported bad (``block.report_bad_chunk``) that are still where they
+    were reported, of up to ``limit`` blocks after ``after``: repair's input beside the
+    scrub reports."""
+    blocks = [
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT block_id FROM bad_chunks WHERE block_id > ? ORDER BY block_id LIMIT ?",
+            (after, limit),
+        )
+    ]
+    out: list[tuple[int, int, str]] = []
+    for block_id in blocks:
+        out.extend(
+            (block_id, r[0], r[1])
+            for r in conn.execute(
+                "SELECT b.idx, b.node_id FROM bad_chunks b JOIN block_chunks c"
+                " ON c.block_id = b.block_id AND c.idx = b.idx AND c.node_id = b.node_id"
+                " WHERE b.block_id = ?",
+                (block_id,),
+            )
+        )
+    return out, blocks[-1] if len(blocks) == limit else None
 
 
 def dead_chunks(
@@ -298,6 +328,15 @@ class MaintenanceOps:
         node = req.str("node_id", max_len=64)
         chunks = [(b, i) for b, i in _pairs(req, "chunks", 2)]
         return {"dead": [list(c) for c in store.read(dead_chunks, node, chunks)]}
+
+    async def op_block__bad_chunks(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        chunks, nxt = store.read(
+            reported_bad_chunks,
+            req.int("after", 0, hi=MAX_ID),
+            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+        )
+        return {"chunks": [list(c) for c in chunks], "next": nxt}
 
     async def op_file__gc_queue(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

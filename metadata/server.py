@@ -46,6 +46,8 @@ block.commit         file_id, blocks [BlockInfo...]                        {}
 block.locate         ids                                                   blocks
 block.by_node        node_id, after, limit                                 chunks [[block, idx]]
 block.replace_chunk  block_id, index, old_node, new_node, checksum         {}
+block.report_bad_chunk                                                     recorded
+                     block_id, index, node_id, reason
 node.heartbeat       node_id, address, failure_domain, capacity, free,     {}
                      chunk_count, queue_depth
 node.list            -                                                     nodes
@@ -567,6 +569,18 @@ class MetadataServer(MaintenanceOps):
             req.str("new_node", max_len=64),
             req.int("checksum", hi=2**32 - 1),
         )
+
+    async def op_block__report_bad_chunk(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        recorded = await store.write(
+            block_layer.report_bad_chunk,
+            _id(req, "block_id"),
+            req.int("index", hi=255),
+            req.str("node_id", max_len=64),
+            req.str("reason", "corrupt", max_len=64),
+            now_ns(),
+        )
+        return {"recorded": recorded}
 
     # --- Node registry ------------------------------------------------------------------------
 

@@ -91,6 +91,11 @@ CREATE TABLE IF NOT EXISTS block_chunks (
 CREATE TABLE IF NOT EXISTS node_blocks (
     node_id TEXT NOT NULL, block_id INTEGER NOT NULL, idx INTEGER NOT NULL,
     PRIMARY KEY (node_id, block_id, idx)) WITHOUT ROWID;
+-- Chunks a reader found corrupt or missing, for repair; dropped when the chunk moves.
+CREATE TABLE IF NOT EXISTS bad_chunks (
+    block_id INTEGER NOT NULL, idx INTEGER NOT NULL, node_id TEXT NOT NULL,
+    reason TEXT NOT NULL, reported_ns INTEGER NOT NULL,
+    PRIMARY KEY (block_id, idx, node_id)) WITHOUT ROWID;
 
 -- Node registry (only used in the registry shard).
 CREATE TABLE IF NOT EXISTS nodes (

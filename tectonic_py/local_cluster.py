@@ -145,7 +145,7 @@ class LocalCluster:
     def __init__(
         self,
         root: str | os.PathLike[str],
-        chunkstores: int = 9,
+        chunkstores: int = 10,  # RS(6,3) and a spare failure domain for repair
         metadata_servers: int = 2,
         shards: int = 64,
         ec: str = "rs-6-3",

@@ -7,17 +7,26 @@ would, without a cluster; tests/test_cli_cluster.py covers the commands against 
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from tectonic_py.cli.common import DefaultsHelpFormatter
+from tectonic_py.cli.main import build_parser
+from tectonic_py.cli.status import layout_warnings
 from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
+from tectonic_py.core.records import NodeInfo
+from tectonic_py.core.units import parse_size, size_arg
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -102,7 +111,7 @@ def test_status_json_unreachable_is_still_an_error(tmp_path: Path, secret_file: 
         (["--metadata-servers", "0"], "at least one"),
         (["--shards", "0"], "at least one"),
         (["--shards", "2", "--metadata-servers", "3"], "only 2 shards"),
-        (["--failure-domains", "10"], "failure_domains must be 1..9"),
+        (["--failure-domains", "11"], "failure_domains must be 1..10"),
     ],
 )
 def test_cluster_up_bad_layout(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -268,3 +277,146 @@ def test_closed_stdout_pipe_is_not_a_traceback(tmp_path: Path) -> None:
     )
     assert proc.stdout == "x" * 100 + "\n"
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def _subparsers(parser: argparse.ArgumentParser, prefix: str = "tectonic"):  # type: ignore[no-untyped-def]
+    """(name, parser) of every subcommand, nested ones too (``cluster up``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", sub
+                yield from _subparsers(sub, f"{prefix} {name}")
+
+
+def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> None:
+    found = 0
+    for name, parser in _subparsers(build_parser()):
+        assert parser.formatter_class is DefaultsHelpFormatter, name
+        for action in parser._actions:
+            assert action.dest != "cluster" and "--cluster-file" not in action.option_strings
+            if action.dest == "cluster_file":
+                found += 1
+                assert action.metavar == "CLUSTER_FILE" and not action.option_strings, name
+        formatter = parser._get_formatter()
+        parser.format_help()  # every help string formats, "%(default)s" included
+        for action in parser._actions:
+            shown = action.default not in (None, False, [], argparse.SUPPRESS)
+            if shown and action.option_strings and action.help != argparse.SUPPRESS:
+                help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
+                assert "default" in help_text, (name, action.option_strings)
+    # put get ls rm stat mkdir status mount loadtest maintenance repair
+    assert found == 11
+
+
+SIZE_FLAGS = {
+    ("chunkstore", "--capacity"), ("chunkstore", "--payload-budget"),
+    ("chunkstore", "--reply-budget"), ("chunkstore", "--scrub-rate"),
+    ("chunkstore", "--spare-bytes"), ("maintenance", "--bandwidth"),
+    ("loadtest", "--shard-size"), ("loadtest", "--min-size"), ("loadtest", "--max-size"),
+}  # fmt: skip
+
+
+def test_every_size_takes_units() -> None:
+    seen = set()
+    for name, parser in _subparsers(build_parser()):
+        for action in parser._actions:
+            key = (name.split()[-1], action.option_strings[-1] if action.option_strings else "")
+            if key in SIZE_FLAGS:
+                seen.add(key)
+                assert action.type is size_arg, key
+    assert seen == SIZE_FLAGS
+    assert parse_size("4MiB") == 4 << 20 and parse_size("1GiB") == 1 << 30
+    assert parse_size("512k") == 512 << 10 and parse_size("4096") == 4096
+    args = build_parser().parse_args(["chunkstore", *_CHUNKSTORE_REQUIRED, "--capacity", "2GiB"])
+    assert args.capacity == 2 << 30 and args.payload_budget == 256 << 20  # string defaults too
+    bad = run_cli("chunkstore", *_CHUNKSTORE_REQUIRED, "--capacity", "2 parsecs")
+    assert bad.returncode == 2 and "bad size '2 parsecs'" in bad.stderr
+
+
+_CHUNKSTORE_REQUIRED = [
+    "--data-dir", "d", "--listen", "127.0.0.1:0", "--node-id", "n", "--failure-domain", "f",
+    "--secret-file", "s",
+]  # fmt: skip
+
+
+def test_version() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"tectonic {importlib.metadata.version('tectonic-py')}"
+
+
+def _nodes(domains: list[str], down: int = 0) -> list[NodeInfo]:
+    return [
+        NodeInfo(f"cs{i}", "", d, state="down" if i < down else "up") for i, d in enumerate(domains)
+    ]
+
+
+def test_status_warns_when_repair_has_no_spare_failure_domain() -> None:
+    ten = [f"fd{i}" for i in range(10)]
+    assert layout_warnings(_nodes(ten), {"rs-6-3"}) == []
+    (one,) = layout_warnings(_nodes(ten[:9]), {"rs-6-3"})
+    assert "no more than the 9 chunks of a rs-6-3 block" in one
+    assert "add chunk stores in 1 more failure domain" in one
+    (down,) = layout_warnings(_nodes(ten, down=2), {"rs-6-3", "r3"})
+    assert "only 8 failure domains" in down and "2 more failure domains" in down
+    # ten stores in three domains: as bad as three stores
+    (few,) = layout_warnings(_nodes([f"fd{i % 3}" for i in range(10)]), {"rs-4-2"})
+    assert "only 3 failure domains" in few
+    assert layout_warnings(_nodes(ten[:4]), {"r3"}) == []
+
+
+@pytest.mark.parametrize("daemon", ["metadata", "chunkstore"])
+def test_daemons_log_start_ready_and_stop_without_v(
+    tmp_path: Path, secret_file: Path, daemon: str
+) -> None:
+    """A service log shows the lifecycle at INFO with no -v; nothing else is needed to see
+    where a daemon listens and keeps its data."""
+    ready = tmp_path / "ready.json"
+    data = tmp_path / "data"
+    common = [
+        "--data-dir",
+        str(data),
+        "--secret-file",
+        str(secret_file),
+        "--ready-file",
+        str(ready),
+    ]
+    extra = (
+        ["--shards", "0-3", "--total-shards", "4"]
+        if daemon == "metadata"
+        else ["--listen", "127.0.0.1:0", "--node-id", "cs0", "--failure-domain", "fd0"]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tectonic_py.cli.main", daemon, *common, *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if ready.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    info = [ln for ln in err.splitlines() if " INFO " in ln]
+    what = "metadata server" if daemon == "metadata" else "chunk store cs0"
+    assert any(f"{what} starting" in ln and str(data) in ln for ln in info), err
+    assert any(("ready on" in ln or "serving" in ln) and "127.0.0.1:" in ln for ln in info), err
+    assert any(f"{what} stopped" in ln for ln in info), err
+
+
+def test_cluster_up_default_leaves_a_spare_failure_domain(tmp_path: Path) -> None:
+    from tectonic_py.cli import cluster
+
+    args = build_parser().parse_args(["cluster", "up", "--dir", str(tmp_path)])
+    cluster._apply_existing(args, tmp_path)
+    assert (args.chunkstores, args.ec, args.failure_domains) == (10, "rs-6-3", None)
+    assert "warning" not in cluster._summary(tmp_path / "cluster.toml", args, detached=True)
+    args.chunkstores = 9
+    summary = cluster._summary(tmp_path / "cluster.toml", args, detached=True)
+    assert "9 failure domains for 9 chunks per block: no spare for repair" in summary

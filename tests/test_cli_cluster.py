@@ -123,6 +123,9 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
         assert [s["state"] for s in st["metadata_servers"]] == ["up", "up"]
         assert sorted(x for s in st["metadata_servers"] for x in s["shards"]) == list(range(8))
         assert st["degraded_blocks"] == []
+        # 6 stores in 6 failure domains for rs-4-2's 6 chunks: no spare for repair, said once
+        (warning,) = st["warnings"]
+        assert "no more than the 6 chunks of a rs-4-2 block" in warning
 
         # one "disk" dies: its blocks are degraded but readable, and status says which
         os.kill(chunkstore_pid(root, "cs0"), signal.SIGKILL)
@@ -133,6 +136,7 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
         )
         assert rc == 0
         assert len(st["degraded_blocks"]) == 3
+        assert "only 5 failure domains" in st["warnings"][0]
         for b in st["degraded_blocks"]:
             assert (b["live"], b["total"], b["missing"], b["readable"]) == (5, 6, ["cs0"], True)
         assert client("get", cluster, "/ckpt.bin") == digest  # a degraded read
@@ -144,10 +148,10 @@ def test_up_put_get_kill_down_up_keeps_data(tmp_path: Path) -> None:
         rc, st = wait_for_status(
             cluster, lambda s: sum(n["state"] == "down" for n in s["nodes"]) == 3, "3 down"
         )
-        assert rc == 2
+        assert rc == 3
         assert all(not b["readable"] for b in st["degraded_blocks"])
         table = run_cli("status", str(cluster))
-        assert table.returncode == 2 and "lost" in table.stdout
+        assert table.returncode == 3 and "lost" in table.stdout
 
         down_proc = run_cli("cluster", "down", "--dir", str(root), timeout=120)
         assert down_proc.returncode == 0, down_proc.stderr
@@ -235,7 +239,7 @@ def metadata_pid(root: Path, index: int) -> int:
 
 
 def test_status_with_metadata_servers_down(tmp_path: Path) -> None:
-    """A down metadata server is shown and makes the exit code 2; without the registry
+    """A down metadata server is shown and makes the exit code 3; without the registry
     status is one clear error, never a half-empty table."""
     root = tmp_path / "cluster"
     cluster = root / "cluster.toml"
@@ -244,7 +248,7 @@ def test_status_with_metadata_servers_down(tmp_path: Path) -> None:
         up_detached(root, *layout, "--node-timeout", NODE_TIMEOUT, "--no-maintenance")
         os.kill(metadata_pid(root, 1), signal.SIGKILL)
         rc, st = status(cluster)
-        assert rc == 2
+        assert rc == 3
         assert [s["state"] for s in st["metadata_servers"]] == ["up", "down"]
         assert "cannot connect" in st["metadata_servers"][1]["error"]
         assert st["degraded_blocks"] == [] and st["degraded_error"] is None
@@ -254,10 +258,10 @@ def test_status_with_metadata_servers_down(tmp_path: Path) -> None:
         rc, st = wait_for_status(
             cluster, lambda s: any(n["state"] == "down" for n in s["nodes"]), "cs1 down"
         )
-        assert rc == 2
+        assert rc == 3
         assert st["degraded_blocks"] is None and "unavailable" in st["degraded_error"]
         table = run_cli("status", str(cluster))
-        assert table.returncode == 2 and "degraded blocks unknown" in table.stdout
+        assert table.returncode == 3 and "degraded blocks unknown" in table.stdout
 
         os.kill(metadata_pid(root, 0), signal.SIGKILL)
         proc = run_cli("status", "--json", str(cluster))

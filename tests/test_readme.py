@@ -130,3 +130,13 @@ def test_systemd_units_are_valid(tmp_path: Path) -> None:
         if ln.strip() and "/opt/tectonic-py/.venv/bin/tectonic is not executable" not in ln
     ]
     assert complaints == []
+
+
+def test_readme_documents_the_cli_exit_codes() -> None:
+    from tectonic_py.cli.common import EXIT_UNHEALTHY
+
+    text = (REPO / "README.md").read_text()
+    cli = text[text.index("## The CLI") : text.index("\n## ", text.index("## The CLI") + 1)]
+    assert "2 a usage error (argparse)" in cli
+    assert f"{EXIT_UNHEALTHY} the command ran and found the cluster unable to serve" in cli
+    assert f"exit code {EXIT_UNHEALTHY} if a metadata server is down" in cli

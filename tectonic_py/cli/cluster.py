@@ -40,9 +40,13 @@ from tectonic_py.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
 
+# A new cluster's layout. Ten chunk stores, one failure domain each, for RS(6,3)'s nine
+# chunks per block: a spare domain, so repair has somewhere to rebuild a lost store's chunks
+# (with nine, every other store already holds a chunk of each of its blocks).
+FRESH: dict[str, Any] = {"chunkstores": 10, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
 PID_FILE = "cluster.pid"
 LOG_FILE = "cluster.log"
-# bounds on waiting: a cold start of 2 metadata servers and 9 chunk stores on a loaded
+# bounds on waiting: a cold start of 2 metadata servers and 10 chunk stores on a loaded
 # 2-core machine takes seconds; minutes mean something is wrong and the log says what
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
@@ -91,14 +95,14 @@ def _running_supervisor(root: Path) -> psutil.Process | None:
 
 
 def _apply_existing(args: argparse.Namespace, root: Path) -> None:
-    """Options not given default to the layout of the cluster already in ``root`` (9 chunk
-    stores, 2 metadata servers, 64 shards, rs-6-3 for a new one), so a plain restart brings
-    back exactly what was there. The shard map is fixed at creation: asking for another one
-    is refused rather than silently starting metadata servers over the wrong shards."""
+    """Options not given default to the layout of the cluster already in ``root`` (``FRESH``
+    for a new one), so a plain restart brings back exactly what was there. The shard map is
+    fixed at creation: asking for another one is refused rather than silently starting
+    metadata servers over the wrong shards."""
     existing = None
     if (root / "cluster.toml").exists():
         existing = cluster_file.load(root / "cluster.toml")
-    fresh = {"chunkstores": 9, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
+    fresh = dict(FRESH)
     if existing is not None:
         chunk_dirs = root / "chunks"  # LocalCluster's layout: chunks/N per chunk store
         made = [d for d in chunk_dirs.iterdir() if d.is_dir()] if chunk_dirs.is_dir() else []
@@ -145,12 +149,23 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
     )
 
 
+def _domains(args: argparse.Namespace) -> int:
+    return args.chunkstores if args.failure_domains is None else args.failure_domains
+
+
 def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> str:
     how_to_stop = (
         f"stop it:       tectonic cluster down --dir {args.dir}"
         if detached
         else "stop it:       Ctrl-C"
     )
+    policy = ECPolicy.parse(args.ec)
+    spare = []
+    if _domains(args) <= policy.n:
+        spare.append(
+            f"warning:       {_domains(args)} failure domains for {policy.n} chunks per block: "
+            f"no spare for repair (use --chunkstores {policy.n + 1} or more)"
+        )
     return "\n".join(
         [
             (
@@ -161,6 +176,7 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
             f"status:        tectonic status {cluster_file}",
             f"mount:         tectonic mount {cluster_file} MOUNTPOINT",
             how_to_stop,
+            *spare,
         ]
     )
 
@@ -349,18 +365,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the same DIR brings back all data.",
     )
     up.add_argument("--dir", required=True, help="directory for all data and DIR/cluster.toml")
-    up.add_argument("--chunkstores", type=int, help="chunk store processes (9)")
-    up.add_argument("--metadata-servers", type=int, help="metadata servers (2; fixed at creation)")
-    up.add_argument("--shards", type=int, help="logical metadata shards (64; fixed at creation)")
-    up.add_argument("--ec", help="default EC policy: rs-K-M or rN (rs-6-3)")
+    new = "for a new cluster; else what DIR holds"
+    up.add_argument(
+        "--chunkstores", type=int,
+        help=f"chunk store processes (default: {FRESH['chunkstores']} {new})",
+    )  # fmt: skip
+    up.add_argument(
+        "--metadata-servers", type=int,
+        help=f"metadata servers, fixed at creation (default: {FRESH['metadata_servers']} {new})",
+    )  # fmt: skip
+    up.add_argument(
+        "--shards", type=int,
+        help=f"logical metadata shards, fixed at creation (default: {FRESH['shards']} {new})",
+    )  # fmt: skip
+    up.add_argument("--ec", help=f"default EC policy: rs-K-M or rN (default: {FRESH['ec']} {new})")
     up.add_argument(
         "--failure-domains", type=int,
         help="spread chunk stores over this many failure domains (default: one each, or"
-        " what the cluster in DIR was started with)",
+        " what the cluster in DIR was started with); repair needs more than k+m",
     )  # fmt: skip
     up.add_argument(
         "--node-timeout", type=float, default=10.0,
-        help="seconds of heartbeat silence before a chunk store counts as down (10)",
+        help="seconds of heartbeat silence before a chunk store counts as down",
     )  # fmt: skip
     up.add_argument(
         "--no-maintenance", action="store_true",

@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from tectonic_py.cli.common import add_cluster_file
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError, IsADirectory
@@ -240,11 +241,8 @@ def cmd_mkdir(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    def cluster(p: argparse.ArgumentParser) -> None:
-        p.add_argument("cluster_file", metavar="CLUSTER_FILE", help="the cluster.toml to use")
-
     p = subparsers.add_parser("put", help="copy a local file into the cluster")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("local", metavar="LOCAL_PATH")
     p.add_argument("remote", metavar="REMOTE_PATH", help="absolute; ending in / keeps the name")
     p.add_argument("--ec", help="EC policy of the new file (default: its directory's)")
@@ -252,32 +250,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_put)
 
     p = subparsers.add_parser("get", help="copy a file out of the cluster")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("remote", metavar="REMOTE_PATH")
     p.add_argument("local", metavar="LOCAL_PATH", help="a file name or a directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_get)
 
     p = subparsers.add_parser("ls", help="list a directory")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("path", metavar="REMOTE_PATH", nargs="?", default="/")
     p.add_argument("-l", "--long", action="store_true", help="sizes and EC policies")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
 
     p = subparsers.add_parser("rm", help="remove files (and directories with -r)")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
     p.add_argument("-r", "--recursive", action="store_true")
     p.set_defaults(func=cmd_rm)
 
     p = subparsers.add_parser("stat", help="attributes of a file or directory, as JSON")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("path", metavar="REMOTE_PATH")
     p.set_defaults(func=cmd_stat)
 
     p = subparsers.add_parser("mkdir", help="make directories")
-    cluster(p)
+    add_cluster_file(p)
     p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
     p.add_argument("-p", "--parents", action="store_true")
     p.add_argument("--ec", help="EC policy that new files in it inherit (rs-6-3, rs-4-2, r3...)")

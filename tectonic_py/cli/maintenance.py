@@ -1,5 +1,6 @@
 """``tectonic maintenance CLUSTER_FILE`` (run the background services until stopped) and
-``tectonic repair CLUSTER_FILE --status`` (where repair stands).
+``tectonic repair CLUSTER_FILE --status`` (where repair stands; exit code 3 when a block is
+lost, i.e. has fewer than k live chunks).
 
 What each service does and why it is safe to kill at any moment: tectonic_py/maintenance/.
 """
@@ -16,8 +17,10 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
+from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.units import size_arg
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, run_services
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "maintenance", help="run repair, scrub coordination, GC, lease recovery and rebalance"
     )
-    p.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
+    add_cluster_file(p, type=Path)
     p.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
     p.add_argument(
         "--grace",
@@ -49,9 +52,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--bandwidth",
-        type=float,
-        default=200 * 1024 * 1024,
-        help="bytes/s that repair and rebalance read and write together",
+        type=size_arg,
+        default="200MiB",
+        help="bytes per second that repair and rebalance read and write together",
     )
     p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
     p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
@@ -68,12 +71,16 @@ def register(subparsers: Any) -> None:
         help="comma-separated subset of repair,gc,rebalance",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
-    p.set_defaults(func=run_maintenance)
+    # a service log shows start, ready and shutdown without -v
+    p.set_defaults(
+        func=run_maintenance,
+        daemon_loggers=["tectonic_py.maintenance", "tectonic_py.cli.maintenance"],
+    )
 
     r = subparsers.add_parser(
         "repair", help="repair progress (tectonic repair CLUSTER_FILE --status)"
     )
-    r.add_argument("cluster_file", type=Path, help="the cluster file (cluster.toml)")
+    add_cluster_file(r, type=Path)
     r.add_argument("--status", action="store_true", required=True, help="show repair progress")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=run_status)
@@ -97,7 +104,14 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
 def run_maintenance(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     config = cluster_file.load(args.cluster_file)
+    log.info(
+        "maintenance starting for cluster %s (%s): %s",
+        config.name,
+        args.cluster_file,
+        ", ".join(settings.services),
+    )
     trio.run(_main, config, settings, args.ready_file)
+    log.info("maintenance stopped")
     return 0
 
 
@@ -109,6 +123,7 @@ async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | N
                     config, settings, ready_file=ready_file, task_status=task_status
                 )
             )
+            log.info("maintenance ready: rounds every %g s", settings.interval)
             async for signum in signals:
                 log.info("signal %d: stopping the maintenance services", signum)
                 nursery.cancel_scope.cancel()
@@ -121,7 +136,7 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
-    return 0 if status["lost"] == 0 else 2
+    return 0 if status["lost"] == 0 else EXIT_UNHEALTHY
 
 
 async def fetch_repair_status(config: Any) -> dict[str, Any]:

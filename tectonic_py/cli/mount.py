@@ -8,9 +8,9 @@ mount is up, with the child's error if it failed, so scripts can rely on its exi
 
 After mounting it raises the mount's ``read_ahead_kb`` (found through /proc/self/mountinfo,
 which needs no call into the mount itself and so cannot deadlock before the main loop runs):
-the kernel otherwise asks a FUSE daemon for 128 KiB per read, and 1 MiB gives about +70% on
-sequential reads (shared/CEILINGS.md). Writes cannot be raised past 1 MiB: libfuse 3.14 caps
-the request buffer at 256 pages and pyfuse3 rejects ``-o max_write``.
+the kernel otherwise asks a FUSE daemon for 128 KiB per read, and larger requests are what
+sequential reads need (docs/ceilings.md). Writes cannot be raised past 1 MiB: libfuse 3.14
+caps the request buffer at 256 pages and pyfuse3 rejects ``-o max_write``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
+from tectonic_py.cli.common import add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import ConfigError
@@ -44,8 +45,8 @@ DEFAULT_READ_AHEAD_KB = 1024
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mount", help="mount a cluster with FUSE")
-    p.add_argument("cluster_file", help="the cluster file (cluster.toml)")
-    p.add_argument("mountpoint", help="an empty directory to mount on")
+    add_cluster_file(p)
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
     p.add_argument("--allow-other", action="store_true", help="let users other than the mounter in")
     p.add_argument(
@@ -59,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_mount)
 
     u = subparsers.add_parser("umount", help="unmount a tectonic FUSE mount")
-    u.add_argument("mountpoint")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     u.set_defaults(func=cmd_umount)
 

@@ -6,9 +6,16 @@ and the blocks that are degraded: blocks with fewer than k+m chunks on live node
 are found from the Block layer's reverse index of every down node (``blocks_on_node``),
 never by scanning all blocks, so the cost grows with what is broken, not with the cluster.
 A block with fewer than k live chunks cannot be read until a node comes back, so it is
-reported as ``lost``. The exit code is 2 when the cluster cannot serve everything (a block
+reported as ``lost``. The exit code is 3 when the cluster cannot serve everything (a block
 is lost, or a metadata server is down: its shards' names and files are unreachable), so
-scripts can alert on it; 1 is an error of the command itself (one line on stderr).
+scripts can alert on it; 1 is an error of the command itself (one line on stderr), 2 a usage
+error (argparse).
+
+Repair rebuilds a lost chunk on a node in a failure domain its block does not use yet, so a
+layout needs more failure domains with live chunk stores than the k+m chunks of a block:
+with exactly k+m, the next lost store leaves its chunks nowhere to go; with fewer, lost
+chunks cannot be rebuilt at all. ``warnings`` says so (the exit code stays 0: every block is
+still readable), naming the policy and what to add.
 
 With a metadata server down, the degraded blocks of down chunk stores may be unknowable
 (the reverse index is spread over every shard): ``degraded_blocks`` is then null and
@@ -23,7 +30,7 @@ store's scrub finds those (it reports them for repair).
       chunk_count, queue_depth, last_seen}],
      "metadata_servers": [{address, shards, state, error}],
      "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id], readable}] or null,
-     "degraded_error": null or str}
+     "degraded_error": null or str, "warnings": [str]}
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
+from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Timeout, Unavailable
+from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import BlockInfo, NodeInfo
 from tectonic_py.core.rpc_client import open_connection
 from tectonic_py.core.sockets import parse_address
@@ -125,6 +134,11 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
                 degraded = await degraded_blocks(client, nodes)
             except TectonicError as e:
                 degraded_error = str(e)
+            policies = {config.default_ec, *(b["ec"] for b in degraded or [])}
+            try:
+                policies.add((await client.getattr(ROOT_ID)).ec)
+            except TectonicError as e:  # the root's shard is down: shown as a server down
+                log.debug("root policy unknown: %s", e)
         finally:
             with trio.CancelScope(shield=True):
                 await client.aclose()
@@ -134,7 +148,39 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
         "metadata_servers": servers,
         "degraded_blocks": degraded,
         "degraded_error": degraded_error,
+        "warnings": layout_warnings(nodes, policies),
     }
+
+
+def layout_warnings(nodes: list[NodeInfo], policies: set[str]) -> list[str]:
+    """Why repair could not restore a lost store's chunks in this layout, if it could not:
+    for the widest policy in use, compare its k+m with the failure domains that have a live
+    chunk store."""
+    if not policies or not nodes:
+        return []
+    widest = max((ECPolicy.parse(p) for p in policies), key=lambda p: p.n)
+    domains = {node.failure_domain for node in nodes if node.state == "up"}
+    n = widest.n
+    add = n + 1 - len(domains)
+    if add <= 0:
+        return []
+    how = (
+        f"add chunk stores in {add} more failure domain{'s' if add > 1 else ''} "
+        "(a local cluster: `tectonic cluster up --dir DIR --chunkstores N`)"
+    )
+    if len(domains) == n:
+        text = (
+            f"{len(domains)} failure domains have a live chunk store, no more than the {n} "
+            f"chunks of a {widest} block: if a store is lost, repair has no failure domain to "
+            f"rebuild its chunks in; {how}"
+        )
+    else:
+        text = (
+            f"only {len(domains)} failure domains have a live chunk store, fewer than the {n} "
+            f"chunks of a {widest} block: lost chunks cannot be rebuilt in failure domains of "
+            f"their own until stores come back; {how}"
+        )
+    return [text]
 
 
 def _size(n: int) -> str:
@@ -186,6 +232,8 @@ def render(status: dict[str, Any]) -> None:
         meta.add_row(s["address"], span, state)
     console.print(meta)
 
+    for warning in status["warnings"]:
+        console.print(f"[bold yellow]warning:[/] {warning}")
     degraded = status["degraded_blocks"]
     if degraded is None:
         console.print(f"[bold red]degraded blocks unknown:[/] {status['degraded_error']}")
@@ -223,7 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         render(status)
-    return 0 if healthy(status) else 2
+    return 0 if healthy(status) else EXIT_UNHEALTHY
 
 
 def healthy(status: dict[str, Any]) -> bool:
@@ -241,13 +289,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "status",
         help="nodes, metadata servers and degraded blocks of a cluster",
         description="Show chunk stores (up/down, failure domain, capacity, free, chunks, load), "
-        "metadata servers and their shards, and blocks with fewer than k+m live chunks. "
-        "Exit code 2 if a metadata server is down or some block has fewer than k live "
-        "chunks (unreadable).",
+        "metadata servers and their shards, and blocks with fewer than k+m live chunks; "
+        "warns when a lost store's chunks could not be repaired. Exit code 3 if a metadata "
+        "server is down or some block has fewer than k live chunks (unreadable), 1 if the "
+        "cluster cannot be asked at all.",
     )
-    p.add_argument("cluster_file", metavar="CLUSTER_FILE", help="the cluster.toml to use")
+    add_cluster_file(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    p.add_argument(
-        "--timeout", type=float, default=15.0, help="seconds to wait for the cluster (15)"
-    )
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the cluster")
     p.set_defaults(func=cmd_status)

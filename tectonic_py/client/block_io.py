@@ -11,7 +11,9 @@ Reads: a whole block is fetched by ``BlockFetch`` into the bounded ``BlockCache`
 read asks for byte ranges of data chunks only (systematic code: no decoding), verified by the
 chunk store's CRC of the range, and falls back to a whole (degraded) block read when any
 range fails. A whole chunk is checked against the CRC-32C recorded in the Block layer (end
-to end). Every bad chunk is logged at WARNING and kept in ``statistics().bad_chunks``.
+to end). Every bad chunk is logged at WARNING and kept in ``statistics().bad_chunks``; a
+chunk found corrupt or missing is also reported to the metadata service for repair
+(``BadChunkReporter``).
 
 Slowness is never failure: a slow get only starts a hedge while the original keeps running;
 only a range read, which has a whole-block read to fall back on, gives up on a slow chunk.
@@ -28,6 +30,7 @@ from typing import Any
 import trio
 
 from chunkstore.client import ChunkPool
+from tectonic_py.client.bad_chunks import BadChunkReporter
 from tectonic_py.client.block_get import BlockFetch
 from tectonic_py.client.block_put import BlockPut
 from tectonic_py.client.buffers import BlockCache, block_buffer_size
@@ -40,6 +43,7 @@ from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
     ChecksumMismatch,
     ChunkCorrupt,
+    ChunkNotFound,
     QuorumLost,
     TectonicError,
     Timeout,
@@ -88,6 +92,7 @@ class BlockIO:
         self.read_hedge_s = tuning.read_hedge_s
         self.slow_chunk_s = tuning.slow_chunk_s
         self.reconstruct = trio.CapacityLimiter(max(1, tuning.max_reconstructions))
+        self.reporter = BadChunkReporter(meta, nursery, stats)
         self._fetching: dict[int, trio.Event] = {}
         self._addresses: dict[str, str] = {}
 
@@ -168,7 +173,8 @@ class BlockIO:
         return self._addresses.get(pl.node_id, "")
 
     def report_bad(self, info: BlockInfo, pl: ChunkPlacement, error: BaseException) -> None:
-        """A chunk read failed: count and log it."""
+        """A chunk read failed: count and log it; one the store found corrupt or missing (not
+        merely slow or unreachable) is reported for repair."""
         corrupt = isinstance(error, ChunkCorrupt)
         if corrupt:
             self.stats.corrupt_chunks += 1
@@ -184,6 +190,8 @@ class BlockIO:
             reason,
             error,
         )
+        if isinstance(error, ChunkCorrupt | ChunkNotFound):
+            self.reporter.report(info.block_id, pl.index, pl.node_id, reason)
 
     async def get_into(
         self,

@@ -32,3 +32,7 @@ class ClientStats:
     avoided_chunks: int = 0
     # (block_id, chunk_index, node_id, reason) of chunks found missing or corrupt.
     bad_chunks: list[tuple[int, int, str, str]] = field(default_factory=list)
+    # Bad chunks reported to the metadata service for repair, and reports not sent because
+    # the same chunk was reported already or the report rate was spent.
+    bad_chunk_reports: int = 0
+    bad_chunk_reports_skipped: int = 0

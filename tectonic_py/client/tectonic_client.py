@@ -15,8 +15,8 @@ the client's resources. The rest of the package, one concept a module: ``writer`
 (FileWriter: the open block, flushes, commits), ``reader`` (FileReader: sequential detection,
 readahead), ``block_io`` (one block to and from chunk stores, with ``block_put`` and
 ``block_get``), ``buffers`` (the writers' window and the readers' block cache),
-``node_view`` (which chunk stores to plan around), ``codec`` and ``stripe``. Connections to
-chunk stores are ``chunkstore.client.ChunkPool``.
+``node_view`` (which chunk stores to plan around), ``bad_chunks`` (reports for repair),
+``codec`` and ``stripe``. Connections to chunk stores are ``chunkstore.client.ChunkPool``.
 
 Down nodes are planned around, not timed out on: ``NodeView`` keeps the registry's "down"
 marks and the stores this client just failed to reach, so a dead store costs one timeout
@@ -27,7 +27,8 @@ many requests have actually failed (an error from the store, or the connection l
 
 Error handling: every public method raises only ``tectonic_py.core.errors`` classes, never
 exception groups. Resource handling: background tasks (flushes, readahead, connection
-receivers) live in the nursery of ``open_client``; leaving it closes every connection.
+receivers, bad-chunk reports) live in the nursery of ``open_client``; leaving it closes
+every connection.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ repaired elsewhere meanwhile are deleted, the rest count again at once).
 Each round finds the blocks that need work:
 
 * chunks on down nodes, through the Block layer's reverse index (``blocks_on_node``);
-* chunks that scrub found corrupt (``scrub_report`` of every up chunk store);
+* chunks that scrub found corrupt (``scrub_report`` of every up chunk store), and chunks
+  a reader found corrupt or missing and reported to the Block layer (``block.bad_chunks``),
+  so a damaged chunk a client read is rewritten next round, not when the scrub gets there;
 * every ``sweep_interval``, a scan of all blocks (``block.scan``), which also finds blocks a
   writer committed with fewer than n chunks (the write quorum is k + 1).
 
@@ -80,8 +82,9 @@ class Repairer:
         self.unplaced = 0
 
     async def bad_chunks(self, nodes: dict[str, NodeInfo]) -> set[tuple[int, int, str]]:
-        """(block, index, node) of every chunk an up chunk store's scrub reported bad."""
-        bad: set[tuple[int, int, str]] = set()
+        """(block, index, node) of every chunk an up chunk store's scrub reported bad, and of
+        every chunk a reader reported bad that is still where it was reported."""
+        bad = await self.reported_chunks()
 
         async def ask(node: NodeInfo) -> None:
             try:
@@ -101,6 +104,24 @@ class Repairer:
             for node in nodes.values():
                 if node.state == "up":
                     nursery.start_soon(ask, node)
+        return bad
+
+    async def reported_chunks(self) -> set[tuple[int, int, str]]:
+        """The chunks readers reported (``block.report_bad_chunk``), from every shard; a
+        shard that does not answer is skipped this round, as a silent scrub is."""
+        bad: set[tuple[int, int, str]] = set()
+        for shard in range(self.m.config.shards):
+            after = 0
+            for _ in range(1_000_000):
+                try:
+                    r = await self.m.shard_call(shard, "block.bad_chunks", after=after, limit=1000)
+                except TectonicError as e:
+                    log.info("no reported bad chunks from shard %d: %s", shard, e)
+                    break
+                bad.update((int(b), int(i), str(n)) for b, i, n in r["chunks"])
+                if r["next"] is None:
+                    break
+                after = int(r["next"])
         return bad
 
     async def find_work(
