@@ -9,7 +9,7 @@ import pyfuse3
 import pytest
 import trio
 
-from tectonic_py.cli.main import mount as fs_cli
+from tectonic_py.cli import mount as fs_cli
 from tectonic_py.core import errors
 from tectonic_py.mount import operations as fs
 from tectonic_py.mount.inode_cache import InodeCache
@@ -200,7 +200,7 @@ def test_mountinfo_parsing(monkeypatch, tmp_path):
 
 
 def test_cli_parses_mount_and_umount():
-    from tectonic_py.cli.main import main as cli
+    from tectonic_py.cli import main as cli
 
     args = cli.build_parser().parse_args(
         ["mount", "c.toml", "/mnt/x", "--foreground", "--allow-other"]
@@ -217,7 +217,7 @@ def test_cli_parses_mount_and_umount():
 
 
 def test_mount_refuses_bad_mountpoints(tmp_path, capsys):
-    from tectonic_py.cli.main import main as cli
+    from tectonic_py.cli import main as cli
 
     missing = tmp_path / "nope"
     cfg = tmp_path / "cluster.toml"

@@ -6,7 +6,7 @@ mistakes and domain failures (``TectonicError``) print one clear line and exit n
 only a genuine bug prints a traceback.
 
 Exit codes, the same for every subcommand: 0 done; 1 the command failed (one line on
-stderr); 2 a usage error (argparse); 3 (``cli.common.EXIT_UNHEALTHY``) the command ran but found the
+stderr); 2 a usage error (argparse); 3 (``EXIT_UNHEALTHY``) the command ran but found the
 cluster unable to serve everything (``status``, ``repair --status``) or a load test with
 errors; 130 interrupted.
 
