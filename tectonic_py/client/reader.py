@@ -22,10 +22,10 @@ class FileReader:
     """An open file being read: its block list fetched once, readahead for sequential reads.
 
     Sequential detection keeps a few *streams* (the ends of recent runs of reads): a read
-    that starts within one block of a stream's end continues it. One "last end" was not
+    that starts within one block of a stream's end continues it. One "last end" is not
     enough: torch.load reads the zip's tail, then jumps back, and the kernel's readahead sends
-    FUSE reads slightly out of order, and each such read dropped the reader out of
-    sequential mode into a round trip per 128 KiB.
+    FUSE reads slightly out of order; each such read would drop the reader out of sequential
+    mode into a round trip per kernel read.
     """
 
     STREAMS = 4
@@ -94,7 +94,8 @@ class FileReader:
 
         Why: a caller with its own buffer (``BufferedReader.readinto`` under torch.load
         through ``tectonic_py.connect``) gets the bytes in one copy from the cached blocks,
-        where ``pread`` made three (into a block-spanning buffer, into bytes, into ``dest``).
+        where ``pread`` would make three (into a block-spanning buffer, into bytes, into
+        ``dest``).
         """
         if offset < 0:
             raise InvalidArgument(f"bad read offset {offset}")
