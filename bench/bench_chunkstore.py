@@ -32,17 +32,8 @@ What it does, in one run on one disk:
    chunks are all ``C`` bytes).
 
 It prints MB/s (10^6 bytes), the ratio to the matching disk ceiling (put / raw write, get /
-raw read; target >= 0.7 for both), the four ceilings it was the highest of, and CPU-seconds per GiB of the client and the daemon
-(with its writer process), which are steadier than MB/s on a shared machine.
-``--splice-gets`` has the store splice whole gets of large chunks from the page cache
-unverified (the client checks them, ``chunkstore.layout.splice_chunk``) instead of reading
-and verifying every get. ``--disk-workers threads`` runs the daemon's puts and deletes on
-its own threads instead, for comparison. The daemon's put buffers are huge pages of a tmpfs
-of its own where it can make one (``chunkstore.huge_tmpfs``; the run prints ``thp-tmpfs``); ``--no-payload-tmpfs`` turns
-that off, and then ``--huge-pages N`` (root) reserves N more huge pages
-(``vm.nr_hugepages``) for the run and gives them back after, so that the daemon makes its put
-buffers of them (``chunkstore.writer_process.SharedBuffers``, docs/operations.md), and the
-run prints how many got huge pages.
+raw read; target >= 0.7 for both), the four ceilings it was the highest of, and CPU-seconds per GiB of the client and the daemon,
+which are steadier than MB/s on a shared machine.
 Nothing here is asserted: the test suite only runs ``--smoke`` so this script cannot rot.
 """
 
@@ -80,7 +71,6 @@ from bench.ceilings import (
 from bench.common import process_cpu
 from chunkstore import layout
 from chunkstore.client import ChunkClient
-from chunkstore.server import DISK_WORKERS
 from tectonic_py.core import capability, ids, rpc_client
 from tectonic_py.core.checksum import checksum
 
@@ -123,26 +113,6 @@ def start_daemon(
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     raise SystemExit("chunk store did not become ready")
-
-
-HUGE_PAGES = Path("/proc/sys/vm/nr_hugepages")
-
-
-def _reserve_huge_pages(count: int) -> int:
-    """Add ``count`` huge pages to the host's reserved pool; the pool's size before."""
-    before = int(HUGE_PAGES.read_text())
-    HUGE_PAGES.write_text(str(before + count))
-    got = int(HUGE_PAGES.read_text()) - before
-    if got < count:
-        print(f"reserved {got} of {count} huge pages (memory too fragmented)", file=sys.stderr)
-    return before
-
-
-async def _node_stats(port: int, secret: bytes) -> dict[str, Any]:
-    """The daemon's ``node_stats``: where its put buffers came from, its hugetlb counts,
-    where its gets were read."""
-    async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
-        return dict((await conn.call("node_stats")).fields)
 
 
 async def run_case(
@@ -259,30 +229,6 @@ def main() -> int:
         default="1,4",
         help="chunk sizes in MiB, comma-separated (the cases of a round, in order, on one store)",
     )
-    parser.add_argument(
-        "--disk-workers",
-        choices=DISK_WORKERS,
-        default="process",
-        help="the chunk store's --disk-workers (where its puts and deletes run)",
-    )
-    parser.add_argument(
-        "--huge-pages",
-        type=int,
-        default=0,
-        help="reserve this many more huge pages for the run (root; given back after)",
-    )
-    parser.add_argument(
-        "--no-payload-tmpfs",
-        dest="payload_tmpfs",
-        action="store_false",
-        help="the chunk store's --no-payload-tmpfs: put buffers in memfds (small pages, or"
-        " reserved huge pages with --huge-pages)",
-    )
-    parser.add_argument(
-        "--splice-gets",
-        action="store_true",
-        help="the chunk store's --splice-gets: whole gets of large chunks sent unverified",
-    )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     args = parser.parse_args()
     total = (8 if args.smoke else args.total_mib) * MiB
@@ -290,8 +236,6 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-chunkstore-", dir=args.dir))
     proc = None
     rows: list[dict[str, Any]] = []
-    reserved_before = _reserve_huge_pages(args.huge_pages) if args.huge_pages else None
-    stats: dict[str, Any] = {}
     try:
         secret = secrets.token_hex(32).encode()
         secret_file = scratch / "secret"
@@ -299,12 +243,7 @@ def main() -> int:
         data_dir = scratch / "data"
         raw_dir = scratch / "raw"
         raw_dir.mkdir()
-        daemon_args = ["--disk-workers", args.disk_workers]
-        if not args.payload_tmpfs:
-            daemon_args.append("--no-payload-tmpfs")
-        if args.splice_gets:
-            daemon_args.append("--splice-gets")
-        proc, port = start_daemon(data_dir, secret_file, daemon_args)
+        proc, port = start_daemon(data_dir, secret_file)
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
         # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
         # is bracketed by ceilings measured on the same disk just before and just after it,
@@ -336,14 +275,11 @@ def main() -> int:
                     r["ratio"] = r["mbps"] / r["ceiling_mbps"]
                 rows += case
                 before = after
-        stats = trio.run(_node_stats, port, secret)
     finally:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)
-        if reserved_before is not None:
-            HUGE_PAGES.write_text(str(reserved_before))
     print(
         f"chunk store over loopback, {args.inflight} requests in flight,"
         f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
@@ -376,20 +312,6 @@ def main() -> int:
             r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
         )
 
-    kind = str(stats.get("payload_pages", "?"))
-    hugetlb, short = int(stats.get("hugetlb_buffers", 0)), int(stats.get("hugetlb_short", 0))
-    if kind == "hugetlb":
-        print(
-            f"put payload buffers in reserved huge pages: {hugetlb}; beyond the reservation,"
-            f" in small pages: {short} (vm.nr_hugepages, --huge-pages)"
-        )
-    else:  # thp-tmpfs: the daemon's own tmpfs of huge pages; small: memfds
-        print(f"put payload buffers: {kind} (node_stats payload_pages)")
-    print(
-        f"gets spliced from the page cache unverified: {stats.get('gets_spliced', 0)}; read and"
-        f" verified on the writer process's read threads: {stats.get('gets_by_writer', 0)},"
-        f" on the daemon's threads: {stats.get('gets_by_daemon', 0)}"
-    )
     print("median ratio over rounds (target >= 0.70):")
     for op in ("put", "get"):
         for size in sizes:

@@ -5,11 +5,8 @@ The data path, repair and the CLI all go through it, so that field names and the
 check of returned bytes live in one place: every ``get`` verifies the bytes it received, so a
 chunk is checked from disk to the caller's buffer. A ranged get is checked against the CRC
 the store computed from verified disk data (ChecksumMismatch, retryable, if the bytes were
-damaged on the way). A whole get of a large chunk may come unverified, straight from the
-store's page cache (``verified: False``, ``chunkstore.layout.splice_chunk``), with the
-checksum the chunk was stored under: bytes that fail it are asked for again with ``verify``,
-and the store then reads and checks the chunk itself, answering ChunkCorrupt for a damaged
-copy on disk. A caller that knows the CRC a chunk must have (the Block layer's) passes it as
+damaged on the way); the store reads and checks every chunk itself, answering ChunkCorrupt
+for a damaged copy on disk. A caller that knows the CRC a chunk must have (the Block layer's) passes it as
 ``expected``: a store whose own copy differs from it holds the wrong bytes (ChunkCorrupt).
 """
 
@@ -132,9 +129,8 @@ class ChunkClient:
         buffer large enough is given. ChunkCorrupt if the store's copy is damaged, or holds
         fewer bytes than ``length``.
 
-        ``verify``: have the store check the bytes before sending them (it does for ranged
-        gets anyway); a whole get that came unverified and fails its check is asked for again
-        that way. ``expected``: the CRC the bytes must have, checked instead of the store's;
+        ``verify``: ask the store to check the bytes before sending them (it checks every
+        get). ``expected``: the CRC the bytes must have, checked instead of the store's;
         ChunkCorrupt when the store's own record of the chunk disagrees with it."""
         fields: dict[str, object] = {"chunk_id": chunk_id, "offset": offset}
         if length is not None:
@@ -151,15 +147,6 @@ class ChunkClient:
         got = await self._crc(data)
         if got == want:
             return data
-        if resp.fields.get("verified") is False and not verify:
-            log.warning(
-                "chunk %s from %s failed its checksum; asking for a verified read",
-                chunk_id,
-                self.address,
-            )
-            return await self.get(
-                chunk_id, offset, length, into=into, verify=True, expected=expected
-            )
         if expected is not None and resp.fields.get("checksum") != expected:
             raise ChunkCorrupt(
                 f"chunk {chunk_id} on {self.address} is stored under crc"
@@ -214,7 +201,7 @@ class ChunkPool:
     a ``ChunkClient``.
 
     Connections are opened on first use and replaced when broken; their receiver tasks live
-    in ``nursery``. ``rpc_client.Connection`` multiplexes many requests, so one connection per node
+    in ``nursery``. A connection multiplexes many requests, so one connection per node
     carries every block's chunk for that node. With a ``reachability`` view, an address it
     says is backing off is refused at once (Unavailable), before any connect, so the tasks
     queued behind a failed connect do not each try (and time out) again. ``attempts`` counts

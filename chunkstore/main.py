@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from chunkstore.server import DISK_WORKERS, StoreConfig, serve
+from chunkstore.server import StoreConfig, serve
 from tectonic_py.core import auth, sockets
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
@@ -36,28 +36,7 @@ def register(subparsers: Any) -> None:
         "--max-concurrent-writes",
         type=int,
         default=8,
-        help="puts and deletes on disk at once (threads of the writer process, or of the daemon)",
-    )
-    p.add_argument(
-        "--disk-workers",
-        choices=DISK_WORKERS,
-        default="process",
-        help="run puts and deletes in a writer process (off the daemon's GIL) or in threads",
-    )
-    p.add_argument(
-        "--payload-tmpfs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share put payloads with the writer process in a private tmpfs of huge pages"
-        " where one can be made (--no-payload-tmpfs: memfds)",
-    )
-    p.add_argument(
-        "--splice-gets",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="send whole gets of large chunks from the page cache with splice, unverified (the"
-        " client checks them and asks again for a verified read if they fail); off by"
-        " default: every get read and verified here",
+        help="puts and deletes on disk at once (disk worker threads)",
     )
     p.add_argument("--max-concurrent-reads", type=int, default=16, help="gets on disk at once")
     p.add_argument(
@@ -133,9 +112,6 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         ready_file=args.ready_file,
         max_concurrent_writes=args.max_concurrent_writes,
-        disk_workers=args.disk_workers,
-        payload_tmpfs=args.payload_tmpfs,
-        splice_gets=args.splice_gets,
         max_concurrent_reads=args.max_concurrent_reads,
         payload_budget=args.payload_budget,
         max_payload_waiters=args.max_queued,

@@ -17,14 +17,11 @@ import ctypes
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
-from chunkstore import syscalls
 from chunkstore.layout import (
     DIRECT_ALIGN,
     DIRECT_MIN,
@@ -53,14 +50,14 @@ log = logging.getLogger(__name__)
 
 def _open(path: Path) -> int:
     try:
-        return syscalls.open_existing(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ChunkNotFound(f"no chunk {path.name}") from None
 
 
 def _read_header_fd(fd: int, name: str, size: int | None = None) -> ChunkHeader:
     if size is None:
-        size = syscalls.fstat(fd).size
+        size = os.fstat(fd).st_size
     buf = os.pread(fd, DIRECT_ALIGN, 0)
     need = header_bytes_needed(buf)
     if len(buf) < need <= size:
@@ -75,23 +72,23 @@ def read_header(path: Path) -> ChunkHeader:
     return stat_chunk(path)[0]
 
 
-def stat_chunk(path: Path) -> tuple[ChunkHeader, syscalls.Stat]:
+def stat_chunk(path: Path) -> tuple[ChunkHeader, os.stat_result]:
     """The header of the chunk file at ``path`` and the file's stat."""
     fd = _open(path)
     try:
-        st = syscalls.fstat(fd)
+        st = os.fstat(fd)
         try:
-            header = _read_header_fd(fd, path.name, st.size)
+            header = _read_header_fd(fd, path.name, st.st_size)
         except ChunkCorrupt:
             _still_named(path, st)
             raise
         _still_named(path, st)
         return header, st
     finally:
-        syscalls.close(fd)
+        os.close(fd)
 
 
-def _still_named(path: Path, st: syscalls.Stat) -> None:
+def _still_named(path: Path, st: os.stat_result) -> None:
     """ChunkNotFound unless ``path`` still names the file ``st`` describes, unchanged.
 
     Why: a delete may rename a chunk's file into the spares (``chunkstore.spares``) while a
@@ -101,10 +98,10 @@ def _still_named(path: Path, st: syscalls.Stat) -> None:
     then what it read was this chunk's file all along.
     """
     try:
-        now = syscalls.stat(path)
+        now = os.stat(path)
     except FileNotFoundError:
         raise ChunkNotFound(f"chunk {path.name} was deleted while being read") from None
-    if (now.ino, now.dev, now.ctime_ns) != (st.ino, st.dev, st.ctime_ns):
+    if (now.st_ino, now.st_dev, now.st_ctime_ns) != (st.st_ino, st.st_dev, st.st_ctime_ns):
         raise ChunkNotFound(f"chunk {path.name} was deleted or replaced while being read")
 
 
@@ -117,6 +114,12 @@ def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
         offset += n
 
 
+def _set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for a file opened read-only (EINVAL where the filesystem
+    refuses it)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, os.O_RDONLY | (os.O_DIRECT if on else 0))
+
+
 def _aligned(view: memoryview) -> bool:
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
@@ -125,7 +128,7 @@ def _aligned(view: memoryview) -> bool:
 
 
 def _read_whole_direct(
-    fd: int, st: syscalls.Stat, alloc: Callable[[int], Buffer], name: str
+    fd: int, st: os.stat_result, alloc: Callable[[int], Buffer], name: str
 ) -> tuple[ChunkHeader, memoryview, int] | None:
     """A whole chunk read, header and all, by one O_DIRECT read of its file into a
     page-aligned buffer from ``alloc``: (header, data (a view of the buffer), crc). None
@@ -138,15 +141,15 @@ def _read_whole_direct(
     The kernel writes back any dirty pages of the range first, so a file written buffered
     reads the same.
     """
-    size = st.size
-    if size < HEADER.size + DIRECT_MIN or st.dev in no_direct:
+    size = st.st_size
+    if size < HEADER.size + DIRECT_MIN or st.st_dev in no_direct:
         return None
     span = direct_span(size)
     buf = memoryview(alloc(span))[:span]
     if not _aligned(buf):
         return None
     try:
-        syscalls.set_direct(fd, True)
+        _set_direct(fd, True)
         got = 0
         while got < size:
             # Whole blocks at aligned offsets; the kernel stops at the end of the file.
@@ -157,9 +160,9 @@ def _read_whole_direct(
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        no_direct.add(st.dev)
-        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", st.dev)
-        syscalls.set_direct(fd, False)
+        no_direct.add(st.st_dev)
+        log.info("no O_DIRECT reads on device %d; chunk reads are buffered", st.st_dev)
+        _set_direct(fd, False)
         return None
     try:
         header = decode_header(bytes(buf[: min(header_bytes_needed(buf), size)]), size)
@@ -190,25 +193,25 @@ def read_chunk(
     path = chunk_path(data_dir, chunk_id)
     fd = _open(path)
     try:
-        st = syscalls.fstat(fd)
+        st = os.fstat(fd)
         try:
             result = None
-            if offset == 0 and (length is None or length in lengths_from_file_size(st.size)):
+            if offset == 0 and (length is None or length in lengths_from_file_size(st.st_size)):
                 result = _read_whole_direct(fd, st, alloc, chunk_id)
                 if result is not None and length not in (None, result[0].length):
                     # The size fits both formats and the header says it is the other one:
                     # this is a ranged read after all (or past the end), done buffered.
-                    syscalls.set_direct(fd, False)
+                    _set_direct(fd, False)
                     result = None
             if result is None:
-                result = _read_open_chunk(fd, st.size, chunk_id, offset, length, alloc)
+                result = _read_open_chunk(fd, st.st_size, chunk_id, offset, length, alloc)
         except ChunkCorrupt:
             _still_named(path, st)  # bad bytes of a file that is no longer this chunk's
             raise
         _still_named(path, st)
         return result
     finally:
-        syscalls.close(fd)
+        os.close(fd)
 
 
 def _read_open_chunk(
@@ -250,91 +253,6 @@ def _read_open_chunk(
     return header, out, crc32c(out)
 
 
-# A whole get of a chunk at least this large is spliced (``splice_chunk``); smaller ones cost
-# more in pipes and system calls than the copy and the CRC they save.
-SPLICE_MIN = 256 * 1024
-# Bytes per pipe: Linux's default ``fs.pipe-max-size``, the most a process may ask for
-# without privileges (a 4 MiB chunk takes four pipes).
-PIPE_BYTES = 1 << 20
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-
-
-class Spliced(NamedTuple):
-    """A whole chunk's bytes held in pipes by reference: (read end, bytes in it) in order."""
-
-    header: ChunkHeader
-    pipes: list[tuple[int, int]]
-
-
-def splice_chunk(data_dir: Path, chunk_id: str, length: int | None, limit: int) -> Spliced | None:
-    """Move a whole chunk's bytes into pipes without copying them (``splice(2)`` from the page
-    cache), for the daemon to splice on into the client's socket; its header is checked, its
-    bytes are not. None where the chunk is smaller than SPLICE_MIN or larger than ``limit``
-    (the reply budget the caller holds), ``length`` is not the chunk's, or the kernel will
-    not give pipes of that size: the caller then reads it verified (``read_chunk``).
-
-    Why unverified: a get's reader checks the bytes against ``header.checksum`` anyway (the
-    checksum the put was checked against, end to end), and asks again for a verified read
-    when they fail (``ChunkClient.get``), which tells corruption on disk (ChunkCorrupt) from
-    damage in transit. Not checking them here leaves the daemon neither the CRC nor the copy
-    into and out of a buffer: against one store on 2 cores, 1 MiB gets ran 14-24% faster and
-    4 MiB ones 31%, at 10-25% less CPU per byte. But every get then fills new page-cache
-    pages for its reader to copy out of, and on a VM whose host backs new guest memory
-    slowly that copy made a 9-store cluster's reads 9-33% slower in some runs (20-52%
-    faster in others; docs/operations.md), where O_DIRECT into reused buffers never pays
-    it: so the store does this only with ``--splice-gets``. The chunk's file is checked to
-    still be this chunk's after the splice (``_still_named``), so a delete racing the read
-    is ChunkNotFound as usual.
-    """
-    path = chunk_path(data_dir, chunk_id)
-    fd = _open(path)
-    pipes: list[tuple[int, int]] = []
-    try:
-        st = syscalls.fstat(fd)
-        if st.size < SPLICE_MIN:
-            return None
-        header = _read_header_fd(fd, chunk_id, st.size)
-        if header.length > limit or length not in (None, header.length):
-            return None
-        pos, end = header.data_offset, header.file_size
-        while pos < end:
-            # A pipe holds page-sized slots, one per page a piece touches: the first piece
-            # (the data follows the header) ends on a page boundary, the others start on one.
-            skew = pos % mmap.PAGESIZE
-            piece = min(end - pos, PIPE_BYTES - skew)
-            r, w = os.pipe2(os.O_CLOEXEC)
-            pipes.append((r, piece))
-            try:
-                try:
-                    fcntl.fcntl(w, _F_SETPIPE_SZ, skew + piece)
-                except OSError as e:  # the user's pipe budget (fs.pipe-user-pages-soft) is spent
-                    if e.errno not in (errno.EPERM, errno.ENOMEM, errno.EBUSY):
-                        raise
-                    return None
-                stop = pos + piece
-                while pos < stop:
-                    try:  # (the disk may block it, a full pipe never does)
-                        n = os.splice(fd, w, stop - pos, offset_src=pos, flags=os.SPLICE_F_NONBLOCK)
-                    except BlockingIOError:  # more slots taken than pages: not expected
-                        return None
-                    except OSError as e:  # a filesystem that cannot splice
-                        if e.errno != errno.EINVAL:
-                            raise
-                        return None
-                    if n == 0:
-                        raise ChunkCorrupt(f"chunk {chunk_id}: file ends early")
-                    pos += n
-            finally:
-                os.close(w)
-        _still_named(path, st)
-        spliced, pipes = Spliced(header, pipes), []
-        return spliced
-    finally:
-        syscalls.close(fd)
-        for r, _ in pipes:
-            os.close(r)
-
-
 def verify_chunk(path: Path) -> bool:
     """True if the chunk file at ``path`` is whole: header, every segment and the chunk CRC.
 
@@ -343,12 +261,12 @@ def verify_chunk(path: Path) -> bool:
     """
     fd = _open(path)
     try:
-        st = syscalls.fstat(fd)
-        whole = _verify_open_chunk(fd, st.size, path.name)
+        st = os.fstat(fd)
+        whole = _verify_open_chunk(fd, st.st_size, path.name)
         _still_named(path, st)
         return whole
     finally:
-        syscalls.close(fd)
+        os.close(fd)
 
 
 def _verify_open_chunk(fd: int, size: int, name: str) -> bool:
@@ -427,9 +345,9 @@ def _listed_length(path: Path) -> int:
             version, magic, length = struct.unpack_from("!H6sQ", head)
             if version in VERSIONS and magic == MAGIC:
                 return int(length)
-        return length_from_file_size(syscalls.fstat(fd).size)
+        return length_from_file_size(os.fstat(fd).st_size)
     finally:
-        syscalls.close(fd)
+        os.close(fd)
 
 
 def is_chunk(name: str) -> bool:

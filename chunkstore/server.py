@@ -10,13 +10,10 @@ crashing the node:
 * the wire layer bounds request payload bytes held in memory (``payload_budget``) and the
   number of requests waiting for that budget (``max_payload_waiters``); past that a put gets
   the retryable ``Busy`` and its bytes are drained, not kept;
-* at most ``max_concurrent_writes`` puts and deletes touch the disk at once, on the threads of
-  the writer process (``chunkstore.writer_process``: off this process's GIL, reading each
-  payload from the buffer it was received into, shared with it) or, with
-  ``disk_workers="threads"``, of a ``DiskWorkers`` pool (``chunkstore.disk_workers``), and at
-  most ``max_concurrent_reads`` gets, each on a read thread of the writer process where the
-  reply buffers are shared with it, else in a worker thread (``trio.to_thread.run_sync``);
-  the rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes;
+* at most ``max_concurrent_writes`` puts and deletes touch the disk at once, on the threads
+  of a ``DiskWorkers`` pool (``chunkstore.disk_workers``), and at most
+  ``max_concurrent_reads`` gets, each in a worker thread (``trio.to_thread.run_sync``); the
+  rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes;
 * get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
   burst, or readers slower than the disk, make further gets wait instead of holding a chunk
   per request in memory;
@@ -56,13 +53,6 @@ from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
-from chunkstore.writer_process import (
-    BufferTooSmall,
-    NotShared,
-    SharedBuffers,
-    WriterProcess,
-    read_chunk_into,
-)
 from tectonic_py.core import buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.errors import (
@@ -71,15 +61,12 @@ from tectonic_py.core.errors import (
     DiskFull,
     TectonicError,
     Unavailable,
-    WriterLost,
 )
 from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
-
-DISK_WORKERS = ("process", "threads")  # where puts and deletes may run (StoreConfig)
 
 MiB = 1024 * 1024
 MAX_CHUNK = 64 * MiB
@@ -101,19 +88,6 @@ class StoreConfig:
     heartbeat_interval: float = 1.0
     ready_file: Path | None = None
     max_concurrent_writes: int = 8
-    # Where puts and deletes run (one of DISK_WORKERS): "process" (chunkstore.writer_process,
-    # off this process's GIL) or "threads" (chunkstore.disk_workers; also where memfd_create
-    # is missing).
-    disk_workers: str = "process"
-    # Put payloads shared with the writer process in files of a private tmpfs of huge pages
-    # (chunkstore.huge_tmpfs) where one can be made; off: memfds (hugetlb ones where the host
-    # has reserved huge pages).
-    payload_tmpfs: bool = True
-    # Whole gets of large chunks spliced from the page cache into the socket, unverified; the
-    # reader verifies them (``reads.splice_chunk``). Off by default: a 9-store cluster's
-    # reads were now faster, now slower with it, the slow runs in the readers' copies out
-    # of new page-cache pages on this VM (docs/operations.md).
-    splice_gets: bool = False
     max_concurrent_reads: int = 16
     payload_budget: int = 256 * MiB
     max_payload_waiters: int = 1024
@@ -135,8 +109,6 @@ class StoreConfig:
             raise ConfigError("capacity must be positive")
         if not self.heartbeat_interval > 0:
             raise ConfigError("heartbeat interval must be positive")
-        if self.disk_workers not in DISK_WORKERS:
-            raise ConfigError(f"disk workers: process or threads, not {self.disk_workers!r}")
         if self.max_concurrent_writes < 1 or self.max_concurrent_reads < 1:
             raise ConfigError("concurrency limits must be at least 1")
         if self.payload_budget < MiB:
@@ -192,17 +164,13 @@ class _ReplyBudget:
     buffer is reused for a later get (a fresh one costs a memset and page faults per get).
     """
 
-    def __init__(self, capacity: int, spares: buffers.SpareBuffers | None = None) -> None:
-        """``spares``: the pool to take buffers from (the RPC server's, whose put payload
-        buffers then serve gets too); by default one of private huge pages of its own."""
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.held = 0
         self.peak = 0
         self.waiting = 0
         self._lot = trio.lowlevel.ParkingLot()
-        if spares is None:
-            spares = buffers.SpareBuffers(min(capacity // 4, 80 * MiB), huge=True)
-        self.spares = spares
+        self.spares = buffers.SpareBuffers(min(capacity // 4, 80 * MiB), huge=True)
 
     async def acquire(self, n: int) -> None:
         # A request larger than the whole budget still runs, alone.
@@ -238,11 +206,6 @@ class _ReplyBudget:
             self.spares.give_back(buf)
         self._lot.unpark_all()
 
-    def release(self, n: int) -> None:
-        """Return budget taken with ``acquire`` (bytes held in pipes, not in a buffer)."""
-        self.held -= n
-        self._lot.unpark_all()
-
 
 class ChunkStoreServer:
     """One node's chunk store: the data directory, its accounting and the RPC handlers."""
@@ -250,29 +213,9 @@ class ChunkStoreServer:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.data_dir = config.data_dir
-        writers_name = f"chunkstore[{config.node_id}] writer"
-        self._writers: WriterProcess | DiskWorkers
-        make_buffer = None
-        self._shared: SharedBuffers | None = None
-        # Gets read into the put payload buffers' pool where those are huge pages of the
-        # daemon's tmpfs: a buffer a put gave back serves the next get and the other way
-        # round, instead of each kind freeing huge pages the other then faults in afresh
-        # (on this VM, whose freed memory goes back to the host, about 4 ms per 2 MiB).
-        # Their buffers are then shared with the writer process, whose read threads read
-        # whole chunks into them (``_read_by_writer``).
-        self._shared_pool = False
-        if config.disk_workers == "process" and hasattr(os, "memfd_create"):
-            shared = self._shared = SharedBuffers(tmpfs=config.payload_tmpfs)
-            make_buffer = shared.new
-            self._shared_pool = shared.pages == "thp-tmpfs"
-            self._writers = WriterProcess(
-                writers_name,
-                config.max_concurrent_writes,
-                shared,
-                config.max_concurrent_reads if self._shared_pool else 0,
-            )
-        else:
-            self._writers = DiskWorkers(writers_name, config.max_concurrent_writes)
+        self._writers = DiskWorkers(
+            f"chunkstore[{config.node_id}] writer", config.max_concurrent_writes
+        )
         self.rpc = rpc_server.RpcServer(
             f"chunkstore[{config.node_id}]",
             config.secret,
@@ -287,8 +230,6 @@ class ChunkStoreServer:
             },
             config.limits,
             payload_room={"put": layout.put_room},
-            make_buffer=make_buffer,
-            huge_buffers=self._shared is not None and self._shared.huge,
         )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
@@ -306,10 +247,6 @@ class ChunkStoreServer:
         )
         self._puts_in_flight = 0
         self._whole_span = 0  # buffer size of the last whole get (``_get``)
-        self._whole_len = 0  # and its chunk's length
-        self.gets_spliced = 0  # whole gets sent unverified from the page cache
-        self.gets_by_writer = 0  # gets read on the writer process's read threads
-        self.gets_by_daemon = 0  # and on this process's threads
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -317,9 +254,7 @@ class ChunkStoreServer:
         self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the data directory, recover, listen; ``started((host, port))`` after bind."""
-        self._replies = _ReplyBudget(
-            self.config.reply_budget, self.rpc.buffers if self._shared_pool else None
-        )
+        self._replies = _ReplyBudget(self.config.reply_budget)
         await trio.to_thread.run_sync(self._open_data_dir)
         try:
             cap = self.config.capacity
@@ -483,10 +418,6 @@ class ChunkStoreServer:
                 log.info("%s: disk full; unlinking spare files and retrying", self.data_dir)
                 await self.spares.trim()
                 continue
-            except WriterLost:
-                if spare is not None:
-                    await self._after_lost_put(chunk_id, spare.path, need)
-                raise
             except (Busy, Unavailable, trio.Cancelled):
                 # Refused or cancelled before a writer took the job: the spare is untouched.
                 if spare is not None:
@@ -499,34 +430,10 @@ class ChunkStoreServer:
             return stored
         raise AssertionError("unreachable")
 
-    async def _after_lost_put(self, chunk_id: str, spare: Path, need: int) -> None:
-        """The writer process died during a put into ``spare``. If the spare is gone and
-        the chunk is there, the rename happened: the chunk is counted (the client's retry
-        finds it stored and makes its name durable, a no-op in the counts). Otherwise the
-        spare may hold part of the chunk and is removed. (A put into a new temporary file
-        cannot tell a chunk it stored from one that was there before; such a chunk is
-        counted at the next restart.)"""
-
-        def look() -> bool:
-            if os.path.lexists(spare):
-                writes.remove_quietly(spare)
-                return False
-            return layout.chunk_path(self.data_dir, chunk_id).exists()
-
-        if await trio.to_thread.run_sync(look):
-            self.used += need
-            self.chunk_count += 1
-
-    async def _get(
-        self, req: Request
-    ) -> tuple[dict[str, Any], memoryview | buffers.Piped, Callable[[], None]]:
+    async def _get(self, req: Request) -> tuple[dict[str, Any], memoryview, Callable[[], None]]:
         chunk_id = self._chunk_id(req)
         offset = req.int("offset", 0, hi=MAX_CHUNK)
         length = req.int("length", None, hi=MAX_CHUNK)
-        if not offset and self.config.splice_gets and not req.bool("verify", False):
-            spliced = await self._splice(chunk_id, length)
-            if spliced is not None:
-                return spliced
         self._outstanding += 1
         try:
             await acquire_soon(self._reads)
@@ -546,34 +453,24 @@ class ChunkStoreServer:
                     )
                 ready: list[Buffer] = []
                 try:
-                    read = None
                     if guess:
                         # The buffer the read will ask for, most likely, taken here: the
-                        # worker thread then does not come back to the event loop for it
-                        # (a trip that cost as much as the rest of the get's hand-offs).
+                        # worker thread then does not come back to the event loop for it.
                         ready.append(await replies.take(guess, taken))
-                        if not offset:
-                            read = await self._read_by_writer(chunk_id, length, ready[0])
-                    if read is not None:
-                        self.gets_by_writer += 1
-                    else:
-                        self.gets_by_daemon += 1
 
-                        def alloc(n: int) -> Buffer:
-                            if ready and n <= guess:
-                                return ready.pop()
-                            return replies.alloc(n, taken)
+                    def alloc(n: int) -> Buffer:
+                        if ready and n <= guess:
+                            return ready.pop()
+                        return replies.alloc(n, taken)
 
-                        read = await trio.to_thread.run_sync(
-                            reads.read_chunk, self.data_dir, chunk_id, offset, length, alloc
-                        )
-                    header, data, crc = read
+                    header, data, crc = await trio.to_thread.run_sync(
+                        reads.read_chunk, self.data_dir, chunk_id, offset, length, alloc
+                    )
                 except BaseException:
                     replies.give_back(taken)
                     raise
                 if length is None and not offset:
                     self._whole_span = layout.direct_span(header.file_size)
-                    self._whole_len = header.length
             finally:
                 self._reads.release()
         finally:
@@ -581,125 +478,23 @@ class ChunkStoreServer:
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
         return fields, data, lambda: replies.give_back(taken)
 
-    async def _splice(
-        self, chunk_id: str, length: int | None
-    ) -> tuple[dict[str, Any], buffers.Piped, Callable[[], None]] | None:
-        """A whole get as pipes holding the chunk's pages (``reads.splice_chunk``), sent
-        unverified with ``verified: False``; None where it goes the verified way. The reply
-        budget is taken for the length asked for, or the last whole get's (a get without a
-        length, of a chunk larger than that, goes the verified way and sets the next guess)."""
-        need = length if length is not None else self._whole_len
-        if need < reads.SPLICE_MIN:
-            return None
-        replies = self._replies
-        assert replies is not None
-        self._outstanding += 1
-        try:
-            await replies.acquire(need)
-            try:
-                await acquire_soon(self._reads)
-                try:
-                    spliced = await trio.to_thread.run_sync(
-                        reads.splice_chunk, self.data_dir, chunk_id, length, need
-                    )
-                finally:
-                    self._reads.release()
-            except BaseException:
-                replies.release(need)
-                raise
-        finally:
-            self._outstanding -= 1
-        if spliced is None:
-            replies.release(need)
-            return None
-        header, pipes = spliced
-
-        def release() -> None:
-            for pipe, _ in pipes:
-                os.close(pipe)
-            replies.release(need)
-
-        self.gets_spliced += 1
-        fields = {
-            "size": header.length,
-            "checksum": header.checksum,
-            "range_checksum": header.checksum,
-            "verified": False,
-        }
-        return fields, buffers.Piped(tuple(pipes)), release
-
-    async def _read_by_writer(
-        self, chunk_id: str, length: int | None, buf: Buffer
-    ) -> tuple[layout.ChunkHeader, memoryview, int] | None:
-        """Read a chunk from its start into ``buf`` on a read thread of the writer process;
-        None where that cannot be done (no read threads, a buffer not shared or too small,
-        no writer up, or it died during the read), for the caller to read in a thread of its
-        own (a get can be repeated)."""
-        writers = self._writers
-        if not isinstance(writers, WriterProcess) or not writers.read_threads:
-            return None
-        if writers.pid is None:
-            return None
-        view = memoryview(buf)
-        try:
-            header, start, n, crc = await writers.read(
-                read_chunk_into, self.data_dir, chunk_id, 0, length, view
-            )
-        except NotShared:  # (a private buffer: the daemon was out of file descriptors)
-            return None
-        except BufferTooSmall as e:
-            if length is None:  # the gets after this one take a buffer of the right size
-                self._whole_span = e.need
-            return None
-        except (WriterLost, Unavailable) as e:
-            log.warning("%s: get of %s read in a thread instead: %s", self.data_dir, chunk_id, e)
-            return None
-        return header, view[start : start + n], crc
-
     async def _delete(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
         self._outstanding += 1
         try:
             async with self._locks.hold(chunk_id):
                 spare = self.spares.new_path() if self.spares.has_room() else None
-                lost: WriterLost | None = None
-                try:
-                    size = await self._writers.run(
-                        writes.delete_chunk, self.data_dir, chunk_id, spare
-                    )
-                except WriterLost as e:
-                    lost = e
-                    size = await self._renamed_by_lost_delete(chunk_id, spare)
+                size = await self._writers.run(writes.delete_chunk, self.data_dir, chunk_id, spare)
                 if size is not None:
                     self.used -= size
                     self.chunk_count -= 1
                     if spare is not None:
                         self.spares.kept(spare, size)
                         await self.spares.trim_to_bounds()
-                if lost is not None:
-                    raise lost
         finally:
             self._outstanding -= 1
         self.scrubber.forget(chunk_id)
         return {"existed": size is not None}
-
-    async def _renamed_by_lost_delete(self, chunk_id: str, spare: Path | None) -> int | None:
-        """The writer process died during a delete: the chunk's file size if the chunk's
-        file is now the spare (the rename happened, so the delete is counted as done and
-        the spare joins the pool; the client's retry finds the chunk gone and makes that
-        durable), else None. After an unlink the chunk is counted until the next restart."""
-        if spare is None:
-            return None
-
-        def look() -> int | None:
-            path = layout.chunk_path(self.data_dir, chunk_id)
-            try:
-                size = os.stat(spare).st_size
-            except FileNotFoundError:
-                return None
-            return None if path.exists() else size
-
-        return await trio.to_thread.run_sync(look)
 
     async def _scrub_report(self, req: Request) -> dict[str, Any]:
         return self.scrubber.report()
@@ -709,7 +504,7 @@ class ChunkStoreServer:
 
         def stat() -> dict[str, Any]:
             header, st = reads.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
-            return {"size": header.length, "checksum": header.checksum, "mtime": st.mtime}
+            return {"size": header.length, "checksum": header.checksum, "mtime": st.st_mtime}
 
         async with self._reads:
             return await trio.to_thread.run_sync(stat)
@@ -739,18 +534,6 @@ class ChunkStoreServer:
             "bytes_in": self.rpc.stats.bytes_in,
             "bytes_out": self.rpc.stats.bytes_out,
             **self.spares.stats(),
-            # where put payload buffers come from (writer_process.SharedBuffers.pages);
-            # those made of reserved huge pages (vm.nr_hugepages), and whole-huge-page ones
-            # made small because the reservation was used up
-            "payload_pages": "private" if self._shared is None else self._shared.pages,
-            "hugetlb_buffers": 0 if self._shared is None else self._shared.hugetlb,
-            "hugetlb_short": 0 if self._shared is None else self._shared.hugetlb_short,
-            # where gets were read: spliced from the page cache unverified (whole gets of
-            # large chunks), on the writer's read threads, or this process's threads (ranged
-            # gets, first gets, verified gets, fallbacks, all of them without shared buffers)
-            "gets_spliced": self.gets_spliced,
-            "gets_by_writer": self.gets_by_writer,
-            "gets_by_daemon": self.gets_by_daemon,
         }
 
     # --- membership --------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from chunkstore import syscalls
 from chunkstore.layout import (
     SEGMENT_SIZE,
     TMP_PREFIX,
@@ -61,11 +60,11 @@ T = TypeVar("T")
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = syscalls.open_existing(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
-        syscalls.close(fd)
+        os.close(fd)
 
 
 class _DirSync:
@@ -154,7 +153,7 @@ def _open_target(target: Path, flags: int, create: bool) -> int:
     flags |= os.O_WRONLY | os.O_CLOEXEC
     if create:
         return os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)
-    return syscalls.open_existing(target, flags)
+    return os.open(target, flags)
 
 
 def _write_direct(
@@ -216,7 +215,7 @@ def _write_direct(
             # a write of the inode per put.
             os.fdatasync(fd)
     finally:
-        syscalls.close(fd)
+        os.close(fd)
     return True
 
 
@@ -292,11 +291,10 @@ def _write_chunk(
         )
     path = chunk_path(data_dir, chunk_id)
     old_size: int | None = None
-    if syscalls.exists(path):  # (the common answer, no, without a stat or a GIL round trip)
-        try:
-            old_size = os.stat(path).st_size
-        except FileNotFoundError:
-            pass
+    try:
+        old_size = os.stat(path).st_size
+    except FileNotFoundError:
+        pass
     existing: ChunkHeader | None = None
     if old_size is not None:
         try:
@@ -351,8 +349,8 @@ def _write_chunk(
                 os.ftruncate(fd, size)  # a spare may have been longer
                 os.fdatasync(fd)
             finally:
-                syscalls.close(fd)
-        _in_shard_dir(directory, target.exists, syscalls.rename, target, path)
+                os.close(fd)
+        _in_shard_dir(directory, target.exists, os.rename, target, path)
         _dir_sync.sync(directory)
     except OSError as e:
         remove_quietly(target)
@@ -418,12 +416,12 @@ def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> in
             os.unlink(path)
         else:
             try:
-                syscalls.rename(path, spare)
+                os.rename(path, spare)
             except FileNotFoundError:
                 if not os.path.exists(path):
                     raise
                 spare.parent.mkdir(parents=True, exist_ok=True)  # heal a removed spares dir
-                syscalls.rename(path, spare)
+                os.rename(path, spare)
     except FileNotFoundError:
         # Already gone: perhaps the retry of a delete whose daemon was killed between the
         # unlink or rename and the directory fsync, so the removal may not be durable yet

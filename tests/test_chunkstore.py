@@ -20,7 +20,6 @@ from wire_helpers import raw_authenticated
 
 from chunkstore import layout, reads, writes
 from chunkstore.client import ChunkClient
-from chunkstore.disk_workers import DiskWorkers
 from chunkstore.server import ChunkStoreServer, StoreConfig
 from chunkstore.spares import Spare, SpareFiles
 from tectonic_py.core import buffers, capability, framing, ids, rpc_client, rpc_server
@@ -88,17 +87,6 @@ def chunk_file(server: ChunkStoreServer, chunk_id: str) -> Path:
 )
 async def test_put_get_range_stat_delete(store, secret, size):
     _, port = store
-    await _round_trip(port, secret, size)
-
-
-@pytest.mark.parametrize("size", [0, layout.SEGMENT_SIZE + 1, 4 * MiB])
-async def test_put_get_range_stat_delete_with_writes_on_daemon_threads(
-    nursery, tmp_path, secret, size
-):
-    """``--disk-workers threads``: the same round trip with puts and deletes on the daemon's
-    own threads (``chunkstore.disk_workers``) instead of its writer process."""
-    server, port = await start_store(nursery, tmp_path / "data", secret, disk_workers="threads")
-    assert isinstance(server._writers, DiskWorkers)
     await _round_trip(port, secret, size)
 
 
@@ -281,121 +269,6 @@ async def _reply_budget_back(server: ChunkStoreServer) -> None:
             return
         await trio.sleep(0.01)
     raise AssertionError(f"{server.reply_bytes_held} reply bytes still held")
-
-
-def _open_pipes() -> int:
-    pipes = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            pipes += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
-        except OSError:  # (the listing's own descriptor, gone by now)
-            pass
-    return pipes
-
-
-@pytest.mark.parametrize(
-    "size", [reads.SPLICE_MIN, reads.SPLICE_MIN + 1, MiB, 4 * MiB, 4 * MiB + 12345]
-)
-async def test_whole_gets_are_spliced_unverified_and_checked_by_the_client(
-    nursery, tmp_path, secret, size
-):
-    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
-    cid, cap = new_chunk(secret)
-    data = os.urandom(size)
-    pipes = _open_pipes()
-    async with open_client(port, secret) as c:
-        await c.put(cid, data, cap)
-        for _ in range(3):
-            assert bytes(await c.get(cid, 0, size)) == data
-            await _reply_budget_back(server)
-        assert server.gets_spliced == 3
-        resp = await c.conn.call("get", {"chunk_id": cid, "length": size})
-        assert resp.fields["verified"] is False
-        assert resp.fields["range_checksum"] == resp.fields["checksum"] == crc32c(data)
-        assert bytes(resp.payload) == data
-        # A get without a length goes the verified way until the store knows the size.
-        assert bytes(await c.get(cid)) == data
-        assert bytes(await c.get(cid)) == data
-        assert server.gets_spliced == 5
-        # What else stays verified: asked to, a range, a prefix.
-        assert bytes(await c.get(cid, 0, size, verify=True)) == data
-        assert bytes(await c.get(cid, 1, size - 1)) == data[1:]
-        assert bytes(await c.get(cid, 0, size - 1)) == data[:-1]
-        assert server.gets_spliced == 5
-        stats = await c.node_stats()
-        assert stats.chunk_count == 1
-    await _reply_budget_back(server)
-    assert _open_pipes() == pipes  # every pipe closed
-
-
-async def test_a_damaged_chunk_sent_unverified_is_corrupt_after_a_verified_read(
-    nursery, tmp_path, secret, caplog
-):
-    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
-    cid, cap = new_chunk(secret)
-    data = os.urandom(MiB)
-    async with open_client(port, secret) as c:
-        await c.put(cid, data, cap)
-        path = chunk_file(server, cid)
-        flip_byte(path, reads.read_header(path).data_offset + 777_777)
-        # Sent unverified, it fails the client's check; the client asks for a verified
-        # read, and only the store's read says ChunkCorrupt (the client's own check would
-        # say ChecksumMismatch).
-        with pytest.raises(ChunkCorrupt):
-            await c.get(cid, 0, MiB)
-        assert server.gets_spliced == 1
-        assert "asking for a verified read" in caplog.text
-        # A damaged header is found before anything is sent.
-        flip_byte(path, 9)
-        with pytest.raises(ChunkCorrupt):
-            await c.get(cid, 0, MiB)
-        assert server.gets_spliced == 1
-        await c.put(cid, data, cap)  # healed by a put of the right bytes
-        assert bytes(await c.get(cid, 0, MiB)) == data
-        assert server.gets_spliced == 2
-    await _reply_budget_back(server)
-
-
-async def test_gets_are_read_verified_when_pipes_cannot_be_had(
-    nursery, tmp_path, secret, monkeypatch
-):
-    """The user's pipe budget (fs.pipe-user-pages-soft) spent: F_SETPIPE_SZ refuses."""
-    real = reads.fcntl.fcntl
-
-    def fcntl(fd, cmd, *args):
-        if cmd == reads._F_SETPIPE_SZ:
-            raise PermissionError(1, "Operation not permitted")
-        return real(fd, cmd, *args)
-
-    monkeypatch.setattr(reads.fcntl, "fcntl", fcntl)
-    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
-    cid, cap = new_chunk(secret)
-    data = os.urandom(MiB)
-    pipes = _open_pipes()
-    async with open_client(port, secret) as c:
-        await c.put(cid, data, cap)
-        assert bytes(await c.get(cid, 0, MiB)) == data
-        assert server.gets_spliced == 0
-    await _reply_budget_back(server)
-    assert _open_pipes() == pipes
-
-
-async def test_a_chunk_deleted_while_spliced_is_not_found(nursery, tmp_path, secret, monkeypatch):
-    server, port = await start_store(nursery, tmp_path / "d", secret, splice_gets=True)
-    cid, cap = new_chunk(secret)
-    data = os.urandom(MiB)
-    real = reads._still_named
-
-    def still_named(path, st):  # the delete lands between the splice and the check
-        os.unlink(path)
-        return real(path, st)
-
-    async with open_client(port, secret) as c:
-        await c.put(cid, data, cap)
-        monkeypatch.setattr(reads, "_still_named", still_named)
-        with pytest.raises(ChunkNotFound):
-            await c.get(cid, 0, MiB)
-    await _reply_budget_back(server)
 
 
 @pytest.mark.parametrize("damage", ["header", "table", "truncate", "extend", "empty"])

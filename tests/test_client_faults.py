@@ -12,11 +12,9 @@ import signal
 import psutil
 import pytest
 import trio
-from cluster_fixtures import suite_cluster
 
 from chunkstore import layout as chunk_layout
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
-from tectonic_py.core import auth, rpc_client, sockets
 from tectonic_py.core.errors import NoSpace, QuorumLost
 from tectonic_py.core.ids import chunk_id
 from tectonic_py.local_cluster import LocalCluster
@@ -99,37 +97,6 @@ async def test_fewer_stores_than_the_write_quorum(local_cluster, client, caplog)
     async with open_client(local_cluster.cluster_file) as fresh:
         r = await fresh.open_read("/closed")
         assert await r.read() == keep
-
-
-async def test_a_corrupt_chunk_sent_unverified_is_read_around(tmp_path):
-    """Chunks of layout.SPLICE_MIN and more come from a --splice-gets store unverified
-    (spliced from its page cache): the client's own check fails, its verified re-read gets
-    ChunkCorrupt from the store, and the read goes degraded as for a chunk the store found
-    damaged itself."""
-    size = chunk_layout.SPLICE_MIN
-    with suite_cluster(
-        tmp_path / "c", chunk_size=size, chunkstore_args=["--splice-gets"]
-    ) as cluster:
-        async with open_client(cluster.cluster_file) as client:
-            data = _data(8 * size, seed=3)
-            fid = await _put(client, "/big", data)
-            info = (await client.meta.block_list(fid))[0]
-        victim = next(c for c in info.chunks if c.index == 1)
-        node = _node_index(victim.node_id)
-        path = chunk_layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(info.block_id, 1))
-        raw = bytearray(path.read_bytes())
-        raw[-100] ^= 0xFF
-        path.write_bytes(raw)
-        async with open_client(cluster.cluster_file) as fresh:
-            r = await fresh.open_read("/big")
-            assert await r.read() == data
-            assert fresh.stats.corrupt_chunks == 1
-            assert (info.block_id, 1, victim.node_id, "corrupt") in fresh.stats.bad_chunks
-        host, port = sockets.parse_address(cluster.chunkstore_address(node))
-        secret = auth.load_secret(cluster.secret_file)
-        async with rpc_client.open_connection(host, port, secret) as conn:
-            stats = (await conn.call("node_stats")).fields
-        assert stats["gets_spliced"] >= 1
 
 
 async def test_corrupt_chunk_on_disk_is_read_around_and_reported(local_cluster, client, caplog):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
-import os
 import socket
 import struct
 
@@ -298,43 +296,6 @@ async def test_payload_budget_refuses_with_busy_past_the_queue(nursery, secret):
         hold.set()
     assert server.stats.busy_refusals == 1
     assert server.stats.payload_bytes_held == 0
-
-
-async def test_a_payload_in_pipes_is_spliced_into_the_reply(nursery, secret):
-    """A handler's reply payload may lie in pipes (``buffers.Piped``): it arrives whole, in
-    order, beside other replies on the connection, and the handler's release callback (which
-    closes the pipes) runs once it is sent."""
-    pieces = [os.urandom(n) for n in (200_000, 1, 65_536)]
-    released = []
-
-    async def piped(req: Request):
-        pipes = []
-        for piece in pieces:
-            r, w = os.pipe()
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 256 * 1024)
-            assert os.write(w, piece) == len(piece)
-            os.close(w)
-            pipes.append((r, len(piece)))
-
-        def release():
-            for r, _ in pipes:
-                os.close(r)
-            released.append(True)
-
-        return {"k": req.int("k")}, buffers.Piped(tuple(pipes)), release
-
-    server = rpc_server.RpcServer("t", secret, {"piped": piped, **HANDLERS})
-    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
-    async with (
-        rpc_client.open_connection("127.0.0.1", port, secret) as conn,
-        trio.open_nursery() as n,
-    ):
-        for k in range(4):
-            n.start_soon(conn.call, "echo", {"n": k}, b"y" * 100_000)
-        for k in range(8):
-            resp = await conn.call("piped", {"k": k})
-            assert resp.fields == {"k": k} and bytes(resp.payload) == b"".join(pieces)
-    assert len(released) == 8
 
 
 async def test_cancelled_call_leaves_the_connection_usable(nursery, secret):

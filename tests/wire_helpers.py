@@ -1,5 +1,5 @@
 """Helpers for tests that speak the wire protocol by hand (test_wire, test_chunkstore), and
-that look at the memory behind payload buffers (test_wire, test_writer_process).
+that look at the memory behind payload buffers (test_wire).
 
 Why by hand: a test of what a server does with a malformed or stalled frame needs a socket
 that has passed the handshake but sends bytes no ``rpc_client.Connection`` would send.

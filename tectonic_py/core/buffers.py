@@ -1,21 +1,15 @@
-"""Payload buffers: reused large buffers, huge-page memory for O_DIRECT, and pipe payloads.
+"""Payload buffers: reused large buffers and huge-page memory for O_DIRECT.
 
 ``SpareBuffers`` is the pool the RPC server receives large request payloads into (and the
 chunk store its replies); ``huge_page_buffer`` makes memory whose pages suit an O_DIRECT
-transfer; ``Piped`` is a reply payload that lies in pipes and is spliced into the socket
-(``send_piped``) without passing through this process.
+transfer.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import trio
-
-from tectonic_py.core.framing import Buffer, MiB, send_pieces
+from tectonic_py.core.framing import Buffer, MiB
 
 HUGE_PAGE = 2 * MiB  # a transparent huge page on x86-64
 
@@ -85,17 +79,12 @@ class SpareBuffers:
 
     MIN_SIZE = 64 * 1024
 
-    def __init__(
-        self, keep: int, make: Callable[[int], mmap.mmap] | None = None, *, huge: bool = False
-    ) -> None:
-        """``make(size)``: a new buffer (an anonymous mmap by default; the chunk store makes
-        them shared with its writer process, ``chunkstore.writer_process``). ``huge``: the
-        buffers are for O_DIRECT transfers, so those over half a huge page are whole huge
-        pages (``huge_page_buffer`` unless ``make`` is given), which spends up to twice the
-        memory on them."""
+    def __init__(self, keep: int, *, huge: bool = False) -> None:
+        """``huge``: the buffers are for O_DIRECT transfers, so those over half a huge page
+        are whole huge pages (``huge_page_buffer``), which spends up to twice the memory on
+        them."""
         self.keep = keep
         self._huge = huge
-        self._make = make
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: list[mmap.mmap] = []
         self._bytes = 0  # free and pending
@@ -128,8 +117,6 @@ class SpareBuffers:
             self._bytes -= size
             self.reused += 1
             return free.pop()
-        if self._make is not None:
-            return self._make(size)
         return huge_page_buffer(n) if self._huge and n > HUGE_PAGE // 2 else _anonymous(size)
 
     def give_back(self, buf: Buffer) -> None:
@@ -162,30 +149,3 @@ class SpareBuffers:
                 del self._free[other]
             if need <= 0:
                 return
-
-
-@dataclass(frozen=True)
-class Piped:
-    """A reply payload that lies in pipes, by reference to the pages of a file
-    (``chunkstore.layout.splice_chunk``): sent with ``splice(2)`` and never copied through
-    this process. The handler owns the pipes and closes them in its release callback (the
-    reply's third item), which runs once the reply is sent or dropped."""
-
-    pipes: tuple[tuple[int, int], ...]  # (read end, bytes in it), in order
-
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.pipes)
-
-
-async def send_piped(sock: trio.socket.SocketType, frame: bytes, payload: Piped) -> None:
-    """The frame's prefix+header, then each pipe spliced into the socket, waiting
-    (``wait_writable``) only when the socket is full. Each pipe holds exactly its count."""
-    await send_pieces(sock, [memoryview(frame)], None)
-    fd = sock.fileno()
-    for pipe, n in payload.pipes:
-        while n:
-            try:
-                n -= os.splice(pipe, fd, n, flags=os.SPLICE_F_NONBLOCK)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)

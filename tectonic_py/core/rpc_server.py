@@ -32,7 +32,7 @@ import trio
 
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.auth import answer_handshake
-from tectonic_py.core.buffers import Piped, SpareBuffers, send_piped
+from tectonic_py.core.buffers import SpareBuffers
 from tectonic_py.core.errors import (
     AuthError,
     Busy,
@@ -164,8 +164,8 @@ class Request:
 # close its pipes).
 Reply = (
     dict[str, Any]
-    | tuple[dict[str, Any], Buffer | Piped]
-    | tuple[dict[str, Any], Buffer | Piped, Callable[[], None]]
+    | tuple[dict[str, Any], Buffer]
+    | tuple[dict[str, Any], Buffer, Callable[[], None]]
     | None
 )
 
@@ -298,14 +298,10 @@ class RpcServer:
         handlers: Mapping[str, Handler],
         limits: Limits = DEFAULT_LIMITS,
         payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
-        make_buffer: Callable[[int], mmap.mmap] | None = None,
-        huge_buffers: bool = False,
     ) -> None:
         """``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
         ``offset`` of a page-aligned buffer of ``size`` bytes, given to the handler as
-        ``Request.buffer`` (the chunk store receives a put where its file image needs it).
-        ``make_buffer``: how large payload buffers are made, ``huge_buffers``: in whole huge
-        pages (``SpareBuffers``)."""
+        ``Request.buffer`` (the chunk store receives a put where its file image needs it)."""
         self.name = name
         self.payload_room = dict(payload_room or {})
         self._secret = secret
@@ -313,9 +309,7 @@ class RpcServer:
         self.limits = limits
         self.stats = ServerStats()
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
-        self._spares = SpareBuffers(
-            min(limits.payload_budget // 4, 80 * MiB), make_buffer, huge=huge_buffers
-        )
+        self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB))
 
     @property
     def buffers(self) -> SpareBuffers:
@@ -533,7 +527,7 @@ class RpcServer:
         try:
             try:
                 reply = await handler(request)
-                out_payload: Buffer | Piped | None = None
+                out_payload: Buffer | None = None
                 if reply is None:
                     out_fields: dict[str, Any] = {}
                 elif isinstance(reply, tuple):
@@ -551,12 +545,7 @@ class RpcServer:
                 request.payload = request.buffer = None
                 if charged:
                     self._budget.release(charged)
-            if out_payload is None:
-                size = 0
-            elif isinstance(out_payload, Piped):
-                size = out_payload.nbytes
-            else:
-                size = memoryview(out_payload).nbytes
+            size = 0 if out_payload is None else memoryview(out_payload).nbytes
             frame = pack_frame(header, size)
             if not size:
                 await outbox.send(frame)
@@ -564,10 +553,7 @@ class RpcServer:
                 await acquire_soon(outbox.lock)  # no pass through the scheduler
                 self.stats.reply_writes += 1
                 try:
-                    if isinstance(out_payload, Piped):
-                        await send_piped(outbox.sock, frame, out_payload)
-                    else:
-                        await send_frame(outbox.sock, frame, out_payload)
+                    await send_frame(outbox.sock, frame, out_payload)
                 finally:
                     outbox.lock.release()
             self.stats.bytes_out += len(frame) + size
