@@ -30,9 +30,9 @@ async def write_repeated(w: FileWriter, piece: bytes, size: int) -> None:
 
 def process_cpu(pid: int, live_children: bool = True) -> float:
     """CPU seconds (user + system) of process ``pid`` and of its children: those reaped and,
-    with ``live_children``, those running. A chunk store's puts run in its writer process
-    (``chunkstore.writer_process``), and a daemon's figure must include them; a bench that
-    counts its own process passes False, since it lists the daemons it started itself.
+    with ``live_children``, those running, since a daemon's figure must include any helper
+    process it starts; a bench that counts its own process passes False, since it lists
+    the daemons it started itself.
     0 once the process is gone."""
     import psutil
 
