@@ -18,19 +18,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
-from chunkstore.client import ChunkPool
+from chunkstore.client import ChunkClient, ChunkPool
 from metadata.client import MetadataClient
 from tectonic_py.core import capability
 from tectonic_py.core.aio import open_service_nursery
-from tectonic_py.core.checksum import checksum
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import (
-    ChecksumMismatch,
-    ChunkCorrupt,
     ConfigError,
     TectonicError,
     Timeout,
@@ -40,6 +37,7 @@ from tectonic_py.core.records import NodeInfo
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 MiB = 1024 * 1024
 CHUNK_CALL_TIMEOUT_S = 60.0  # a chunk store that hangs (not down, not answering) is skipped
 
@@ -162,41 +160,39 @@ class Maintenance:
     # --- chunk stores ----------------------------------------------------------------------------
 
     async def get_chunk(self, node: NodeInfo, block_id: int, index: int, crc: int) -> bytes:
-        """A chunk's bytes, verified against the CRC the Block layer recorded for it."""
+        """A chunk's bytes, verified against the CRC the Block layer recorded for it
+        (ChunkCorrupt if the store's copy is not that chunk, ChecksumMismatch if the bytes
+        were damaged on the way)."""
         cid = chunk_id(block_id, index)
-        resp = await self._call(node, "get", {"chunk_id": cid})
-        data = bytes(resp.payload) if resp.payload is not None else b""
-        await self.bucket.take(len(data))
-        got = await _crc(data)
-        if got != crc:
-            kind = ChunkCorrupt if resp.fields.get("checksum") != crc else ChecksumMismatch
-            raise kind(f"chunk {cid} on {node.node_id}: crc {got:08x}, Block layer says {crc:08x}")
-        return data
+        data = await self._on(node, "get", lambda c: c.get(cid, expected=crc))
+        await self.bucket.take(data.nbytes)
+        return bytes(data)
 
     async def put_chunk(
         self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int
     ) -> None:
         cap = capability.issue(self.secret, block_id, [node.node_id], ttl_s=600)
         await self.bucket.take(len(data))
-        await self._call(
-            node, "put", {"chunk_id": chunk_id(block_id, index), "checksum": crc, "cap": cap}, data
-        )
+        cid = chunk_id(block_id, index)
+        await self._on(node, "put", lambda c: c.put(cid, data, cap, crc))
 
     async def delete_chunk(self, node: NodeInfo, block_id: int, index: int) -> bool:
-        resp = await self._call(node, "delete", {"chunk_id": chunk_id(block_id, index)})
-        existed = bool(resp.fields.get("existed"))
+        cid = chunk_id(block_id, index)
+        existed = await self._on(node, "delete", lambda c: c.delete(cid))
         self.counters.deleted_chunks += existed
         return existed
 
     async def node_call(self, node: NodeInfo, op: str, **fields: Any) -> dict[str, Any]:
-        return (await self._call(node, op, fields)).fields
+        """An op with no typed method (``scrub_report``, ``list``, ``node_stats``)."""
+        resp = await self._on(node, op, lambda c: c.call(op, fields))
+        return resp.fields
 
-    async def _call(
-        self, node: NodeInfo, op: str, fields: dict[str, Any], payload: bytes | None = None
-    ) -> Any:
+    async def _on(self, node: NodeInfo, op: str, call: Callable[[ChunkClient], Awaitable[T]]) -> T:
+        """``call`` on a client of ``node``'s pooled connection, within
+        ``CHUNK_CALL_TIMEOUT_S``: a store that hangs is skipped, not waited for."""
         try:
             with trio.fail_after(CHUNK_CALL_TIMEOUT_S):
-                return await self.pool.call(node.address, op, fields, payload)
+                return await call(await self.pool.client(node.address))
         except trio.TooSlowError:
             raise Timeout(
                 f"{op} on chunk store {node.node_id} took over {CHUNK_CALL_TIMEOUT_S}s"
@@ -220,12 +216,6 @@ class Maintenance:
             return (int(n.failure_domain in used_domains), used, self.rng.random())
 
         return min(candidates, key=key)
-
-
-async def _crc(data: bytes) -> int:
-    if len(data) < 256 * 1024:
-        return checksum(data)
-    return await trio.to_thread.run_sync(checksum, data)
 
 
 async def gather(jobs: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
