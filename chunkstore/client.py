@@ -6,8 +6,9 @@ check of returned bytes live in one place: every ``get`` verifies the bytes it r
 chunk is checked from disk to the caller's buffer. A ranged get is checked against the CRC
 the store computed from verified disk data (ChecksumMismatch, retryable, if the bytes were
 damaged on the way); the store reads and checks every chunk itself, answering ChunkCorrupt
-for a damaged copy on disk. A caller that knows the CRC a chunk must have (the Block layer's) passes it as
-``expected``: a store whose own copy differs from it holds the wrong bytes (ChunkCorrupt).
+for a damaged copy on disk. A caller that knows the CRC a chunk must have (the Block
+layer's) passes it as ``expected``: a store whose own copy differs from it holds the wrong
+bytes (ChunkCorrupt).
 """
 
 from __future__ import annotations
