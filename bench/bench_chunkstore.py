@@ -240,6 +240,7 @@ def main() -> int:
         secret = secrets.token_hex(32).encode()
         secret_file = scratch / "secret"
         secret_file.write_bytes(secret)
+        secret_file.chmod(0o600)
         data_dir = scratch / "data"
         raw_dir = scratch / "raw"
         raw_dir.mkdir()

@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         secret_file = root / "secret"
         secret_file.write_bytes(secrets.token_hex(32).encode())
+        secret_file.chmod(0o600)
         raw = [
             raw_sqlite(root / "raw1.db", raw_commits, 1),
             raw_sqlite(root / "raw256.db", max(raw_commits // 10, 5), 256),

@@ -224,9 +224,12 @@ class LocalCluster:
         for sub in ("metadata", "chunks", "logs", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         if not self.secret_file.exists():
+            # Created 0600, never briefly readable by others under a loose umask.
             tmp = self.secret_file.with_suffix(".tmp")
-            tmp.write_bytes(secrets.token_hex(32).encode())
-            tmp.chmod(0o600)
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_hex(32).encode())
             os.replace(tmp, self.secret_file)
         self._load_state()
         if not self._meta:

@@ -101,6 +101,7 @@ async def resolve_id(client, path: Path_) -> int:
 async def run_example(data: st.DataObject, root: Path) -> None:
     secret_file = root / "secret"
     secret_file.write_bytes(secrets.token_hex(32).encode())
+    secret_file.chmod(0o600)
     async with open_meta_cluster(root, secret_file, servers=2, shards=4) as mc:
         c = mc.client
         model = Model()

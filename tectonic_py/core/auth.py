@@ -33,9 +33,17 @@ MIN_SECRET_BYTES = 16
 
 
 def load_secret(path: str | os.PathLike[str]) -> bytes:
-    """Read a cluster secret file; refuse one too short to be a secret."""
+    """Read a cluster secret file; refuse one too short to be a secret, or one that users
+    other than its owner may read or write (as ssh refuses such a key): a secret others
+    can read is no longer a secret, and the operator should hear so, not find out later."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077:
+                raise ConfigError(
+                    f"secret file {os.fspath(path)!r} is accessible by others "
+                    f"(mode {mode & 0o777:04o}); run: chmod 600 {os.fspath(path)}"
+                )
             data = f.read().strip()
     except OSError as e:
         raise ConfigError(f"cannot read secret file {os.fspath(path)!r}: {e.strerror}") from None
