@@ -74,4 +74,6 @@ class BadChunkReporter:
                     e,
                 )
                 self._reported.pop((block_id, index, node_id), None)  # a later read may retry
+            except Exception:  # a bug: reports are a service to repair, never end the client
+                log.exception("report of chunk %d of block %016x failed", index, block_id)
             await trio.sleep(1.0 / self.RATE)
