@@ -1,16 +1,13 @@
 """A fixed pool of disk worker threads fed by a queue: the chunk store's puts and deletes.
 
 Why not ``trio.to_thread.run_sync`` per put: each call wakes a parked thread (a futex wake,
-which on a VM is an inter-processor interrupt: about 0.1 ms of the event loop thread's CPU,
-measured with py-spy as the event loop's third largest item after the socket copy and
-epoll), passes twice through trio's scheduler and renames the OS thread twice. Here a worker
-that finishes a job takes the next queued one without parking, so under load (more puts
-admitted than workers, the case that matters) the event loop wakes nobody: it appends to a
-deque. On the project machine this raised 1 MiB puts by 15-20% (puts only, 1 GiB of 1 MiB
-chunks with 16 in flight, medians of 8 interleaved rounds each) and cut the daemon's context
-switches per put from 18 to 15. Results go back the same way: jobs that finish while a
-delivery to the event loop is pending ride along with it (puts released together by one
-directory fsync, ``writes._DirSync``, cost the event loop one wake-up), another 5%.
+which on a VM is an inter-processor interrupt paid on the event loop thread), passes twice
+through trio's scheduler and renames the OS thread twice. Here a worker that finishes a job
+takes the next queued one without parking, so under load (more puts admitted than workers,
+the case that matters) the event loop wakes nobody: it appends to a deque. Results go back
+the same way: jobs that finish while a delivery to the event loop is pending ride along with
+it (puts released together by one directory fsync, ``writes._DirSync``, cost the event loop
+one wake-up).
 
 The threads are still trio's: each is one long ``trio.to_thread.run_sync`` call owned by a
 task of ``serve``'s nursery, so the pool lives and dies with the daemon's nursery. The queue

@@ -134,7 +134,7 @@ def lengths_from_file_size(size: int) -> tuple[int, ...]:
 
     Why: the cluster client always sends the length it wants; a check that knew only
     version-1 sizes sent every whole-chunk get of a version-2 chunk down the buffered
-    path (a page-cache copy, ~0.7 CPU-s/GiB more on the stores of a restore)."""
+    path (a copy out of the page cache on every get of a restore)."""
     out = [length_from_file_size(size)]
     pad_end = direct_span(HEADER.size + 4)
     # A chunk shorter than the file has no more segments, so no larger data offset, than

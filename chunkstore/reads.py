@@ -135,9 +135,9 @@ def _read_whole_direct(
     where the chunk is small, the buffer is not aligned or the filesystem refuses O_DIRECT
     (the caller reads buffered); the fd is as it was then.
 
-    Why: a buffered read copies the whole chunk out of the page cache, a third of a get's
-    CPU, and a restore reads each chunk once. Reading the header from the same buffer
-    leaves one system call that waits for the disk, the only one that releases the GIL.
+    Why: a buffered read copies the whole chunk out of the page cache, a large share of a
+    get's CPU, and a restore reads each chunk once. Reading the header from the same buffer
+    leaves one system call that waits for the disk.
     The kernel writes back any dirty pages of the range first, so a file written buffered
     reads the same.
     """

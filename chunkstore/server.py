@@ -2,7 +2,7 @@
 
 It knows nothing of files or blocks. Ops (docs/INTERFACES.md): ``put``, ``get`` (whole or a
 byte range), ``delete``, ``stat``, ``list`` (paged), ``node_stats``; the on-disk format and
-its durability protocol are in ``chunkstore.layout``.
+its durability protocol are in ``chunkstore.layout`` and ``chunkstore.writes``.
 
 Admission control, so that a checkpoint burst from thousands of writers queues instead of
 crashing the node:

@@ -2,18 +2,17 @@
 
 Why: on a busy ext4 disk, creating a file (``open(O_CREAT)``) is the largest single CPU
 cost of a 1 MiB put: the inode allocator walks the group's bitmap and, for every free inode
-that was recently deleted, reads its inode table block (``recently_deleted``), 0.1-1 ms of CPU
-per create measured on the project machine after a round of deletes, a third of the daemon's
-CPU per put. Checkpoint stores delete as much as they write (checkpoint N is written, N-2
+that was recently deleted, reads its inode table block (``recently_deleted``), so after a
+round of deletes each create costs more CPU than the rest of the put. Checkpoint stores delete as much as they write (checkpoint N is written, N-2
 dropped), so a delete renames the chunk's file into ``<data dir>/spares/`` instead of
 unlinking it, and a later put overwrites that file (O_DIRECT, the blocks are often already
 allocated; ``take`` says which spare suits a size), fsyncs it and renames it to its chunk
 name. The put path then pays neither inode creation nor the block freeing of an unlink.
-When no spare suits, a put creates a temporary file as before; a background task (``run``)
+When no spare suits, a put creates a temporary file; a background task (``run``)
 creates empty spares, at a bounded rate and only while no put is in flight, so that a fresh
 store has some too.
 
-Crash safety is unchanged (``chunkstore.layout``): a spare only ever becomes a chunk by one
+Crash safety is that of ``chunkstore.writes``: a spare only ever becomes a chunk by one
 ``rename`` after its new contents are fsynced, and a chunk only becomes a spare by one
 ``rename`` followed by an fsync of its shard directory, so a crash leaves every chunk id
 either whole or absent; whatever a spare holds (a deleted chunk's bytes, half of a put that
@@ -129,15 +128,13 @@ class SpareFiles:
         one (it grows) or failing that the smallest larger one (it is cut).
 
         Why a spare of another size waits while the pool has room: it is the file a later
-        chunk of *its* size would reuse. A store that sees two sizes (``bench_chunkstore``
-        puts 1 MiB, then 4 MiB chunks) used to grow a quarter of the 1 MiB spares into 4 MiB
-        ones, so every later round of 1 MiB puts created a quarter of its files again; now
-        each size reuses its own files from the second round on. Growing or cutting still
-        beats creating once the pool is full (a full pool of another size drains instead
-        of turning every delete into an unlink). Cutting is the last choice: it frees
-        blocks, a metadata change the put's fdatasync must wait for. With 8 threads on the
-        project machine, 1 MiB puts ran at 2.7-2.8 GB/s into same-size spares, 1.9 GB/s
-        growing smaller ones, 1.6 GB/s into new files and 1.0 GB/s cutting 4 MiB spares."""
+        chunk of *its* size would reuse: a store that sees two sizes (1 MiB, then 4 MiB
+        chunks) would otherwise grow the small spares into large ones, and every later round
+        of small puts would create those files again. Growing or cutting still beats
+        creating once the pool is full (a full pool of another size drains instead of
+        turning every delete into an unlink). Cutting is the last choice: it frees blocks,
+        a metadata change the put's fdatasync must wait for; a same-size spare is the
+        cheapest put of all, then growing a smaller one, then a new file."""
         if not self.count:
             return None
         if size in self._by_size:

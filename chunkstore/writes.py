@@ -36,7 +36,6 @@ from typing import Any, NamedTuple, TypeVar
 from chunkstore.layout import (
     SEGMENT_SIZE,
     TMP_PREFIX,
-    ChunkHeader,
     chunk_path,
     chunks_root,
     encode_header,
@@ -71,8 +70,7 @@ class _DirSync:
     """Group commit of directory fsyncs: a rename is durable once an fsync of its directory
     *started after it* has finished, so puts (and deletes) that renamed in one directory
     while another thread's fsync of it ran share the next fsync instead of each waiting
-    for its own (a directory fsync is a synchronous write and cache flush, about 1 ms on
-    the project's disk under load). One thread syncs a directory at a time; the others wait
+    for its own (a directory fsync is a synchronous write and cache flush). One thread syncs a directory at a time; the others wait
     for it. A failed fsync covers nobody: each waiter then tries its own and sees its error.
 
     Each directory has its own condition: puts spread over 256 shard directories, and one
@@ -207,8 +205,8 @@ def _write_direct(
                     remove_quietly(target)
                 return False
         if cut:
-            # Not a GIL-keeping call: cutting inside the last block makes ext4 read that
-            # block from disk to zero its tail (the O_DIRECT write left it out of the cache).
+            # Cutting inside the last block makes ext4 read that block from disk to zero its
+            # tail (the O_DIRECT write left it out of the cache).
             os.ftruncate(fd, size)
         if not synced:
             # The data and what finds it (size, block map); a timestamp alone is not worth
@@ -290,34 +288,9 @@ def _write_chunk(
             f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"
         )
     path = chunk_path(data_dir, chunk_id)
-    old_size: int | None = None
-    try:
-        old_size = os.stat(path).st_size
-    except FileNotFoundError:
-        pass
-    existing: ChunkHeader | None = None
-    if old_size is not None:
-        try:
-            existing = read_header(path)
-        except ChunkNotFound:
-            old_size = None
-        except ChunkCorrupt as e:
-            log.warning(
-                "chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e
-            )
-    if existing is not None:
-        if existing.length != len(view) or existing.checksum != whole:
-            raise ChunkConflict(
-                f"chunk {chunk_id} exists with length {existing.length}"
-                f" crc {existing.checksum:08x},"
-                f" put has length {len(view)} crc {whole:08x}"
-            )
-        if verify_chunk(path):
-            # The same put again: perhaps the retry of one whose daemon was killed between
-            # its rename and the directory fsync, so the name may not be durable yet.
-            _dir_sync.sync(path.parent)
-            return Stored(0, 0, False)
-        log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
+    old_size, stored = _existing(path, chunk_id, len(view), whole)
+    if stored:
+        return Stored(0, 0, False)
     header = encode_header(view, whole, segment_crcs)
     directory = path.parent
     if spare is not None:
@@ -325,15 +298,7 @@ def _write_chunk(
     else:
         target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
     size = len(header) + len(view)
-    if image is not None:
-        image = memoryview(image).cast("B")
-        if (len(header), len(image)) != put_room(len(view)) or not _same_memory(
-            image[len(header) : size], view
-        ):
-            image = None
-        else:
-            image[: len(header)] = header
-            image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
+    image = _file_image(image, header, view)
     create = spare is None
     before = 0 if create else spare_size
     try:
@@ -358,6 +323,52 @@ def _write_chunk(
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
     return Stored(size - (old_size or 0), 1 if old_size is None else 0, spare is not None)
+
+
+def _existing(path: Path, chunk_id: str, length: int, whole: int) -> tuple[int | None, bool]:
+    """What lies under the chunk's name already: (its file size, or None for no file;
+    whether it is this very chunk, whole, so that the put is a no-op). ChunkConflict for
+    another chunk's bytes under the id; a file that fails its own checks is to be replaced.
+    """
+    try:
+        old_size: int | None = os.stat(path).st_size
+    except FileNotFoundError:
+        return None, False
+    try:
+        existing = read_header(path)
+    except ChunkNotFound:
+        return None, False
+    except ChunkCorrupt as e:
+        log.warning("chunk %s on disk is corrupt (%s); replacing it with the new put", chunk_id, e)
+        return old_size, False
+    if existing.length != length or existing.checksum != whole:
+        raise ChunkConflict(
+            f"chunk {chunk_id} exists with length {existing.length}"
+            f" crc {existing.checksum:08x}, put has length {length} crc {whole:08x}"
+        )
+    if verify_chunk(path):
+        # The same put again: perhaps the retry of one whose daemon was killed between
+        # its rename and the directory fsync, so the name may not be durable yet.
+        _dir_sync.sync(path.parent)
+        return old_size, True
+    log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
+    return old_size, False
+
+
+def _file_image(image: memoryview | None, header: bytes, view: memoryview) -> memoryview | None:
+    """``image`` with the header written into its front and zeros after the data, when it
+    is the ``put_room`` buffer that ``view`` lies in; else None (the write is buffered)."""
+    if image is None:
+        return None
+    image = memoryview(image).cast("B")
+    size = len(header) + len(view)
+    if (len(header), len(image)) != put_room(len(view)) or not _same_memory(
+        image[len(header) : size], view
+    ):
+        return None
+    image[: len(header)] = header
+    image[size:] = bytes(len(image) - size)  # no stale bytes past the end on disk
+    return image
 
 
 def _in_shard_dir(
