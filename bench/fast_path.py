@@ -1,6 +1,7 @@
-"""fast_path: does each piece of the chunk store's fast path pay for itself end to end?
+"""fast_path: does a chunk store mechanism pay for itself end to end?
 
-For each configuration of the chunk stores a fresh LocalCluster (2 metadata servers, 9 chunk
+For each configuration of the chunk stores (``--config NAME=FLAGS``: ``tectonic chunkstore``
+flags, and ``ENV=VALUE`` words for the daemons' environment) a fresh LocalCluster (2 metadata servers, 9 chunk
 stores, RS(6,3)) is started and three user-visible workloads run against it:
 
 * ``torch_save``: torch.save (+ fsync) of a state dict of ``--size`` bytes through a real
@@ -12,9 +13,13 @@ stores, RS(6,3)) is started and three user-visible workloads run against it:
 The figure is CPU-seconds per GiB moved summed over *all* processes: the workload's own,
 the mount's, and every daemon's with its children (a chunk store's writer process), plus
 wall time. Configurations run interleaved (A B C ... A B C ...) for ``--rounds`` rounds,
-since the machine is shared and noisy, and each measurement holds ``/tmp/bench.lock``.
+since the machine is shared and noisy, and each measurement holds ``/tmp/bench.lock``. The
+summary gives the medians and, for each configuration, its CPU-s per GiB over the first
+one's. docs/decisions/2026-12-01-chunkstore-fast-path.md has the runs that decided which
+of the chunk store's mechanisms stayed.
 
-``python -m bench.fast_path [--rounds N] [--size MiB] [--configs a,b] [--out FILE]``
+``python -m bench.fast_path [--rounds N] [--size MiB] [--config NAME=FLAGS ...] [--out F]``,
+e.g. ``--config default= --config small-reads="--max-concurrent-reads 4"``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import fcntl
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -42,22 +48,23 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 LOCK = "/tmp/bench.lock"
 
-# name -> (chunk store flags, environment of the daemons)
-CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "default": ([], {}),
-    "threads": (["--disk-workers", "threads"], {}),
-    "no-tmpfs": (["--no-payload-tmpfs"], {}),
-    "os-syscalls": ([], {"TECTONIC_EXPERIMENT_OS_SYSCALLS": "1"}),
-    "splice": (["--splice-gets"], {}),
-}
-# piece -> (configuration with it, configuration without it)
-PIECES = {
-    "writer process": ("default", "threads"),
-    "huge-page tmpfs": ("default", "no-tmpfs"),
-    "ctypes syscalls": ("default", "os-syscalls"),
-    "splice gets": ("splice", "default"),
-}
 WORKLOADS = ("torch_save", "torch_load", "loadtest_write", "loadtest_read", "loadtest")
+# name -> (chunk store flags, environment of the daemons)
+Config = tuple[list[str], dict[str, str]]
+
+
+def parse_config(text: str) -> tuple[str, Config]:
+    """``NAME=FLAGS``: FLAGS split like a shell line; words ``K=V`` go to the environment."""
+    name, _, rest = text.partition("=")
+    flags: list[str] = []
+    env: dict[str, str] = {}
+    for word in shlex.split(rest):
+        if "=" in word and not word.startswith("-"):
+            k, _, v = word.partition("=")
+            env[k] = v
+        else:
+            flags.append(word)
+    return name, (flags, env)
 
 
 @contextmanager
@@ -123,9 +130,9 @@ def _loadtest(cluster_file: Path, pids: list[int], workdir: Path) -> dict[str, d
     }
 
 
-def measure(name: str, size: int, workdir: Path) -> dict[str, dict[str, Any]]:
+def measure(config: Config, size: int, workdir: Path) -> dict[str, dict[str, Any]]:
     """One configuration on a fresh cluster: the torch pair through a mount, then the loadtest."""
-    flags, env = CONFIGS[name]
+    flags, env = config
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the daemons inherit it (LocalCluster spawns them)
     try:
@@ -152,10 +159,10 @@ def measure(name: str, size: int, workdir: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per configuration and workload, and per piece the ratio with / without."""
+def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Medians per configuration and workload, and each one's CPU-s per GiB over the first's."""
     med: dict[str, dict[str, dict[str, float]]] = {}
-    for cfg in {r["config"] for r in runs}:
+    for cfg in names:
         med[cfg] = {}
         for w in WORKLOADS:
             rs = [r["results"][w] for r in runs if r["config"] == cfg]
@@ -164,28 +171,26 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "seconds": statistics.median(x["seconds"] for x in rs),
                 "n": len(rs),
             }
-    pieces: dict[str, dict[str, float]] = {}
-    for piece, (on, off) in PIECES.items():
-        if on in med and off in med:
-            pieces[piece] = {
-                w: med[on][w]["cpu_s_per_gib"] / med[off][w]["cpu_s_per_gib"] for w in WORKLOADS
-            }
-    return {"medians": med, "cpu_ratio_with_over_without": pieces}
+    base = med[names[0]]
+    ratios = {
+        cfg: {w: med[cfg][w]["cpu_s_per_gib"] / base[w]["cpu_s_per_gib"] for w in WORKLOADS}
+        for cfg in names[1:]
+    }
+    return {"medians": med, "cpu_ratio_to_first": ratios}
 
 
 def format_table(summary: dict[str, Any]) -> str:
     med = summary["medians"]
     lines = ["config        " + "".join(f"{w:>22}" for w in WORKLOADS)]
-    for cfg in CONFIGS:
-        if cfg in med:
-            cells = "".join(
-                f"{med[cfg][w]['cpu_s_per_gib']:>11.2f} {med[cfg][w]['seconds']:>8.1f}s  "
-                for w in WORKLOADS
-            )
-            lines.append(f"{cfg:<14}{cells}")
-    lines.append("CPU-s/GiB with / without")
-    for piece, ratios in summary["cpu_ratio_with_over_without"].items():
-        lines.append(f"{piece:<16}" + "".join(f"{ratios[w]:>22.2f}" for w in WORKLOADS))
+    for cfg in med:
+        cells = "".join(
+            f"{med[cfg][w]['cpu_s_per_gib']:>11.2f} {med[cfg][w]['seconds']:>8.1f}s  "
+            for w in WORKLOADS
+        )
+        lines.append(f"{cfg:<14}{cells}")
+    lines.append("CPU-s/GiB over the first configuration's")
+    for cfg, ratios in summary["cpu_ratio_to_first"].items():
+        lines.append(f"{cfg:<14}" + "".join(f"{ratios[w]:>22.2f}" for w in WORKLOADS))
     return "\n".join(lines)
 
 
@@ -193,22 +198,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size", type=int, default=512, help="torch state dict, MiB")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a configuration of the chunk stores (repeatable; default: one, 'default=')",
+    )
     parser.add_argument("--out", type=Path, default=Path("fast-path.jsonl"))
     args = parser.parse_args(argv)
-    names = args.configs.split(",")
+    configs = dict(parse_config(c) for c in args.config or ["default="])
+    names = list(configs)
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for name in names:
             t0 = time.time()
             with tempfile.TemporaryDirectory(prefix="fast-path-") as tmp:
-                results = measure(name, args.size * MiB, Path(tmp))
+                results = measure(configs[name], args.size * MiB, Path(tmp))
             run = {"round": rnd, "config": name, "results": results, "wall": time.time() - t0}
             runs.append(run)
             with open(args.out, "a") as f:
                 f.write(json.dumps(run) + "\n")
             print(json.dumps(run), flush=True)
-    summary = summarize(runs)
+    summary = summarize(runs, names)
     print(json.dumps(summary))
     print(format_table(summary))
     return 0
