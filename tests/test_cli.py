@@ -76,6 +76,24 @@ def test_status_cluster_file_not_toml(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("status", str(bad)), "not valid TOML")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "{cf}"],
+        ["ls", "{cf}", "/"],
+        ["put", "{cf}", "{cf}", "/x"],
+        ["get", "{cf}", "/x", "{tmp}/x"],
+        ["mount", "{cf}", "{tmp}"],
+        ["repair", "{cf}", "--status"],
+    ],
+)
+def test_cluster_file_not_utf8_is_one_line(tmp_path: Path, argv: list[str]) -> None:
+    bad = tmp_path / "cluster.toml"
+    bad.write_bytes(b'name = "\xff\xfe"\nshards = 4\n')
+    args = [a.format(cf=bad, tmp=tmp_path) for a in argv]
+    assert_one_line_error(run_cli(*args), "not UTF-8")
+
+
 def test_status_cluster_file_missing_field(tmp_path: Path) -> None:
     bad = tmp_path / "cluster.toml"
     bad.write_text('name = "x"\n')

@@ -129,6 +129,11 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
         raise ConfigError(f"cannot read cluster file {str(path)!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"cluster file {str(path)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        # TOML is UTF-8; tomllib lets the decoder's error through rather than its own.
+        raise ConfigError(
+            f"cluster file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})"
+        ) from None
     try:
         secret = Path(doc["secret_file"])
         if not secret.is_absolute():
