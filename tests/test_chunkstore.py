@@ -25,7 +25,7 @@ from chunkstore_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tmpfs_helpers import small_tmpfs
-from wire_helpers import raw_authenticated
+from wire_helpers import raw_authenticated, raw_session, sealed_frames
 
 from chunkstore import layout, reads
 from chunkstore.server import ChunkStoreServer, StoreConfig
@@ -523,10 +523,9 @@ async def test_get_replies_in_memory_are_bounded_by_the_reply_budget(nursery, tm
     async with open_client(port, secret) as c:
         await c.put(cid, data, cap)
     # A reader that asks for 48 MiB of replies and never reads them.
-    stalled = await raw_authenticated(port, secret)
-    frames = b"".join(
-        framing.pack_frame({"op": "get", "rid": rid, "f": {"chunk_id": cid}}, 0)
-        for rid in range(1, 49)
+    stalled, session = await raw_session(port, secret)
+    frames = sealed_frames(
+        session, [{"op": "get", "rid": rid, "f": {"chunk_id": cid}} for rid in range(1, 49)]
     )
     await framing.send_all(stalled, frames)
     for _ in range(500):  # bounded: until the store is stuck sending to it

@@ -221,10 +221,11 @@ async def test_a_request_cancelled_before_its_frame_went_out_keeps_the_connectio
     """Cancelling a request whose frame had not started (a hedge loser, a slow get) must not
     drop the connection that every other request to that store shares; one cancelled
     half-way through its frame must (the stream would be garbage)."""
-    from tectonic_py.core import framing, rpc_client
+    from tectonic_py.core import auth, framing, rpc_client
 
     a, b = await _filled_socketpair()
-    conn = rpc_client.Connection(a, "pair", framing.DEFAULT_LIMITS)
+    session = auth.FrameSession(b"k" * 32, b"k" * 32)
+    conn = rpc_client.Connection(a, "pair", framing.DEFAULT_LIMITS, session)
     try:
         with trio.move_on_after(0.2):  # cancel it while it waits to send
             await conn.call("get", {"chunk_id": "x", "offset": 0, "length": 1})

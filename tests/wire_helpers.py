@@ -15,8 +15,9 @@ import trio
 from tectonic_py.core import auth, framing
 
 
-async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
-    """A plain socket to ``127.0.0.1:port`` that has completed the HMAC handshake."""
+async def raw_session(port: int, secret: bytes) -> tuple[trio.socket.SocketType, auth.FrameSession]:
+    """A plain socket to ``127.0.0.1:port`` that has completed the HMAC handshake, and the
+    session that seals and checks its frames (``send_sealed``, ``read_sealed``)."""
     sock = trio.socket.socket()
     await sock.connect(("127.0.0.1", port))
     hello, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
@@ -25,7 +26,38 @@ async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
     await framing.send_all(sock, framing.pack_frame({"op": "auth", "nonce": cn, "mac": mac}, 0))
     welcome, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
     assert welcome["op"] == "welcome"
+    return sock, auth.FrameSession.derive(secret, hello["nonce"], cn, server=False)
+
+
+async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:
+    """``raw_session``'s socket alone: for tests that send frames no client would, which
+    the server must refuse before it looks at their tags."""
+    sock, _session = await raw_session(port, secret)
     return sock
+
+
+def sealed_frames(session: auth.FrameSession, headers: list[dict]) -> bytes:
+    """Payload-free request frames, sealed in order, as one byte string to send at once."""
+    out = bytearray()
+    for header in headers:
+        head = framing.pack_frame(header, 0, framing.FLAG_TAG)
+        out += head + session.seal(head, None)
+    return bytes(out)
+
+
+async def read_any_frame(
+    sock: trio.socket.SocketType,
+) -> tuple[dict, int] | None:
+    """The next frame's header and payload length, its tag (if any) skipped unchecked;
+    None once the peer has closed the connection."""
+    try:
+        head = await framing.read_head(sock, framing.DEFAULT_LIMITS)
+        await framing.drain(sock, head.payload_len)
+        if head.flags & framing.FLAG_TAG:
+            await framing.drain(sock, framing.TAG_BYTES)
+    except (framing.PeerClosed, ConnectionResetError):
+        return None
+    return head.header, head.payload_len
 
 
 class Mapping(NamedTuple):

@@ -4,12 +4,15 @@ Frame format (version field first; integers big-endian)::
 
     offset  size  field
     0       1     version      (1)
-    1       1     flags        (0; reserved)
+    1       1     flags        bit 0 FLAG_TAG: a tag follows the payload; others 0
     2       2     reserved     (0)
     4       4     header_len   H, 1 <= H <= Limits.max_header
     8       4     payload_len  P, 0 <= P <= Limits.max_payload
     12      H     header       msgpack map
     12+H    P     payload      raw bytes, never passed through msgpack
+    12+H+P  16    tag          with FLAG_TAG: the frame's MAC (``tectonic_py.core.auth``)
+
+The handshake's frames have no tag; every frame after it has one.
 
 Headers:
 
@@ -36,7 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,8 @@ from tectonic_py.core.errors import ProtocolError
 
 VERSION = 1
 PREFIX = struct.Struct("!BBHII")
+FLAG_TAG = 0x01
+TAG_BYTES = 16
 MiB = 1024 * 1024
 IOV_MAX = 1024  # pieces one writev takes (Linux's UIO_MAXIOV)
 
@@ -63,6 +68,9 @@ class Limits:
     payload_budget: int = 512 * MiB
     max_payload_waiters: int = 2048
     auth_timeout: float = 10.0
+    # Connections still in the handshake; past this many the oldest is dropped, so peers
+    # that never authenticate hold a bounded amount of memory however many they open.
+    max_unauthenticated: int = 1024
 
 
 DEFAULT_LIMITS = Limits()
@@ -75,38 +83,61 @@ class PeerClosed(Exception):
     ``Unavailable`` (client) or the end of one connection (server)."""
 
 
-def pack_frame(header: Mapping[str, Any], payload_len: int) -> bytes:
+def pack_frame(header: Mapping[str, Any], payload_len: int, flags: int = 0) -> bytes:
     """A frame's prefix and header; its payload (``payload_len`` bytes) is sent after it."""
     head = msgpack.packb(header, use_bin_type=True)
-    return PREFIX.pack(VERSION, 0, 0, len(head), payload_len) + head
+    return PREFIX.pack(VERSION, flags, 0, len(head), payload_len) + head
+
+
+@dataclass(frozen=True)
+class Head:
+    """A received frame's decoded header, payload length and flags; ``raw`` is its prefix
+    and header as they came off the wire (what the frame's tag covers)."""
+
+    header: dict[str, Any]
+    payload_len: int
+    flags: int
+    raw: bytearray
+
+
+async def read_head(sock: trio.socket.SocketType, limits: Limits) -> Head:
+    """Read one frame's prefix and header, the payload (and tag) still on the socket.
+    Raises ProtocolError when framing can't be trusted: lengths are checked against
+    ``limits`` before anything the prefix announces is allocated."""
+    prefix = bytearray(PREFIX.size)
+    await recv_exactly(sock, memoryview(prefix))
+    version, flags, _reserved, hlen, plen = PREFIX.unpack(prefix)
+    if version != VERSION:
+        raise ProtocolError(f"unsupported frame version {version}")
+    if flags & ~FLAG_TAG:
+        raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if hlen < 1 or hlen > limits.max_header:
+        raise ProtocolError(f"header length {hlen} outside 1..{limits.max_header}")
+    if plen > limits.max_payload:
+        raise ProtocolError(f"payload length {plen} over limit {limits.max_payload}")
+    raw = bytearray(PREFIX.size + hlen)
+    raw[: PREFIX.size] = prefix
+    try:
+        await recv_exactly(sock, memoryview(raw)[PREFIX.size :])
+    except PeerClosed:
+        raise ProtocolError("connection closed inside a frame header") from None
+    try:
+        header = msgpack.unpackb(memoryview(raw)[PREFIX.size :], raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 (msgpack raises a zoo of types for garbage)
+        raise ProtocolError(f"undecodable header: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    return Head(header, plen, flags, raw)
 
 
 async def read_prefix_and_header(
     sock: trio.socket.SocketType, limits: Limits
 ) -> tuple[dict[str, Any], int]:
-    """Read one frame's prefix and header: ``(header, payload_len)``, the payload still on
-    the socket. Raises ProtocolError when framing can't be trusted."""
-    prefix = bytearray(PREFIX.size)
-    await recv_exactly(sock, memoryview(prefix))
-    version, _flags, _reserved, hlen, plen = PREFIX.unpack(prefix)
-    if version != VERSION:
-        raise ProtocolError(f"unsupported frame version {version}")
-    if hlen < 1 or hlen > limits.max_header:
-        raise ProtocolError(f"header length {hlen} outside 1..{limits.max_header}")
-    if plen > limits.max_payload:
-        raise ProtocolError(f"payload length {plen} over limit {limits.max_payload}")
-    raw = bytearray(hlen)
-    try:
-        await recv_exactly(sock, memoryview(raw))
-    except PeerClosed:
-        raise ProtocolError("connection closed inside a frame header") from None
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 (msgpack raises a zoo of types for garbage)
-        raise ProtocolError(f"undecodable header: {type(e).__name__}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a map")
-    return header, plen
+    """``read_head`` for a frame without a tag (the handshake's): ``(header, payload_len)``."""
+    head = await read_head(sock, limits)
+    if head.flags & FLAG_TAG:
+        raise ProtocolError("unexpected tagged frame")
+    return head.header, head.payload_len
 
 
 async def recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
@@ -138,11 +169,16 @@ async def recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
 _DRAIN_SCRATCH = memoryview(bytearray(MiB))
 
 
-async def drain(sock: trio.socket.SocketType, n: int) -> None:
-    """Read and discard ``n`` bytes (a payload nobody will use), keeping framing intact."""
+async def drain(
+    sock: trio.socket.SocketType, n: int, feed: Callable[[memoryview], None] | None = None
+) -> None:
+    """Read and discard ``n`` bytes (a payload nobody will use), keeping framing intact;
+    ``feed`` sees each piece before it is thrown away (the frame's tag covers it)."""
     while n > 0:
         k = min(n, len(_DRAIN_SCRATCH))
         await recv_exactly(sock, _DRAIN_SCRATCH[:k])
+        if feed is not None:
+            feed(_DRAIN_SCRATCH[:k])
         n -= k
 
 
@@ -150,22 +186,6 @@ async def send_all(
     sock: trio.socket.SocketType, data: Buffer, sent: list[int] | None = None
 ) -> None:
     await send_pieces(sock, [memoryview(data).cast("B")], sent)
-
-
-async def send_frame(
-    sock: trio.socket.SocketType,
-    frame: bytes,
-    payload: Buffer | None,
-    sent: list[int] | None = None,
-) -> None:
-    """A frame's prefix+header and its payload in one ``writev``: one syscall per message
-    instead of two (the payload is never joined to the header in a new buffer). ``sent[0]``
-    counts the bytes that went out, so a caller cancelled here knows whether the stream
-    holds half a frame."""
-    pieces = [memoryview(frame)]
-    if payload is not None and memoryview(payload).nbytes:
-        pieces.append(memoryview(payload).cast("B"))
-    await send_pieces(sock, pieces, sent)
 
 
 async def send_pieces(

@@ -5,6 +5,10 @@ one connection at once, from many tasks, matched by request id. A server's error
 raised again as the same ``TectonicError`` class (``error_from_code``); anything that breaks
 the connection (EOF, reset, a frame that cannot be trusted) fails every pending call with
 the retryable ``Unavailable``, which is what ``tectonic_py.core.retry`` retries.
+
+Every frame after the handshake is sealed and checked with the connection's
+``auth.FrameSession``: a reply is handed to its caller only once its tag is verified, and a
+frame that fails the check (injected, altered, replayed) breaks the connection.
 """
 
 from __future__ import annotations
@@ -18,18 +22,17 @@ from typing import Any
 import trio
 
 from tectonic_py.core.aio import acquire_soon, open_service_nursery
-from tectonic_py.core.auth import offer_handshake
+from tectonic_py.core.auth import FrameSession, offer_handshake, require_tag, send_sealed
 from tectonic_py.core.errors import ProtocolError, TectonicError, Unavailable, error_from_code
 from tectonic_py.core.framing import (
     DEFAULT_LIMITS,
+    FLAG_TAG,
     Buffer,
     Limits,
     PeerClosed,
-    drain,
     pack_frame,
-    read_prefix_and_header,
+    read_head,
     recv_exactly,
-    send_frame,
 )
 from tectonic_py.core.sockets import connect_tcp
 
@@ -59,8 +62,11 @@ class Connection:
     connection ``broken`` so a pool can replace it.
     """
 
-    def __init__(self, sock: trio.socket.SocketType, address: str, limits: Limits) -> None:
+    def __init__(
+        self, sock: trio.socket.SocketType, address: str, limits: Limits, session: FrameSession
+    ) -> None:
         self._sock = sock
+        self._session = session
         self.address = address
         self.limits = limits
         self._send_lock = trio.Lock()
@@ -87,10 +93,9 @@ class Connection:
             sock = await connect_tcp(host, port)
         except OSError as e:
             raise Unavailable(f"cannot connect to {address}: {e.strerror or e}") from None
-        conn = cls(sock, address, limits)
         try:
             with trio.fail_after(limits.auth_timeout):
-                await offer_handshake(sock, secret, limits, address)
+                session = await offer_handshake(sock, secret, address)
         except trio.TooSlowError:
             sock.close()
             raise Unavailable(f"{address}: handshake timed out") from None
@@ -100,28 +105,38 @@ class Connection:
         except BaseException:
             sock.close()
             raise
+        conn = cls(sock, address, limits, session)
         nursery.start_soon(conn._receive_loop)
         return conn
 
     async def _receive_loop(self) -> None:
         try:
             while True:
-                header, plen = await read_prefix_and_header(self._sock, self.limits)
+                head = await read_head(self._sock, self.limits)
+                require_tag(head)
+                check = self._session.check(head)
+                header, plen = head.header, head.payload_len
                 rid = header.get("rid")
                 pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
                 if pending is None:
                     # The caller gave up (cancelled); keep framing intact.
-                    await drain(self._sock, plen)
+                    await check.drain(self._sock, plen)
                     if rid == 0 and "err" in header:
                         raise error_from_code(str(header["err"]), str(header.get("msg", "")))
                     continue
                 payload: memoryview | None = None
-                if plen:
-                    if pending.into is not None and len(pending.into) >= plen:
-                        payload = pending.into[:plen]
-                    else:
-                        payload = memoryview(bytearray(plen))
-                    await recv_exactly(self._sock, payload)
+                try:
+                    if plen:
+                        if pending.into is not None and len(pending.into) >= plen:
+                            payload = pending.into[:plen]
+                        else:
+                            payload = memoryview(bytearray(plen))
+                        await recv_exactly(self._sock, payload)
+                        check.feed(payload)
+                    await check.verify(self._sock)
+                except BaseException:
+                    self._pending[header["rid"]] = pending  # (failed with the others)
+                    raise
                 if "err" in header:
                     pending.error = error_from_code(
                         str(header["err"]), f"{header.get('msg', '')} [{self.address}]"
@@ -170,7 +185,7 @@ class Connection:
         pending = _Pending(into=memoryview(into).cast("B") if into is not None else None)
         self._pending[rid] = pending
         size = 0 if payload is None else memoryview(payload).nbytes
-        frame = pack_frame({"op": op, "rid": rid, "f": dict(fields or {})}, size)
+        frame = pack_frame({"op": op, "rid": rid, "f": dict(fields or {})}, size, FLAG_TAG)
         try:
             # A free lock is taken without a pass through the scheduler (one fewer per call;
             # waiting for the reply is the call's checkpoint), but a call already cancelled
@@ -182,7 +197,9 @@ class Connection:
                     raise self.broken
                 sent = [0]
                 try:
-                    await send_frame(self._sock, frame, payload if size else None, sent)
+                    await send_sealed(
+                        self._sock, self._session, frame, payload if size else None, sent
+                    )
                 except trio.Cancelled:
                     # A half-sent frame poisons the stream: drop the connection. A frame
                     # not started (a send cancelled while it waits sent nothing) leaves it

@@ -2,7 +2,14 @@
 
 ``RpcServer`` serves a table of handlers; a handler takes a ``Request`` (typed, validated
 access to its fields) and returns a ``Reply``. Frames are those of
-``tectonic_py.core.framing``, the handshake that of ``tectonic_py.core.auth``.
+``tectonic_py.core.framing``, the handshake and the frames' tags those of
+``tectonic_py.core.auth``: no handler runs, and no reply is sent, for a frame whose tag has
+not been checked.
+
+Before authentication: a connection may send only the handshake's small frames, and at most
+``max_unauthenticated`` connections may be in the handshake at once (a new one beyond that
+drops the oldest, so a flood of idle peers holds bounded memory and cannot lock out honest
+clients, whose handshake takes one round trip).
 
 Error handling: a frame whose prefix or header cannot be trusted gets an error frame with
 rid 0 and the connection is closed: after that point framing itself is in doubt. An unknown
@@ -31,7 +38,14 @@ from typing import Any
 import trio
 
 from tectonic_py.core.aio import acquire_soon
-from tectonic_py.core.auth import answer_handshake
+from tectonic_py.core.auth import (
+    FrameCheck,
+    FrameSession,
+    answer_handshake,
+    require_tag,
+    sealed_pieces,
+    send_sealed,
+)
 from tectonic_py.core.buffers import SpareBuffers
 from tectonic_py.core.errors import (
     AuthError,
@@ -43,18 +57,17 @@ from tectonic_py.core.errors import (
 )
 from tectonic_py.core.framing import (
     DEFAULT_LIMITS,
+    FLAG_TAG,
     IOV_MAX,
     PREFIX,
     Buffer,
     Limits,
     MiB,
     PeerClosed,
-    drain,
     pack_frame,
-    read_prefix_and_header,
+    read_head,
     recv_exactly,
     send_all,
-    send_frame,
     send_pieces,
 )
 from tectonic_py.core.sockets import unpaced_on_loopback
@@ -183,6 +196,8 @@ class ServerStats:
     bytes_out: int = 0
     requests: int = 0
     auth_failures: int = 0
+    unauthenticated: int = 0  # connections in the handshake now
+    unauthenticated_dropped: int = 0  # dropped for newer ones past max_unauthenticated
     protocol_errors: int = 0
     busy_refusals: int = 0
     reply_writes: int = 0  # reply writes (small replies ready together share one)
@@ -245,9 +260,16 @@ class _Outbox:
     in-flight slot, until the flushing task has taken the queue.
     """
 
-    def __init__(self, sock: trio.socket.SocketType, lock: trio.Lock, stats: ServerStats) -> None:
+    def __init__(
+        self,
+        sock: trio.socket.SocketType,
+        lock: trio.Lock,
+        stats: ServerStats,
+        session: FrameSession,
+    ) -> None:
         self.sock = sock
-        self.lock = lock  # held by whoever writes to the socket
+        self.lock = lock  # held by whoever writes to the socket (and seals frames)
+        self.session = session
         self._stats = stats
         self._frames: list[memoryview] = []
         self._flushing = False
@@ -269,10 +291,11 @@ class _Outbox:
             await acquire_soon(self.lock)
             try:
                 while self._frames:
-                    frames, self._frames = self._frames[:IOV_MAX], self._frames[IOV_MAX:]
+                    n = IOV_MAX // 2  # (a frame and its tag each)
+                    frames, self._frames = self._frames[:n], self._frames[n:]
                     self._release_waiters()
                     self._stats.reply_writes += 1
-                    await send_pieces(self.sock, frames, None)
+                    await send_pieces(self.sock, sealed_pieces(self.session, frames), None)
             finally:
                 self.lock.release()
         finally:
@@ -310,6 +333,8 @@ class RpcServer:
         self.stats = ServerStats()
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
         self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB))
+        # Connections in the handshake, oldest first: their cancel scopes, to drop them.
+        self._unauthenticated: dict[int, trio.CancelScope] = {}
 
     @property
     def buffers(self) -> SpareBuffers:
@@ -339,15 +364,9 @@ class RpcServer:
             peer = "?"
         self.stats.connections += 1
         try:
-            with trio.move_on_after(self.limits.auth_timeout) as scope:
-                ok = await self._handshake(sock, peer)
-            if scope.cancelled_caught:
-                log.warning("%s: %s did not authenticate in time; closed", self.name, peer)
-                self.stats.auth_failures += 1
-                return
-            if not ok:
-                return
-            await self._serve_requests(sock, peer)
+            session = await self._authenticate(sock, peer)
+            if session is not None:
+                await self._serve_requests(sock, peer, session)
         except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         finally:
@@ -355,32 +374,67 @@ class RpcServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> bool:
+    async def _authenticate(self, sock: trio.socket.SocketType, peer: str) -> FrameSession | None:
+        """The handshake, within ``auth_timeout`` and as one of at most
+        ``max_unauthenticated`` (the oldest is dropped for a new one). None when the peer
+        did not authenticate (it has been told why where it could be, and logged)."""
+        while len(self._unauthenticated) >= max(1, self.limits.max_unauthenticated):
+            oldest = next(iter(self._unauthenticated))
+            self._unauthenticated.pop(oldest).cancel()
+            self.stats.unauthenticated_dropped += 1
+        scope = trio.CancelScope(deadline=trio.current_time() + self.limits.auth_timeout)
+        key = id(scope)
+        self._unauthenticated[key] = scope
+        self.stats.unauthenticated = len(self._unauthenticated)
+        try:
+            with scope:
+                return await self._handshake(sock, peer)
+        finally:
+            dropped = self._unauthenticated.pop(key, None) is None
+            self.stats.unauthenticated = len(self._unauthenticated)
+            if scope.cancelled_caught:
+                self.stats.auth_failures += 1
+                why = "dropped for newer connections" if dropped else "timed out"
+                log.warning("%s: %s did not authenticate (%s); closed", self.name, peer, why)
+        return None
+
+    async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> FrameSession | None:
         """The server's half of ``auth``; a peer that fails it is told why, logged, closed."""
         try:
-            await answer_handshake(sock, self._secret, self.limits)
+            return await answer_handshake(sock, self._secret)
         except (ProtocolError, AuthError) as e:
             self.stats.auth_failures += 1
             if isinstance(e, AuthError):
                 log.warning("%s: %s failed authentication; closed", self.name, peer)
             else:
                 log.warning("%s: handshake with %s failed: %s; closed", self.name, peer, e)
-            await self._send_error_quietly(sock, 0, e)
-            return False
-        return True
+            await self._send_error_quietly(sock, None, 0, e)
+            return None
 
     async def _send_error_quietly(
-        self, sock: trio.socket.SocketType, rid: int, exc: BaseException
+        self,
+        sock: trio.socket.SocketType,
+        session: FrameSession | None,
+        rid: int,
+        exc: BaseException,
     ) -> None:
+        """An error frame to a connection that is about to be closed (sealed once the
+        handshake is done); a failure to send it is of no consequence."""
         with trio.move_on_after(1):
             try:
-                await send_all(sock, pack_frame(error_to_header(rid, exc), 0))
+                if session is None:
+                    await send_all(sock, pack_frame(error_to_header(rid, exc), 0))
+                else:
+                    frame = pack_frame(error_to_header(rid, exc), 0, FLAG_TAG)
+                    await send_sealed(sock, session, frame, None)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
-    async def _serve_requests(self, sock: trio.socket.SocketType, peer: str) -> None:
+    async def _serve_requests(
+        self, sock: trio.socket.SocketType, peer: str, session: FrameSession
+    ) -> None:
         send_lock = trio.Lock()
-        outbox = _Outbox(sock, send_lock, self.stats)
+        outbox = _Outbox(sock, send_lock, self.stats, session)
         inflight = trio.Semaphore(self.limits.max_inflight)
         async with trio.open_nursery() as nursery:
             # A peer that vanishes mid-frame (EOF or reset inside a payload) must end only
@@ -388,18 +442,20 @@ class RpcServer:
             # exception group that _handle_connection cannot catch and stop the server.
             try:
                 while True:
-                    head = await self._read_request(sock, peer)
+                    head = await self._read_request(sock, peer, session)
                     if head is None:
                         break
-                    op, rid, fields, plen = head
+                    op, rid, fields, plen, check = head
                     handler = self.handlers.get(op)
-                    if handler is None:
-                        await drain(sock, plen)
-                        await self._send_error(
-                            sock, send_lock, rid, UnknownOp(f"unknown op {op!r}")
-                        )
-                        continue
-                    received = await self._receive_payload(sock, send_lock, op, rid, plen)
+                    try:
+                        if handler is None:
+                            await check.drain(sock, plen)
+                            await self._send_error(outbox, rid, UnknownOp(f"unknown op {op!r}"))
+                            continue
+                        received = await self._receive_payload(outbox, check, op, rid, plen)
+                    except ProtocolError as e:
+                        await self._refuse_frame(sock, peer, session, e)
+                        break
                     if received is None:
                         continue
                     payload, whole, buf, charge = received
@@ -421,21 +477,34 @@ class RpcServer:
                 pass
             nursery.cancel_scope.cancel()
 
+    async def _refuse_frame(
+        self,
+        sock: trio.socket.SocketType,
+        peer: str,
+        session: FrameSession,
+        exc: ProtocolError,
+    ) -> None:
+        """A frame that cannot be trusted: tell the peer (rid 0) and end the connection."""
+        self.stats.protocol_errors += 1
+        log.warning("%s: protocol error from %s: %s; closed", self.name, peer, exc)
+        await self._send_error_quietly(sock, session, 0, exc)
+
     async def _read_request(
-        self, sock: trio.socket.SocketType, peer: str
-    ) -> tuple[str, int, dict[str, Any], int] | None:
-        """The next request's op, rid, fields and payload length, its payload still on the
-        socket. None when the connection ends: EOF, or a frame that cannot be trusted (told
-        to the peer with rid 0)."""
+        self, sock: trio.socket.SocketType, peer: str, session: FrameSession
+    ) -> tuple[str, int, dict[str, Any], int, FrameCheck] | None:
+        """The next request's op, rid, fields, payload length and tag check, its payload and
+        tag still on the socket. None when the connection ends: EOF, or a frame that cannot
+        be trusted (told to the peer with rid 0)."""
         try:
-            header, plen = await read_prefix_and_header(sock, self.limits)
+            head = await read_head(sock, self.limits)
+            require_tag(head)
         except PeerClosed:
             return None
         except ProtocolError as e:
-            self.stats.protocol_errors += 1
-            log.warning("%s: protocol error from %s: %s; closed", self.name, peer, e)
-            await self._send_error_quietly(sock, 0, e)
+            await self._refuse_frame(sock, peer, session, e)
             return None
+        check = session.check(head)
+        header, plen = head.header, head.payload_len
         op, rid, fields = header.get("op"), header.get("rid"), header.get("f", {})
         if (
             not isinstance(op, str)
@@ -444,21 +513,22 @@ class RpcServer:
             or not 0 < rid < 2**63
             or not isinstance(fields, dict)
         ):
-            self.stats.protocol_errors += 1
-            log.warning("%s: malformed request header from %s; closed", self.name, peer)
-            await self._send_error_quietly(sock, 0, ProtocolError("malformed request header"))
+            await self._refuse_frame(sock, peer, session, ProtocolError("malformed request header"))
             return None
         self.stats.bytes_in += PREFIX.size + plen
-        return op, rid, fields, plen
+        return op, rid, fields, plen, check
 
     async def _receive_payload(
-        self, sock: trio.socket.SocketType, send_lock: trio.Lock, op: str, rid: int, plen: int
+        self, outbox: _Outbox, check: FrameCheck, op: str, rid: int, plen: int
     ) -> tuple[memoryview | None, memoryview | None, bytearray | mmap.mmap | None, int] | None:
-        """Receive a request's payload into a spare buffer, under the payload budget:
-        ``(payload, whole, buffer, charge)``; ``whole`` is the page-aligned buffer around it
-        for an op with a ``payload_room``, ``charge`` the budget taken (the size of the
-        buffer it lies in). None when the request was refused ``Busy`` (its payload drained)."""
+        """Receive a request's payload into a spare buffer, under the payload budget, and
+        check the frame's tag: ``(payload, whole, buffer, charge)``; ``whole`` is the
+        page-aligned buffer around it for an op with a ``payload_room``, ``charge`` the
+        budget taken (the size of the buffer it lies in). None when the request was refused
+        ``Busy`` (its payload drained). ``ProtocolError`` when the tag is wrong."""
+        sock = outbox.sock
         if not plen:
+            await check.verify(sock)
             return None, None, None, 0
         room = self.payload_room.get(op)
         start, size = room(plen) if room is not None else (0, plen)
@@ -466,28 +536,28 @@ class RpcServer:
         # as the chunk store's reply budget does)
         charge = self._spares.size_class(size)
         if self._budget.refuses(charge):
-            await drain(sock, plen)
+            await check.drain(sock, plen)
             self.stats.busy_refusals += 1
-            await self._send_error(sock, send_lock, rid, Busy(f"{self.name}: payload queue full"))
+            await self._send_error(outbox, rid, Busy(f"{self.name}: payload queue full"))
             return None
         await self._budget.acquire(charge)
+        buf: bytearray | mmap.mmap | None = None
         try:
             buf = self._spares.take(size)
             view = memoryview(buf)[:size]
             payload = view[start : start + plen]
             whole = view if room is not None and isinstance(buf, mmap.mmap) else None
             await recv_exactly(sock, payload)
+            check.feed(payload)
+            await check.verify(sock)
         except BaseException:
             self._budget.release(charge)
             raise
         return payload, whole, buf, charge
 
-    async def _send_error(
-        self, sock: trio.socket.SocketType, send_lock: trio.Lock, rid: int, exc: TectonicError
-    ) -> None:
+    async def _send_error(self, outbox: _Outbox, rid: int, exc: TectonicError) -> None:
         """An error reply to one request; the connection keeps serving."""
-        async with send_lock:
-            await send_all(sock, pack_frame(error_to_header(rid, exc), 0))
+        await outbox.send(pack_frame(error_to_header(rid, exc), 0, FLAG_TAG))
 
     async def _run_handler(
         self,
@@ -546,14 +616,14 @@ class RpcServer:
                 if charged:
                     self._budget.release(charged)
             size = 0 if out_payload is None else memoryview(out_payload).nbytes
-            frame = pack_frame(header, size)
+            frame = pack_frame(header, size, FLAG_TAG)
             if not size:
                 await outbox.send(frame)
             else:
                 await acquire_soon(outbox.lock)  # no pass through the scheduler
                 self.stats.reply_writes += 1
                 try:
-                    await send_frame(outbox.sock, frame, out_payload)
+                    await send_sealed(outbox.sock, outbox.session, frame, out_payload)
                 finally:
                     outbox.lock.release()
             self.stats.bytes_out += len(frame) + size
