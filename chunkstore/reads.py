@@ -303,17 +303,28 @@ def _verify_open_chunk(fd: int, size: int, name: str) -> bool:
 
 def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str, int]], str | None]:
     """Chunk ids greater than ``after`` in order, with their lengths, at most ``limit``.
+    ``next`` is the last id returned when more may follow."""
+    entries, nxt = list_chunk_entries(data_dir, after, limit)
+    return [(name, length) for name, length, _ in entries], nxt
+
+
+def list_chunk_entries(
+    data_dir: Path, after: str, limit: int
+) -> tuple[list[tuple[str, int, int]], str | None]:
+    """(chunk id, length, checksum) of the chunks after ``after``, as ``list_chunks``; the
+    checksum is the header's (-1 when the header is unreadable: scrub will report it).
 
     Walks the shard directories in order from ``after``'s, so a page costs a directory or
-    two, not a scan of the whole store, and a 32-byte read per chunk for its length.
-    ``next`` is the last id returned when more may follow.
+    two, not a scan of the whole store, and a 32-byte read per chunk for its header. The
+    checksum lets the inventory tell a chunk from another chunk's file copied over it, which
+    every check of the file alone passes.
     """
     root = chunks_root(data_dir)
     try:
         shards = sorted(d for d in os.listdir(root) if len(d) == 2 and d >= after[:2])
     except FileNotFoundError:
         return [], None
-    out: list[tuple[str, int]] = []
+    out: list[tuple[str, int, int]] = []
     for shard in shards:
         try:
             entries = sorted(
@@ -323,18 +334,19 @@ def list_chunks(data_dir: Path, after: str, limit: int) -> tuple[list[tuple[str,
             continue
         for name, entry in entries:
             try:
-                length = _listed_length(Path(entry.path))
+                length, crc = _listed_header(Path(entry.path))
             except FileNotFoundError:
                 continue
-            out.append((name, length))
+            out.append((name, length, crc))
             if len(out) >= limit:
                 return out, name
     return out, None
 
 
-def _listed_length(path: Path) -> int:
-    """A chunk's length from its header (the file size alone cannot tell the version), or
-    an estimate from its size when the header is unreadable (scrub will report it)."""
+def _listed_header(path: Path) -> tuple[int, int]:
+    """A chunk's length and checksum from its header (the file size alone cannot tell the
+    version), or an estimate of the length from its size and checksum -1 when the header is
+    unreadable (scrub will report it)."""
     try:
         fd = _open(path)
     except ChunkNotFound:
@@ -342,10 +354,10 @@ def _listed_length(path: Path) -> int:
     try:
         head = os.pread(fd, HEADER.size, 0)
         if len(head) == HEADER.size:
-            version, magic, length = struct.unpack_from("!H6sQ", head)
+            version, magic, length, crc = struct.unpack_from("!H6sQI", head)
             if version in VERSIONS and magic == MAGIC:
-                return int(length)
-        return length_from_file_size(os.fstat(fd).st_size)
+                return int(length), int(crc)
+        return length_from_file_size(os.fstat(fd).st_size), -1
     finally:
         os.close(fd)
 

@@ -514,9 +514,11 @@ class ChunkStoreServer:
         limit = req.int("limit", 1000, lo=1, hi=LIST_LIMIT)
         async with self._reads:
             chunks, nxt = await trio.to_thread.run_sync(
-                reads.list_chunks, self.data_dir, after, limit
+                reads.list_chunk_entries, self.data_dir, after, limit
             )
-        return {"chunks": [[c, n] for c, n in chunks], "next": nxt}
+        if req.bool("checksums", False):
+            return {"chunks": [[c, n, crc] for c, n, crc in chunks], "next": nxt}
+        return {"chunks": [[c, n] for c, n, _ in chunks], "next": nxt}
 
     async def _node_stats(self, req: Request) -> dict[str, Any]:
         return await self.node_stats()

@@ -9,10 +9,12 @@ time), so the GC service can find chunks of writes that were aborted before comm
 same transaction. A committed block is immutable except for ``replace_chunk`` (repair and
 rebalance move one chunk to another node), which keeps the reverse index in step.
 
-``report_bad_chunk``: a reader that found a chunk corrupt or missing records it (if the
-block still has that chunk on that node) so that repair's next round rebuilds it, as it does
-for chunks the chunk stores' scrub reports, instead of waiting for the scrub to get there.
-The record goes when the chunk moves (``repoint_chunk``) or the block is forgotten.
+``bad_chunks`` is the one record of chunks a committed block lacks while its node is up, so
+that ``tectonic status`` and repair see the same thing and a restart of a chunk store hides
+nothing: a reader that found a chunk corrupt or missing (``report_bad_chunk``), the scrub's
+reports (recorded by repair), the inventory's missing or mismatched chunks, and the indexes a
+writer committed without a chunk (``commit``, node_id "": the write quorum is below n). Repair
+rebuilds each. A row goes when its chunk moves (``repoint_chunk``) or the block is forgotten.
 
 commit_blocks ordering (client side): Block layer first, File layer append second. A crash
 between the two leaves a committed block no file references: garbage the GC finds by
@@ -23,6 +25,7 @@ pointing at a block that is not committed.
 from __future__ import annotations
 
 import sqlite3
+import time
 from typing import Any
 
 import msgpack
@@ -137,6 +140,14 @@ def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
         "INSERT INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
         [(c.node_id, info.block_id, c.index) for c in info.chunks],
     )
+    # Committed short (a full disk, a hung store): the absent indexes wait for repair.
+    placed = {c.index for c in info.chunks}
+    now = time.time_ns()
+    conn.executemany(
+        "INSERT OR IGNORE INTO bad_chunks (block_id, idx, node_id, reason, reported_ns)"
+        " VALUES (?, ?, '', 'unplaced', ?)",
+        [(info.block_id, i, now) for i in range(ECPolicy.parse(info.ec).n) if i not in placed],
+    )
 
 
 def locate(conn: sqlite3.Connection, block_ids: list[int]) -> list[BlockInfo]:
@@ -202,12 +213,21 @@ def replace_chunk(
 def report_bad_chunk(
     conn: sqlite3.Connection, block_id: int, index: int, node_id: str, reason: str, now_ns: int
 ) -> bool:
-    """Record a reader's report of a bad chunk; False (nothing recorded) when the block has
-    no such chunk on that node any more: the reader's block list was stale."""
-    row = conn.execute(
-        "SELECT 1 FROM block_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
-        (block_id, index, node_id),
-    ).fetchone()
+    """Record a report of a bad chunk (a reader's, the scrub's, the inventory's); False
+    (nothing recorded) when the block has no such chunk on that node any more: the
+    reporter's view was stale. ``node_id`` "" names an index of a committed block that has
+    no chunk anywhere."""
+    if node_id:
+        row = conn.execute(
+            "SELECT 1 FROM block_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
+            (block_id, index, node_id),
+        ).fetchone()
+    else:
+        row = conn.execute(
+            "SELECT 1 FROM blocks b WHERE block_id = ? AND state = 'committed' AND NOT EXISTS"
+            " (SELECT 1 FROM block_chunks c WHERE c.block_id = b.block_id AND c.idx = ?)",
+            (block_id, index),
+        ).fetchone()
     if row is None:
         return False
     conn.execute(
@@ -229,10 +249,10 @@ def repoint_chunk(
             "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
             (old_node, block_id, index),
         )
-        conn.execute(
-            "DELETE FROM bad_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
-            (block_id, index, old_node),
-        )
+    conn.execute(
+        "DELETE FROM bad_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
+        (block_id, index, old_node),
+    )
     conn.execute(
         "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
         (block_id, index, new_node, checksum),

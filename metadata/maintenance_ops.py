@@ -17,6 +17,8 @@ block.forget         block_id, state, [file_id, file_index]                forgo
 block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
 block.bad_chunks     after, limit                                          chunks [[b, i, n]],
                                                                            next
+block.node_chunks    node_id, after [block_id, index], upto, limit         chunks [[b, i, crc,
+                                                                           chunk_len]]
 file.gc_queue        older_than_ns, limit                                  blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
@@ -27,6 +29,14 @@ file.recover_lease   id, token, before_ns                                  outco
 ``block.scan`` lists every block of a shard (allocated and committed) in block-id order with
 its state, file, index, allocation time, granted nodes and chunks: the input of the GC's
 block sweep and of repair's search for blocks committed with fewer than n chunks.
+
+``block.bad_chunks`` lists every chunk a committed block lacks on an up node (the rows of
+``bad_chunks``: reported by readers, the scrub, the inventory, or absent since the commit, with
+node ""): with the chunks of down nodes, everything repair has to rebuild and ``tectonic
+status`` reports. ``block.node_chunks`` pages through the chunks the Block layer places on one
+node with their checksums and lengths, in (block_id, index) order and within a block-id
+range: the inventory (``tectonic_py/maintenance/inventory.py``) compares it with what the
+node's chunk store lists.
 
 Lease recovery rule (``recover_lease``), matching the FUSE promise that a crashed writer
 never leaves a file that looks complete but is not: a file whose writer lease expired
@@ -165,16 +175,39 @@ def reported_bad_chunks(
     ]
     out: list[tuple[int, int, str]] = []
     for block_id in blocks:
+        # Still where reported, or (node "") still without a chunk at that index.
         out.extend(
             (block_id, r[0], r[1])
             for r in conn.execute(
-                "SELECT b.idx, b.node_id FROM bad_chunks b JOIN block_chunks c"
-                " ON c.block_id = b.block_id AND c.idx = b.idx AND c.node_id = b.node_id"
-                " WHERE b.block_id = ?",
+                "SELECT b.idx, b.node_id FROM bad_chunks b LEFT JOIN block_chunks c"
+                " ON c.block_id = b.block_id AND c.idx = b.idx WHERE b.block_id = ?"
+                " AND (c.node_id = b.node_id OR (b.node_id = '' AND c.node_id IS NULL))",
                 (block_id,),
             )
         )
     return out, blocks[-1] if len(blocks) == limit else None
+
+
+def node_chunks(
+    conn: sqlite3.Connection,
+    node_id: str,
+    after: tuple[int, int],
+    upto: int,
+    limit: int,
+) -> list[tuple[int, int, int, int]]:
+    """(block_id, index, checksum, chunk_len) of the committed chunks placed on ``node_id``
+    after ``after`` (a (block_id, index) position) with block_id <= ``upto``, in order."""
+    return [
+        (r[0], r[1], r[2], r[3])
+        for r in conn.execute(
+            "SELECT n.block_id, n.idx, c.checksum, b.chunk_len FROM node_blocks n"
+            " JOIN block_chunks c ON c.block_id = n.block_id AND c.idx = n.idx"
+            " JOIN blocks b ON b.block_id = n.block_id"
+            " WHERE n.node_id = ? AND (n.block_id, n.idx) > (?, ?) AND n.block_id <= ?"
+            " AND b.state = 'committed' ORDER BY n.block_id, n.idx LIMIT ?",
+            (node_id, after[0], after[1], upto, limit),
+        )
+    ]
 
 
 def dead_chunks(
@@ -337,6 +370,25 @@ class MaintenanceOps:
             req.int("limit", 1000, lo=1, hi=MAX_SCAN),
         )
         return {"chunks": [list(c) for c in chunks], "next": nxt}
+
+    async def op_block__node_chunks(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        after = req.list("after", [0, -1], max_len=2)
+        if (
+            len(after) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in after)
+            or not 0 <= after[0] <= MAX_ID
+            or not -1 <= after[1] <= 255
+        ):
+            raise InvalidArgument("block.node_chunks: after must be [block_id, index]")
+        chunks = store.read(
+            node_chunks,
+            req.str("node_id", max_len=64),
+            (after[0], after[1]),
+            req.int("upto", MAX_ID, hi=MAX_ID),
+            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+        )
+        return {"chunks": [list(c) for c in chunks]}
 
     async def op_file__gc_queue(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

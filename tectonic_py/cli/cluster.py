@@ -146,6 +146,8 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         failure_domains=args.failure_domains,
         node_timeout=args.node_timeout,
         maintenance=not args.no_maintenance,
+        chunkstore_args=["--scrub-interval", str(args.scrub_interval)],
+        maintenance_args=["--inventory-interval", str(args.inventory_interval)],
     )
 
 
@@ -241,7 +243,8 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
         sys.executable, "-m", "tectonic_py.cli.main", "cluster", "up", "--dir", str(root),
         "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
         "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
-        "--supervisor",
+        "--scrub-interval", str(args.scrub_interval),
+        "--inventory-interval", str(args.inventory_interval), "--supervisor",
     ]  # fmt: skip
     if args.no_maintenance:
         argv.append("--no-maintenance")
@@ -348,6 +351,13 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "cluster",
@@ -387,6 +397,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--node-timeout", type=float, default=10.0,
         help="seconds of heartbeat silence before a chunk store counts as down",
+    )  # fmt: skip
+    up.add_argument(
+        "--scrub-interval", type=_positive, default=3600.0,
+        help="seconds between the starts of two scrub passes of every chunk store",
+    )  # fmt: skip
+    up.add_argument(
+        "--inventory-interval", type=_positive, default=600.0,
+        help="seconds between the maintenance daemon's passes checking every store's chunks "
+        "against the Block layer",
     )  # fmt: skip
     up.add_argument(
         "--no-maintenance", action="store_true",

@@ -1,6 +1,8 @@
 """``tectonic maintenance CLUSTER_FILE`` (run the background services until stopped) and
 ``tectonic repair CLUSTER_FILE --status`` (where repair stands; exit code 3 when a block is
-lost, i.e. has fewer than k live chunks).
+lost, i.e. has fewer than k live chunks) and ``tectonic repair CLUSTER_FILE --inventory`` (one
+inventory pass now: every chunk the Block layer places on an up store checked against the
+store's listing, what is missing or replaced recorded for repair).
 
 What each service does and why it is safe to kill at any moment: tectonic_py/maintenance/.
 """
@@ -56,6 +58,12 @@ def register(subparsers: Any) -> None:
         default="200MiB",
         help="bytes per second that repair and rebalance read and write together",
     )
+    p.add_argument(
+        "--inventory-interval",
+        type=float,
+        default=600.0,
+        help="seconds between inventory passes (every store's chunks against the Block layer)",
+    )
     p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
     p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
     p.add_argument(
@@ -67,8 +75,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rebalance-max-moves", type=int, default=256, help="chunk moves per round")
     p.add_argument(
         "--services",
-        default="repair,gc,rebalance",
-        help="comma-separated subset of repair,gc,rebalance",
+        default="repair,gc,rebalance,inventory",
+        help="comma-separated subset of repair,gc,rebalance,inventory",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
     # a service log shows start, ready and shutdown without -v
@@ -78,10 +86,18 @@ def register(subparsers: Any) -> None:
     )
 
     r = subparsers.add_parser(
-        "repair", help="repair progress (tectonic repair CLUSTER_FILE --status)"
+        "repair",
+        help="repair progress (tectonic repair CLUSTER_FILE --status), or an inventory pass now",
     )
     add_cluster_file(r, type=Path)
-    r.add_argument("--status", action="store_true", required=True, help="show repair progress")
+    what = r.add_mutually_exclusive_group(required=True)
+    what.add_argument("--status", action="store_true", help="show repair progress")
+    what.add_argument(
+        "--inventory",
+        action="store_true",
+        help="check every up store's chunks against the Block layer now; record what is "
+        "missing or replaced for repair",
+    )
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=run_status)
 
@@ -92,6 +108,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
         grace=args.grace,
         lease_grace=args.lease_grace,
         sweep_interval=args.sweep_interval,
+        inventory_interval=args.inventory_interval,
         bandwidth=args.bandwidth,
         repair_concurrency=args.repair_concurrency,
         rebalance=not args.no_rebalance,
@@ -131,6 +148,8 @@ async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | N
 
 def run_status(args: argparse.Namespace) -> int:
     config = cluster_file.load(args.cluster_file)
+    if args.inventory:
+        return _run_inventory(config, args.json)
     status = trio.run(fetch_repair_status, config)
     if args.json:
         print(json.dumps(status, indent=2))
@@ -145,16 +164,47 @@ async def fetch_repair_status(config: Any) -> dict[str, Any]:
     maintenance process, which keeps no status endpoint of its own."""
     from tectonic_py.maintenance.repair import repair_status
 
+    return await _with_maintenance(config, repair_status)
+
+
+async def run_inventory_pass(config: Any) -> dict[str, Any]:
+    """One inventory pass (``tectonic repair --inventory``), as its JSON summary."""
+    from tectonic_py.maintenance.inventory import Inventory, summary
+
+    async def one(m: Maintenance) -> dict[str, Any]:
+        return summary(await Inventory(m).round())
+
+    return await _with_maintenance(config, one)
+
+
+async def _with_maintenance(config: Any, fn: Any) -> dict[str, Any]:
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, MaintenanceSettings(), meta, nursery)
         try:
-            return await repair_status(m)
+            result: dict[str, Any] = await fn(m)
+            return result
         finally:
             with trio.CancelScope(shield=True):
                 await m.pool.aclose()
                 await meta.aclose()
             nursery.cancel_scope.cancel()
+
+
+def _run_inventory(config: Any, as_json: bool) -> int:
+    found = trio.run(run_inventory_pass, config)
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return 0
+    print(
+        f"stores checked: {found['nodes_checked']} of {len(found['nodes'])}, chunks expected:"
+        f" {found['expected']}, missing: {found['missing']}, replaced by other bytes:"
+        f" {found['mismatched']}, recorded for repair: {found['recorded']}"
+    )
+    for node in found["nodes"]:
+        if node["error"] is not None:
+            print(f"{node['node_id']}: not checked: {node['error']}")
+    return 0
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -171,6 +221,6 @@ def format_status(s: dict[str, Any]) -> str:
             + (", ".join(f"{k}: {v}" for k, v in s["blocks_by_live_chunks"].items()) or "-")
         ),
         f"nodes up: {s['nodes_up']}, down: {', '.join(s['nodes_down']) or 'none'}",
-        f"chunks scrub found bad: {len(s['bad_chunks'])}",
+        f"chunks found bad (scrub, readers, inventory): {len(s['bad_chunks'])}",
     ]
     return "\n".join(lines)

@@ -2,11 +2,14 @@
 
 It shows the chunk stores as the node registry knows them (up/down, failure domain,
 capacity, free space, chunk count, load), the metadata servers and the shards each hosts,
-and the blocks that are degraded: blocks with fewer than k+m chunks on live nodes. Those
-are found from the Block layer's reverse index of every down node (``blocks_on_node``),
-never by scanning all blocks, so the cost grows with what is broken, not with the cluster.
-A block with fewer than k live chunks cannot be read until a node comes back, so it is
-reported as ``lost``. The exit code is 3 when the cluster cannot serve everything (a block
+and the blocks that are degraded: blocks with fewer than k+m good chunks. A chunk is not
+good when its node is down (found from the Block layer's reverse index of every down node,
+``blocks_on_node``), when the Block layer records it as bad (a reader found it corrupt, the
+inventory found it gone from its store or replaced, it was never stored: a block committed
+short) or when an up store's scrub reports it; repair sees the same
+(``tectonic_py.maintenance.repair``). No block is scanned that is not suspect, so the cost
+grows with what is broken, not with the cluster. A block with fewer than k good chunks
+cannot be read until a node comes back, so it is reported as ``lost``. The exit code is 3 when the cluster cannot serve everything (a block
 is lost, or a metadata server is down: its shards' names and files are unreachable), so
 scripts can alert on it; 1 is an error of the command itself (one line on stderr), 2 a usage
 error (argparse).
@@ -21,15 +24,17 @@ With a metadata server down, the degraded blocks of down chunk stores may be unk
 (the reverse index is spread over every shard): ``degraded_blocks`` is then null and
 ``degraded_error`` says why, rather than a short list that would look complete.
 
-A chunk that is missing or corrupt on a live node is not visible here: only the chunk
-store's scrub finds those (it reports them for repair).
+A chunk that is missing or corrupt on a live node shows once something found it: a reader,
+the scrub, or the inventory pass of ``tectonic maintenance`` (or ``tectonic repair
+--inventory`` now).
 
 ``--json`` prints one object::
 
     {"cluster": str, "nodes": [{node_id, address, failure_domain, state, capacity, free,
       chunk_count, queue_depth, last_seen}],
      "metadata_servers": [{address, shards, state, error}],
-     "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id], readable}] or null,
+     "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id or "unplaced"],
+       readable}] or null,
      "degraded_error": null or str, "warnings": [str]}
 """
 
@@ -52,14 +57,16 @@ from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Timeout, Unavailable
 from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.core.records import BlockInfo, NodeInfo
+from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.rpc_client import open_connection
 from tectonic_py.core.sockets import parse_address
+from tectonic_py.maintenance.repair import Repairer
+from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
 log = logging.getLogger(__name__)
 
-# locate_blocks is grouped per shard by the client; keep each call a bounded size
-_LOCATE_BATCH = 1000
+# a store that does not answer for its scrub report is skipped, not waited for
+_SCRUB_REPORT_TIMEOUT_S = 3.0
 
 
 async def probe_metadata_server(address: str, secret: bytes) -> str | None:
@@ -72,34 +79,28 @@ async def probe_metadata_server(address: str, secret: bytes) -> str | None:
         return str(e)
 
 
-async def degraded_blocks(client: MetadataClient, nodes: list[NodeInfo]) -> list[dict[str, Any]]:
-    """Blocks with a chunk on a down node, with how many of their chunks are still live."""
-    state = {n.node_id: n.state for n in nodes}
-    suspect: set[int] = set()
-    for node in nodes:
-        if node.state != "up":
-            suspect.update(block_id for block_id, _ in await client.blocks_on_node(node.node_id))
-    ids = sorted(suspect)
-    infos: list[BlockInfo] = []
-    for i in range(0, len(ids), _LOCATE_BATCH):
-        infos.extend(await client.locate_blocks(ids[i : i + _LOCATE_BATCH]))
+async def degraded_blocks(m: Maintenance, nodes: list[NodeInfo]) -> list[dict[str, Any]]:
+    """Blocks with fewer than k+m good chunks, with how many are still good (``live``) and
+    where the others were (``missing``: a node id, or "unplaced" for a chunk never stored)."""
+    by_id = {n.node_id: n for n in nodes}
+    repairer = Repairer(m)
+    bad = await repairer.bad_chunks(by_id, scrub_timeout=_SCRUB_REPORT_TIMEOUT_S)
+    work = await repairer.find_work(by_id, bad, full_scan=False)
     out = []
-    for info in infos:
-        policy = ECPolicy.parse(info.ec)
-        missing = sorted(c.node_id for c in info.chunks if state.get(c.node_id) != "up")
-        live = len(info.chunks) - len(missing)
-        if live < policy.n:
-            out.append(
-                {
-                    "block_id": info.block_id,
-                    "ec": info.ec,
-                    "live": live,
-                    "total": policy.n,
-                    "k": policy.k,
-                    "missing": missing,
-                    "readable": live >= policy.k,
-                }
-            )
+    for w in sorted(work, key=lambda w: w.info.block_id):
+        policy = ECPolicy.parse(w.info.ec)
+        placed = {c.index: c.node_id for c in w.info.chunks}
+        out.append(
+            {
+                "block_id": w.info.block_id,
+                "ec": w.info.ec,
+                "live": len(w.live),
+                "total": policy.n,
+                "k": policy.k,
+                "missing": sorted(placed.get(i) or "unplaced" for i in w.missing),
+                "readable": len(w.live) >= policy.k,
+            }
+        )
     return out
 
 
@@ -126,12 +127,13 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
 
     async with open_service_nursery() as nursery:
         client = MetadataClient(config, nursery=nursery)
+        m = Maintenance(config, MaintenanceSettings(), client, nursery)
         try:
             nodes = sorted(await client.nodes(), key=lambda n: n.node_id)
             degraded: list[dict[str, Any]] | None = None
             degraded_error = None
             try:
-                degraded = await degraded_blocks(client, nodes)
+                degraded = await degraded_blocks(m, nodes)
             except TectonicError as e:
                 degraded_error = str(e)
             policies = {config.default_ec, *(b["ec"] for b in degraded or [])}
@@ -141,6 +143,7 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
                 log.debug("root policy unknown: %s", e)
         finally:
             with trio.CancelScope(shield=True):
+                await m.pool.aclose()
                 await client.aclose()
     return {
         "cluster": config.name,
@@ -243,7 +246,7 @@ def render(status: dict[str, Any]) -> None:
         return
     lost = [b for b in degraded if not b["readable"]]
     blocks = Table(title=f"{len(degraded)} degraded blocks, {len(lost)} unreadable")
-    for col in ("block", "ec", "live chunks", "missing on"):
+    for col in ("block", "ec", "good chunks", "missing on"):
         blocks.add_column(col)
     for b in degraded[:50]:
         live = f"{b['live']}/{b['total']}" + ("" if b["readable"] else " [bold red]lost[/]")
@@ -275,7 +278,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def healthy(status: dict[str, Any]) -> bool:
-    """Every metadata server up and every block readable (degraded is fine: m to spare)."""
+    """Every metadata server up and every block readable: degraded blocks are listed, but
+    a block with k good chunks still serves every read while repair restores the rest."""
     degraded = status["degraded_blocks"]
     return (
         degraded is not None
@@ -289,7 +293,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "status",
         help="nodes, metadata servers and degraded blocks of a cluster",
         description="Show chunk stores (up/down, failure domain, capacity, free, chunks, load), "
-        "metadata servers and their shards, and blocks with fewer than k+m live chunks; "
+        "metadata servers and their shards, and blocks with fewer than k+m good chunks (a "
+        "down node, or a chunk found corrupt, missing or never stored); "
         "warns when a lost store's chunks could not be repaired. Exit code 3 if a metadata "
         "server is down or some block has fewer than k live chunks (unreadable), 1 if the "
         "cluster cannot be asked at all.",

@@ -8,9 +8,12 @@ repaired elsewhere meanwhile are deleted, the rest count again at once).
 Each round finds the blocks that need work:
 
 * chunks on down nodes, through the Block layer's reverse index (``blocks_on_node``);
-* chunks that scrub found corrupt (``scrub_report`` of every up chunk store), and chunks
-  a reader found corrupt or missing and reported to the Block layer (``block.bad_chunks``),
-  so a damaged chunk a client read is rewritten next round, not when the scrub gets there;
+* the chunks the Block layer records as bad (``block.bad_chunks``): reported by a reader
+  that found them corrupt or missing, by the inventory (``inventory.py``: gone from their
+  store, or another chunk's file in their place), or absent since their block's commit;
+* chunks that scrub found corrupt (``scrub_report`` of every up chunk store), which each
+  round records in the Block layer too, so a restart of the store (its report is in
+  memory) hides nothing from repair or ``tectonic status``;
 * every ``sweep_interval``, a scan of all blocks (``block.scan``), which also finds blocks a
   writer committed with fewer than n chunks (the write quorum is k + 1).
 
@@ -20,7 +23,10 @@ decode with zfec in a worker thread, re-encode to get the missing chunks and che
 against its recorded CRC, put each on an up node that holds no chunk of the block, in a
 failure domain the block does not use where one exists, then ``block.set_chunk`` (refused if
 the chunk moved meanwhile), then delete the old copy if its node is reachable (a corrupt copy,
-or a node that came back). Bytes read and written go through the bandwidth ``TokenBucket``.
+or a node that came back). When every other up node holds a chunk of the block already, a
+chunk is put back on its own node as a last resort: that succeeds where the store lost it
+(and is a no-op where the report was wrong), and is refused where the store holds other
+bytes under its id. Bytes read and written go through the bandwidth ``TokenBucket``.
 A block with fewer than k live chunks cannot be rebuilt: it is logged as lost and counted.
 """
 
@@ -43,6 +49,8 @@ from tectonic_py.core.records import BlockInfo, NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
 
 log = logging.getLogger(__name__)
+
+_LOCATE_BATCH = 1000  # block ids per locate call
 
 
 @dataclass
@@ -81,14 +89,19 @@ class Repairer:
         # store, every round: one warning per round with the count, the chunks at DEBUG.
         self.unplaced = 0
 
-    async def bad_chunks(self, nodes: dict[str, NodeInfo]) -> set[tuple[int, int, str]]:
+    async def bad_chunks(
+        self, nodes: dict[str, NodeInfo], *, record: bool = False, scrub_timeout: float = 30.0
+    ) -> set[tuple[int, int, str]]:
         """(block, index, node) of every chunk an up chunk store's scrub reported bad, and of
-        every chunk a reader reported bad that is still where it was reported."""
-        bad = await self.reported_chunks()
+        every chunk the Block layer records as bad that is still where it was reported
+        (node "": never placed). ``record``: write the scrub's new finds to the Block layer.
+        A store silent for ``scrub_timeout`` is skipped (its finds were recorded before)."""
+        reported = await self.reported_chunks()
+        bad: set[tuple[int, int, str]] = set()
 
         async def ask(node: NodeInfo) -> None:
             try:
-                with trio.fail_after(30):
+                with trio.fail_after(scrub_timeout):
                     r = await self.m.node_call(node, "scrub_report")
             except (TectonicError, trio.TooSlowError) as e:
                 log.info("no scrub report from %s: %s", node.node_id, e)
@@ -104,7 +117,13 @@ class Repairer:
             for node in nodes.values():
                 if node.state == "up":
                     nursery.start_soon(ask, node)
-        return bad
+        if record:
+            for block_id, index, node_id in sorted(bad - reported):
+                try:
+                    await self.m.meta.report_bad_chunk(block_id, index, node_id, "scrub")
+                except TectonicError as e:
+                    log.info("scrub report of %016x.%d not recorded: %s", block_id, index, e)
+        return bad | reported
 
     async def reported_chunks(self) -> set[tuple[int, int, str]]:
         """The chunks readers reported (``block.report_bad_chunk``), from every shard; a
@@ -137,19 +156,30 @@ class Repairer:
                 async for rec in self.m.scan_blocks(shard):
                     if rec["state"] == "committed":
                         infos[rec["block_id"]] = _info(rec)
-        for block_id in ids - infos.keys():
-            try:
-                infos[block_id] = (await self.m.meta.locate_blocks([block_id]))[0]
-            except FileNotFound:
-                continue  # collected meanwhile
+        todo = sorted(ids - infos.keys())
+        for i in range(0, len(todo), _LOCATE_BATCH):
+            infos.update((b.block_id, b) for b in await self._locate(todo[i : i + _LOCATE_BATCH]))
         work = [assess(info, nodes, bad) for info in infos.values()]
         work = [w for w in work if w.missing]
         work.sort(key=lambda w: (len(w.live), w.info.block_id))
         return work
 
+    async def _locate(self, ids: list[int]) -> list[BlockInfo]:
+        """The committed blocks of ``ids``; those collected meanwhile are left out."""
+        try:
+            return await self.m.meta.locate_blocks(ids)
+        except FileNotFound:
+            out = []
+            for block_id in ids:  # one is gone: find which, one by one
+                try:
+                    out.extend(await self.m.meta.locate_blocks([block_id]))
+                except FileNotFound:
+                    continue
+            return out
+
     async def round(self) -> None:
         nodes = await self.m.nodes()
-        bad = await self.bad_chunks(nodes)
+        bad = await self.bad_chunks(nodes, record=True)
         now = time.monotonic()
         full = now - self._last_scan >= self.m.settings.sweep_interval or self._last_scan == 0.0
         work = await self.find_work(nodes, bad, full)
@@ -228,6 +258,8 @@ class Repairer:
             target = await self._place(
                 info.block_id, index, data, crc, order, holders, used_domains
             )
+            if target is None and old is not None:
+                target = await self._put_back(info.block_id, index, data, crc, nodes, old.node_id)
             if target is None:
                 self.unplaced += 1
                 log.debug("block %016x chunk %d: no node to rebuild it on", info.block_id, index)
@@ -246,7 +278,7 @@ class Repairer:
             restored += 1
             self.m.counters.repaired_chunks += 1
             self.m.counters.repair_bytes += len(data)
-            if old is not None:
+            if old is not None and old.node_id != target.node_id:
                 node = nodes.get(old.node_id)
                 if node is not None and node.state == "up":
                     try:
@@ -306,6 +338,27 @@ class Repairer:
                     "rebuilt chunk %016x.%d to %s failed: %s", block_id, index, target.node_id, e
                 )
         return None
+
+    async def _put_back(
+        self,
+        block_id: int,
+        index: int,
+        data: bytes,
+        crc: int,
+        nodes: dict[str, NodeInfo],
+        node_id: str,
+    ) -> NodeInfo | None:
+        """The chunk's own node, if it is up and takes the rebuilt chunk (see the module
+        docstring); None otherwise."""
+        node = nodes.get(node_id)
+        if node is None or node.state != "up":
+            return None
+        try:
+            await self.m.put_chunk(node, block_id, index, data, crc)
+        except TectonicError as e:
+            log.debug("rebuilt chunk %016x.%d back to %s refused: %s", block_id, index, node_id, e)
+            return None
+        return node
 
 
 def _rebuild(

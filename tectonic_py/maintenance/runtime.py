@@ -50,15 +50,16 @@ class MaintenanceSettings:
     grace: float = 3600.0  # GC: age before unreferenced chunks and blocks are collected
     lease_grace: float = 600.0  # lease recovery: time past a writer lease's expiry
     sweep_interval: float = 3600.0  # GC: seconds between block and chunk sweeps
+    inventory_interval: float = 600.0  # seconds between inventory passes over every store
     bandwidth: float = 200 * MiB  # bytes/s that repair and rebalance read + write together
     repair_concurrency: int = 4  # blocks rebuilt at once
     rebalance: bool = True
     rebalance_tolerance: float = 0.1  # move while fullest - emptiest > this * mean used
     rebalance_max_moves: int = 256  # chunk moves per rebalance round
-    services: tuple[str, ...] = ("repair", "gc", "rebalance")
+    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory")
 
     def __post_init__(self) -> None:
-        for name in ("interval", "sweep_interval", "bandwidth"):
+        for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
         for name in ("grace", "lease_grace", "rebalance_tolerance"):
@@ -66,7 +67,7 @@ class MaintenanceSettings:
                 raise ConfigError(f"{name.replace('_', '-')} must not be negative")
         if self.repair_concurrency < 1 or self.rebalance_max_moves < 0:
             raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
-        unknown = set(self.services) - {"repair", "gc", "rebalance"}
+        unknown = set(self.services) - {"repair", "gc", "rebalance", "inventory"}
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")
 
@@ -275,6 +276,7 @@ async def run_services(
 ) -> None:
     """Run the configured services until cancelled."""
     from tectonic_py.maintenance.gc import GarbageCollector
+    from tectonic_py.maintenance.inventory import Inventory
     from tectonic_py.maintenance.rebalance import Rebalancer
     from tectonic_py.maintenance.repair import Repairer
 
@@ -288,6 +290,9 @@ async def run_services(
                 nursery.start_soon(_loop, m, "gc", settings.interval, GarbageCollector(m).round)
             if "rebalance" in settings.services and settings.rebalance:
                 nursery.start_soon(_loop, m, "rebalance", settings.interval, Rebalancer(m).round)
+            if "inventory" in settings.services:
+                inventory = Inventory(m).round
+                nursery.start_soon(_loop, m, "inventory", settings.inventory_interval, inventory)
             if ready_file is not None:
                 await trio.to_thread.run_sync(_write_ready_file, ready_file)
             task_status.started(m)
