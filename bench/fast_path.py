@@ -11,7 +11,7 @@ stores, RS(6,3)) is started and three user-visible workloads run against it:
   library workers), write then restore.
 
 The figure is CPU-seconds per GiB moved summed over *all* processes: the workload's own,
-the mount's, and every daemon's with its children (a chunk store's writer process), plus
+the mount's, and every daemon's with any children it starts, plus
 wall time. Configurations run interleaved (A B C ... A B C ...) for ``--rounds`` rounds,
 since the machine is shared and noisy, and each measurement holds ``/tmp/bench.lock``. The
 summary gives the medians and, for each configuration, its CPU-s per GiB over the first
@@ -79,7 +79,7 @@ def bench_lock() -> Iterator[None]:
 
 
 def with_children(pids: list[int]) -> list[int]:
-    """``pids`` and every live descendant (a chunk store's writer process)."""
+    """``pids`` and every live descendant (a helper process a daemon starts)."""
     import psutil
 
     out: list[int] = []

@@ -249,7 +249,7 @@ class _Outbox:
 
     Why: on loopback every ``writev`` of a reply also runs the peer's TCP input and wakes
     the peer, on the chunk store's event loop thread. Replies that become ready in one pass
-    of the scheduler (the writer process's answers are read all at once) leave in one
+    of the scheduler (puts released together by one directory fsync) leave in one
     ``writev``: the first sender yields once, so that the others can add theirs, then sends
     everything queued. A sender returns before its frame is on the wire; a failed send
     fails the connection, which the peer sees as it would any other lost reply.
