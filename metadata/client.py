@@ -542,8 +542,9 @@ class MetadataClient:
     async def allocate_block(self, file_id: int, token: int, ec: str, hedge: int = 2) -> BlockGrant:
         """A new block id plus k+m+hedge placed nodes and a capability token.
 
-        The writer token is checked when the block is committed, not here: a fenced writer
-        can only waste an allocation, which the GC reclaims."""
+        The metadata service refuses token 0 (no writer, no capability); a stale token is
+        refused when the block is committed, not here: a fenced writer can only waste an
+        allocation, which the GC reclaims."""
         policy = ECPolicy.parse(ec)
         # At least the default write quorum (k+1): with a node down in a cluster of exactly
         # k+m nodes, writes still succeed (the data client commits the chunks that landed
@@ -559,6 +560,7 @@ class MetadataClient:
             shard,
             "block.allocate",
             file_id=file_id,
+            token=token,
             ec=policy.name,
             nodes=[n.node_id for n in nodes],
         )

@@ -40,7 +40,7 @@ file.*xattr          id, name, value                                       value
 file.orphans         older_than_ns, limit                                  orphans
 file.collect_orphan  id                                                    deleted
 file.gc_blocks       limit                                                 block_ids
-block.allocate       file_id, ec, nodes                                    block_id, capability
+block.allocate       file_id, token, ec, nodes                             block_id, capability
 block.grant          block_id, nodes                                       nodes, capability
 block.commit         file_id, blocks [BlockInfo...]                        {}
 block.locate         ids                                                   blocks
@@ -83,6 +83,7 @@ from tectonic_py.core.errors import (
     ConfigError,
     FileNotFound,
     InvalidArgument,
+    StaleWriterToken,
     TectonicError,
     WrongShard,
 )
@@ -509,13 +510,22 @@ class MetadataServer(MaintenanceOps):
         return nodes
 
     async def op_block__allocate(self, req: Request) -> dict[str, Any]:
+        """A block id and the capability to write its chunks, for the file's writer only.
+
+        Token 0 (no writer) is refused: a capability is a licence to write chunks, never
+        handed to a caller that holds no lease. The block's shard is not the file's, so
+        whether a non-zero token is still the file's is checked when the block is committed
+        (a fenced writer can only waste an allocation, which the GC reclaims)."""
         store = self._store(req)
+        file_id = _id(req, "file_id")
+        if req.int("token", 0, hi=MAX_ID) == 0:
+            raise StaleWriterToken(f"block.allocate for file {file_id} without a writer token")
         nodes = self._node_list(req)
         block_id = await store.write(
             block_layer.allocate,
             store.shard,
             self.total_shards,
-            _id(req, "file_id"),
+            file_id,
             req.str("ec", max_len=16),
             nodes,
             now_ns(),

@@ -2,7 +2,8 @@
 
 A secret file others can read is refused; a peer that has not authenticated holds next to no
 memory; a relay that passed the handshake through cannot inject, replay or reorder frames;
-a chunk is deleted only with a capability the metadata service issued for that delete.
+a capability names the one op it licenses, and no capability goes to a caller without the
+file's writer token.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from metadata_fixtures import open_meta_cluster, register_nodes
 
-from tectonic_py.core import auth, framing, rpc_client, rpc_server
+from tectonic_py.core import auth, capability, framing, rpc_client, rpc_server
 from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
-from tectonic_py.core.errors import ConfigError, Unavailable
+from tectonic_py.core.errors import BadCapability, ConfigError, StaleWriterToken, Unavailable
+from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.rpc_server import Request
 
 
@@ -251,3 +254,32 @@ def test_a_frames_tag_covers_its_header_and_payload_in_one_piece_or_two():
     whole = auth.FrameSession(b"k" * 32, b"k" * 32).seal(head + payload, None)
     assert session.seal(head, payload) == whole
     assert session.seal(head, payload) != whole  # the next sequence number: another tag
+
+
+# --- capabilities ----------------------------------------------------------------------------
+
+
+def test_a_capability_names_its_op_and_a_put_token_does_not_license_a_delete(secret):
+    put = capability.issue(secret, 7, ["n1"])
+    capability.verify(secret, put, 7, "n1")
+    with pytest.raises(BadCapability, match="not 'delete'"):
+        capability.verify(secret, put, 7, "n1", op="delete")
+    delete = capability.issue(secret, 7, ["n1"], op="delete")
+    capability.verify(secret, delete, 7, "n1", op="delete")
+    with pytest.raises(BadCapability):
+        capability.verify(secret, delete, 7, "n1")  # and no put with a delete token
+    with pytest.raises(BadCapability):
+        capability.verify(secret, delete, 8, "n1", op="delete")
+
+
+async def test_block_allocate_without_a_writer_token_hands_out_no_capability(tmp_path, secret_file):
+    """Before: token 0 (no lease on the file) got a block and the capability to write it."""
+    async with open_meta_cluster(tmp_path, secret_file) as mc:
+        c = mc.client
+        await register_nodes(c, 3)
+        f, token = await c.create(ROOT_ID, "f", ec="rs-2-1")
+        with pytest.raises(StaleWriterToken, match="without a writer token"):
+            await c.allocate_block(f.id, 0, "rs-2-1", hedge=0)
+        grant = await c.allocate_block(f.id, token, "rs-2-1", hedge=0)
+        secret = secret_file.read_bytes().strip()
+        capability.verify(secret, grant.capability, grant.block_id, grant.nodes[0].node_id)
