@@ -5,8 +5,19 @@ disk in a worker thread, so the event loop keeps the write pipeline full) and re
 after ``close``: the file is durable, committed and sealed when the command exits 0.
 ``get`` streams it back with readahead, writing to a temporary file that is fsynced and
 renamed into place, so an interrupted ``get`` never leaves a truncated file under the
-target name. Transfers over 64 MiB show a rich progress bar on a terminal (``--quiet``
+target name. An existing special file (a device, a FIFO) is opened and written as any
+program writes to it, never renamed over: ``get ... /dev/null`` must leave /dev/null a
+device. Transfers over 64 MiB show a rich progress bar on a terminal (``--quiet``
 hides it).
+
+A file that is not sealed is still copied (exit 0: its committed bytes may be all a user
+has), with a one-line warning on stderr: "still being written" while a writer holds its
+token, "unsealed, writer gone" when none does, as after a writer that died or lost its
+mount; such a file may lack its tail for good. ``stat`` and ``ls -l`` show the same state.
+
+``rm -r`` refuses the root directory before it deletes anything (as rm(1) does without
+``--no-preserve-root``), checks every operand before it deletes any, and walks a tree by
+ids, so a rename during the walk cannot turn it onto another directory.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -24,7 +36,14 @@ import trio
 from tectonic_py.cli.common import add_cluster_file
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ec_policy import ECPolicy
-from tectonic_py.core.errors import ConfigError, IsADirectory
+from tectonic_py.core.errors import (
+    ConfigError,
+    FileExists,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+)
+from tectonic_py.core.records import KIND_DIR, UNSEALED, WRITING, Attrs, DirEntry
 
 MiB = 1024 * 1024
 PIECE = 8 * MiB
@@ -117,30 +136,44 @@ async def _put(
     }
 
 
+def _local_target(local: str, remote: str) -> tuple[Path, bool]:
+    """Where ``get`` writes, and whether in place: True for an existing file that is not a
+    regular one (a device, a FIFO), which is opened and written, never renamed over."""
+    target = Path(local)
+    for _ in range(2):
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            return target, False
+        except OSError as e:
+            raise ConfigError(f"cannot write {str(target)!r}: {e.strerror}") from None
+        if stat.S_ISREG(st.st_mode):
+            return target, False
+        if not stat.S_ISDIR(st.st_mode):
+            return target, True
+        if target != Path(local):
+            break
+        target = target / remote.rstrip("/").rpartition("/")[2]
+    raise IsADirectory(f"{str(target)!r} is a directory")
+
+
 async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> dict[str, Any]:
     reader = await client.open_read(remote)
-    target = Path(local)
-    if target.is_dir():
-        target = target / remote.rstrip("/").rpartition("/")[2]
-    tmp = target.with_name(f".{target.name}.tectonic-tmp")
-    started = time.monotonic()
-    progress = _Progress(f"get {target.name}", reader.size, quiet)
     try:
-        f = await trio.to_thread.run_sync(open, tmp, "wb")
-        with f:
-            while True:
-                data = await reader.read(PIECE)
-                if not data:
-                    break
-                await trio.to_thread.run_sync(f.write, data)
-                progress.advance(len(data))
-            await trio.to_thread.run_sync(os.fsync, f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        target, in_place = _local_target(local, remote)
+        started = time.monotonic()
+        progress = _Progress(f"get {target.name}", reader.size, quiet)
+        try:
+            if in_place:
+                await _copy_to(reader, target, progress, sync=False)
+            else:
+                await _copy_to_new(reader, target, progress)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and e.filename != str(target) else ""
+            raise ConfigError(f"cannot write {str(target)!r}: {e.strerror}{where}") from None
+        finally:
+            progress.close()
     finally:
-        progress.close()
         await reader.aclose()
     seconds = time.monotonic() - started
     return {
@@ -148,35 +181,105 @@ async def _get(client: TectonicClient, remote: str, local: str, quiet: bool) -> 
         "bytes": reader.size,
         "seconds": round(seconds, 3),
         "MB_per_s": round(reader.size / max(seconds, 1e-9) / 1e6, 1),
+        "state": reader.attrs.seal_state,
     }
+
+
+async def _copy_to_new(reader: Any, target: Path, progress: _Progress) -> None:
+    """Temp file, fsync, rename: the target name never holds a truncated copy."""
+    tmp = target.with_name(f".{target.name}.tectonic-tmp")
+    try:
+        await _copy_to(reader, tmp, progress, sync=True)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+async def _copy_to(reader: Any, path: Path, progress: _Progress, *, sync: bool) -> None:
+    # A FIFO's open waits for its reader: in a thread, so the event loop keeps running.
+    f = await trio.to_thread.run_sync(open, path, "wb")
+    with f:
+        while True:
+            data = await reader.read(PIECE)
+            if not data:
+                break
+            await trio.to_thread.run_sync(f.write, data)
+            progress.advance(len(data))
+        await trio.to_thread.run_sync(f.flush)
+        if sync:
+            await trio.to_thread.run_sync(os.fsync, f.fileno())
 
 
 async def _ls(client: TectonicClient, path: str, long: bool) -> list[dict[str, Any]]:
     attrs = await client.stat(path)
     if not attrs.is_dir:
         name = path.rstrip("/").rpartition("/")[2]
-        return [{"name": name, "kind": attrs.kind, "size": attrs.size, "ec": attrs.ec}]
+        return [
+            {
+                "name": name,
+                "kind": attrs.kind,
+                "size": attrs.size,
+                "ec": attrs.ec,
+                "state": attrs.seal_state,
+            }
+        ]
     out = []
     for e in await client.listdir(path):
         row: dict[str, Any] = {"name": e.name, "kind": e.kind}
         if long:
             a = await client.meta.getattr(e.id)
-            row.update(size=a.size, ec=a.ec, sealed=a.sealed, mtime_ns=a.mtime_ns)
+            row.update(
+                size=a.size, ec=a.ec, sealed=a.sealed, state=a.seal_state, mtime_ns=a.mtime_ns
+            )
         out.append(row)
     return out
 
 
+def _is_root(path: str) -> bool:
+    """``path`` names the root directory once normalised ("/", "//", "/./")."""
+    return not [p for p in path.split("/") if p and p != "."]
+
+
 async def _rm(client: TectonicClient, paths: list[str], recursive: bool) -> None:
     for path in paths:
-        attrs = await client.stat(path)
-        if attrs.is_dir:
-            if not recursive:
-                raise IsADirectory(f"{path} is a directory (use -r)")
-            for e in await client.listdir(path):
-                await _rm(client, [path.rstrip("/") + "/" + e.name], True)
-            await client.rmdir(path)
-        else:
-            await client.unlink(path)
+        if _is_root(path):
+            raise InvalidArgument("refusing to remove '/', the cluster's root directory")
+    targets: list[tuple[Attrs, str, Attrs]] = []
+    for path in paths:
+        parts = [p for p in path.split("/") if p and p != "."]
+        parent = await client.stat("/" + "/".join(parts[:-1]))
+        attrs = await client.meta.lookup(parent.id, parts[-1])
+        if attrs.is_dir and not recursive:
+            raise IsADirectory(f"{path} is a directory (use -r)")
+        if path.endswith("/") and not attrs.is_dir:
+            raise NotADirectory(f"{path} is not a directory")
+        targets.append((parent, parts[-1], attrs))
+    for parent, name, attrs in targets:
+        await _remove(client, parent.id, name, attrs.is_dir, attrs.id)
+
+
+async def _remove(
+    client: TectonicClient, parent_id: int, name: str, is_dir: bool, id_: int
+) -> None:
+    """Remove ``name`` in ``parent_id`` (a tree, children first), by ids all the way down."""
+    if is_dir:
+        for e in await _entries(client, id_):
+            await _remove(client, id_, e.name, e.kind == KIND_DIR, e.id)
+        await client.meta.rmdir(parent_id, name)
+    else:
+        await client.meta.unlink(parent_id, name)
+
+
+async def _entries(client: TectonicClient, dir_id: int) -> list[DirEntry]:
+    out: list[DirEntry] = []
+    after = ""
+    while True:
+        page, nxt = await client.meta.readdir(dir_id, after, 1000)
+        out.extend(page)
+        if nxt is None or not page:
+            return out
+        after = nxt
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -192,8 +295,23 @@ def cmd_put(args: argparse.Namespace) -> int:
     return 0
 
 
+_STATE_WARNINGS = {
+    WRITING: "is still being written (unsealed): copied the bytes committed so far",
+    UNSEALED: "is unsealed, writer gone: it may be incomplete for good",
+}
+
+# What ``stat`` and ``ls -l`` print for a file's seal state.
+STATE_TEXT = {WRITING: "writing", UNSEALED: "unsealed, writer gone"}
+
+
 def cmd_get(args: argparse.Namespace) -> int:
     r = trio.run(_run, args.cluster_file, _get, _remote(args.remote), args.local, args.quiet)
+    if r["state"] in _STATE_WARNINGS:
+        print(
+            f"tectonic get: warning: {args.remote} {_STATE_WARNINGS[r['state']]}"
+            f" ({r['bytes']} bytes)",
+            file=sys.stderr,
+        )
     if not args.quiet:
         print(f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s)")
     return 0
@@ -207,7 +325,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in rows:
         suffix = "/" if row["kind"] == "dir" else ""
         if args.long and row["kind"] != "dir":
-            print(f"{row.get('size', 0):>14} {row.get('ec', ''):>8} {row['name']}{suffix}")
+            state = f"  [{STATE_TEXT[row['state']]}]" if row["state"] in STATE_TEXT else ""
+            print(f"{row['size']:>14} {row['ec']:>8} {row['name']}{suffix}{state}")
         else:
             print(f"{row['name']}{suffix}")
     return 0
@@ -220,7 +339,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_stat(args: argparse.Namespace) -> int:
     async def go(client: TectonicClient) -> dict[str, Any]:
-        return (await client.stat(_remote(args.path))).to_wire()
+        attrs = await client.stat(_remote(args.path))
+        if attrs.is_dir:
+            return attrs.to_wire()
+        return {**attrs.to_wire(), "state": STATE_TEXT.get(attrs.seal_state, attrs.seal_state)}
 
     print(json.dumps(trio.run(_run, args.cluster_file, go), indent=2))
     return 0
@@ -233,6 +355,8 @@ def cmd_mkdir(args: argparse.Namespace) -> int:
     async def go(client: TectonicClient) -> None:
         for p in args.paths:
             attrs = await client.mkdir(_remote(p), parents=args.parents)
+            if not attrs.is_dir:  # -p accepts an existing directory, never a file
+                raise FileExists(f"{p} exists and is not a directory")
             if args.ec:
                 await client.meta.setattr(attrs.id, ec=args.ec)
 
