@@ -8,8 +8,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -252,3 +254,43 @@ async def test_a_fenced_writer_gets_estale(
             await other.release(fi2.fh)
     attrs = await ops.meta.getattr(entry.st_ino)
     assert attrs.sealed and attrs.size == len(b"second writer")
+
+
+async def _recover_lease(meta: Any, file_id: int, token: int) -> None:
+    """What the GC does once a dead writer's lease runs out: the token released, unsealed."""
+    r = await meta._shard(
+        meta._of(file_id), "file.recover_lease", id=file_id, token=token, before_ns=2**62
+    )
+    assert r["outcome"] == "incomplete"
+
+
+async def test_unsealed_file_whose_writer_is_gone_says_so(
+    ops: Operations, shared_cluster: LocalCluster
+) -> None:
+    durability = b"user.tectonic.durability"
+    async with open_client(shared_cluster.cluster_file) as other:  # another mount's writer
+        writer = await other.create_in(ROOT_ID, "unsealed", mode=0o640)
+        await writer.write(b"x" * 5000)
+        await writer.fsync()
+        inode = writer.file_id
+        assert await ops.getxattr(inode, durability, CTX) == b"writing"
+        assert (await ops.getattr(inode, CTX)).st_mode == stat.S_IFREG | 0o640
+        await _recover_lease(other.meta, inode, writer.token)
+        await writer.abort()
+    entry = await ops.getattr(inode, CTX)
+    # No read bits: ls -l does not show it as a complete file, and only root may read it.
+    assert (entry.st_mode, entry.st_size) == (stat.S_IFREG | 0o200, 5000)
+    assert await ops.getxattr(inode, durability, CTX) == b"unsealed"
+    assert durability in await ops.listxattr(inode, CTX)
+    assert await _errno(ops.setxattr(inode, durability, b"sealed", CTX)) == errno.EPERM
+    assert await _errno(ops.removexattr(inode, durability, CTX)) == errno.EPERM
+    assert (await ops.meta.getattr(inode)).mode == 0o640  # the stored mode is untouched
+    # This mount's own writer: "writing" with its mode; sealed on the last release.
+    fi, entry = await ops.create(ROOT_ID, b"mine", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    assert await ops.getxattr(entry.st_ino, durability, CTX) == b"writing"
+    await ops.write(fi.fh, 0, b"y" * 10)
+    await ops.release(fi.fh)
+    assert await ops.getxattr(entry.st_ino, durability, CTX) == b"sealed"
+    assert (await ops.getattr(entry.st_ino, CTX)).st_mode == stat.S_IFREG | 0o644
+    assert await _errno(ops.getxattr(ROOT_ID, durability, CTX)) == pyfuse3.ENOATTR
+    assert durability not in await ops.listxattr(ROOT_ID, CTX)

@@ -18,6 +18,13 @@ KIND_FILE = "file"
 KIND_DIR = "dir"
 MAX_NAME_BYTES = 255
 
+# A file's seal state (``Attrs.seal_state``): sealed is complete; writing has a live writer
+# token, so more bytes may come; unsealed has neither, so it may lack its tail for good
+# (its writer died or lost its mount) and a reader should be told.
+SEALED = "sealed"
+WRITING = "writing"
+UNSEALED = "unsealed"
+
 
 def validate_name(name: object) -> str:
     """The one place names are checked: a single path component, 1..255 bytes of UTF-8.
@@ -66,6 +73,13 @@ class Attrs:
     @property
     def is_dir(self) -> bool:
         return self.kind == KIND_DIR
+
+    @property
+    def seal_state(self) -> str:
+        """``SEALED``, ``WRITING`` or ``UNSEALED`` (directories count as sealed)."""
+        if self.sealed or self.is_dir:
+            return SEALED
+        return WRITING if self.writer else UNSEALED
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

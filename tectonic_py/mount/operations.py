@@ -30,7 +30,13 @@ Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 * **getxattr is cheap.** The kernel asks for ``security.capability`` before every write once
   getxattr exists; only ``user.*`` names ever reach the metadata service. The EC policy of a
   file or directory is the xattr ``user.tectonic.ec`` (settable on directories: new files
-  inherit it).
+  inherit it); a file's seal state is ``user.tectonic.durability`` (read-only): ``sealed``,
+  ``writing`` (a writer holds its token) or ``unsealed`` (no writer and no seal).
+* **An unsealed file whose writer is gone shows no read bits.** Its writer died or lost its
+  mount before the seal, so its tail may be missing for good. ``ls -l`` shows it as
+  ``--w-------`` rather than as a complete file, a program run by an ordinary user gets
+  EACCES instead of loading it, and root (who bypasses modes) can still read what was
+  committed. The stored mode is unchanged: a writer that rewrites and seals it shows it again.
 * No ``direct_io`` (numpy memmap needs shared mmap) and no ``writeback_cache`` (it reorders
   and splits writes, see docs/checkpoint-io.md).
 """
@@ -80,7 +86,7 @@ from tectonic_py.core.errors import (
     WrongShard,
     XattrNotFound,
 )
-from tectonic_py.core.records import Attrs, DirEntry
+from tectonic_py.core.records import UNSEALED, WRITING, Attrs, DirEntry
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
 
 if TYPE_CHECKING:
@@ -227,6 +233,7 @@ def _name(raw: bytes) -> str:
 BLKSIZE = 128 * 1024
 FRSIZE = 4096
 EC_XATTR = "user.tectonic.ec"
+DURABILITY_XATTR = "user.tectonic.durability"
 READDIR_PAGE = 64  # entries per metadata page; the kernel's buffer holds roughly this many
 ATTR_FETCH_LIMIT = 32  # concurrent getattr calls per readdir page
 
@@ -275,7 +282,10 @@ class Operations(pyfuse3.Operations):
         e.entry_timeout = self.entry_timeout
         e.attr_timeout = self.attr_timeout
         kind = stat.S_IFDIR if attrs.is_dir else stat.S_IFREG
-        e.st_mode = kind | (attrs.mode & 0o7777)
+        mode = attrs.mode & 0o7777
+        if ofile is None and attrs.seal_state == UNSEALED:
+            mode &= ~0o444  # see the module docstring: not shown as a complete file
+        e.st_mode = kind | mode
         e.st_nlink = max(attrs.nlink, 1)
         e.st_uid = attrs.uid
         e.st_gid = attrs.gid
@@ -725,7 +735,17 @@ class Operations(pyfuse3.Operations):
         key = _name(name)
         if key == EC_XATTR:
             return (await self._attrs(inode)).ec.encode()
+        if key == DURABILITY_XATTR:
+            return (await self._durability(inode)).encode()
         return await self.meta.getxattr(inode, key)
+
+    async def _durability(self, inode: int) -> str:
+        if self.cache.writing(inode) is not None:
+            return WRITING
+        attrs = await self._attrs(inode)
+        if attrs.is_dir:
+            raise XattrNotFound(f"a directory has no {DURABILITY_XATTR}")
+        return attrs.seal_state
 
     @_fuse_op
     async def setxattr(
@@ -734,6 +754,8 @@ class Operations(pyfuse3.Operations):
         if not name.startswith(b"user."):
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         key = _name(name)
+        if key == DURABILITY_XATTR:
+            raise pyfuse3.FUSEError(errno.EPERM)
         if key == EC_XATTR:
             try:
                 text = value.decode("ascii")
@@ -751,16 +773,16 @@ class Operations(pyfuse3.Operations):
     @_fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         names = await self.meta.listxattr(inode)
-        return [EC_XATTR.encode()] + [n.encode() for n in names if n != EC_XATTR]
+        ours = [EC_XATTR] if (await self._attrs(inode)).is_dir else [EC_XATTR, DURABILITY_XATTR]
+        return [n.encode() for n in ours + [n for n in names if n not in ours]]
 
     @_fuse_op
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if not name.startswith(b"user."):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        key = _name(name)
-        if key == EC_XATTR:
+        if _name(name) in (EC_XATTR, DURABILITY_XATTR):
             raise pyfuse3.FUSEError(errno.EPERM)
-        await self.meta.removexattr(inode, key)
+        await self.meta.removexattr(inode, _name(name))
 
     # --- shutdown ---------------------------------------------------------------------------
 
