@@ -159,6 +159,38 @@ async def test_the_maintenance_service_runs_the_inventory(tmp_path):
         cluster.stop()
 
 
+async def test_without_a_spare_node_a_lost_chunk_is_put_back_on_its_own(tmp_path):
+    # 6 stores for rs-4-2's 6 chunks: every other store holds a chunk of the block already.
+    cluster = make_cluster(
+        tmp_path / "c",
+        chunkstores=6,
+        maintenance_args=["--no-rebalance", "--inventory-interval", "0.5"],
+    )
+    try:
+        cluster.start()
+        data = data_of(100_000, seed=21)
+        async with open_fresh_client(cluster) as client:
+            fid = await put(client, "/p", data)
+            block = (await client.meta.block_list(fid))[0]
+        victim = block.chunks[2]
+        path = _chunk_file(cluster, block.block_id, victim)
+        path.unlink()
+        async with open_inspector(cluster) as m:
+
+            async def put_back() -> bool:
+                health = await block_health(m)
+                return path.exists() and health["degraded"] == 0 and not health["bad_chunks"]
+
+            await wait_for("the lost chunk to be rebuilt on its own store", put_back)
+            info = (await m.meta.locate_blocks([block.block_id]))[0]
+            assert info.chunks[2].node_id == victim.node_id
+        async with open_fresh_client(cluster) as client:
+            assert await read(client, "/p") == data
+            assert client.stats.degraded_reads == 0
+    finally:
+        cluster.stop()
+
+
 def test_repair_inventory_runs_one_pass_on_demand(tmp_path):
     cluster = make_cluster(tmp_path / "c", maintenance=False)
     try:

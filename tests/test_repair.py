@@ -289,7 +289,7 @@ async def test_no_node_to_rebuild_on_is_one_warning_per_round(monkeypatch, caplo
     async def all_nodes():  # type: ignore[no-untyped-def]
         return nodes
 
-    async def no_bad_chunks(_nodes):  # type: ignore[no-untyped-def]
+    async def no_bad_chunks(_nodes, **_kw):  # type: ignore[no-untyped-def]
         return set()
 
     async def work(_nodes, _bad, _full):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ by the maintenance process onto other nodes, and reads stay correct throughout."
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import trio
@@ -19,6 +20,9 @@ from maintenance_helpers import (
 
 from chunkstore import layout, writes
 from chunkstore.scrub import Scrubber
+from tectonic_py.cli import status as status_cli
+from tectonic_py.cli.common import EXIT_UNHEALTHY
+from tectonic_py.core import cluster_file
 from tectonic_py.core.checksum import checksum
 from tectonic_py.core.ids import chunk_id
 
@@ -111,5 +115,44 @@ async def test_flipped_bytes_are_scrubbed_and_repaired(tmp_path):
             assert await r.read() == data
             assert client.stats.degraded_reads == 0 and client.stats.corrupt_chunks == 0
             await r.aclose()
+    finally:
+        cluster.stop()
+
+
+async def test_status_counts_blocks_the_scrub_found_bad(tmp_path):
+    # No maintenance: nothing repairs or records the scrub's finds; status asks the stores.
+    cluster = make_cluster(tmp_path / "c", chunkstore_args=SCRUB, maintenance=False)
+    try:
+        cluster.start()
+        async with open_fresh_client(cluster) as client:
+            fid = await put(client, "/lost", data_of(200_000, seed=9))
+            blocks = await client.meta.block_list(fid)
+        # m + 1 = 3 chunks of one rs-4-2 block: fewer than k good ones, the block is lost;
+        # one chunk of another block: degraded.
+        victims = [(blocks[0].block_id, c) for c in blocks[0].chunks[:3]]
+        victims.append((blocks[1].block_id, blocks[1].chunks[4]))
+        for block_id, c in victims:
+            node = int(c.node_id.removeprefix("cs"))
+            _flip(layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(block_id, c.index)), 7)
+        config = cluster_file.load(cluster.cluster_file)
+
+        async def seen():  # type: ignore[no-untyped-def]
+            st = await status_cli.gather(config)
+            got = {b["block_id"]: b for b in st["degraded_blocks"]}
+            return st if set(got) == {blocks[0].block_id, blocks[1].block_id} else None
+
+        st = await wait_for("status to show the scrubbed blocks", seen)
+        got = {b["block_id"]: b for b in st["degraded_blocks"]}
+        lost, degraded = got[blocks[0].block_id], got[blocks[1].block_id]
+        assert (lost["live"], lost["readable"]) == (3, False)
+        assert sorted(lost["missing"]) == sorted(c.node_id for _, c in victims[:3])
+        assert (degraded["live"], degraded["readable"]) == (5, True)
+        assert not status_cli.healthy(st)
+        proc = await trio.run_process(
+            [sys.executable, "-m", "tectonic_py.cli.main", "status", str(cluster.cluster_file)],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )  # fmt: skip
+        assert proc.returncode == EXIT_UNHEALTHY, proc.stderr
+        assert "2 degraded blocks, 1 unreadable" in proc.stdout.decode()
     finally:
         cluster.stop()

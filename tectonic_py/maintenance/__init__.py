@@ -1,4 +1,5 @@
-"""The background services of a cluster: repair, scrub coordination, GC, lease recovery, rebalance.
+"""The background services of a cluster: repair, scrub coordination, inventory, GC, lease
+recovery, rebalance.
 
 They run in ``tectonic maintenance CLUSTER_FILE`` processes (``run_services``: one trio
 nursery, one task per service, each a loop of rounds), not inside metadata servers: a
@@ -22,6 +23,7 @@ The only in-memory state (GC suspects, counters) is lost on a restart, which del
 harms nothing. Several maintenance processes may run at once; they waste work, never data.
 
 Modules: ``repair`` (failure detection via the registry, scrub reports, the repair queue),
+``inventory`` (what the Block layer places on each store against what the store holds),
 ``gc`` (lease recovery, orphans, the GC queue, block and chunk sweeps), ``rebalance``;
 ``runtime`` holds the shared plumbing (``Maintenance``: metadata client, chunk connections,
 the repair bandwidth ``TokenBucket``, node choice).
