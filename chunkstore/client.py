@@ -257,6 +257,17 @@ class ChunkPool:
                     await c.conn.aclose()
         self._clients.clear()
 
+    def drop(self, address: str) -> None:
+        """Close every connection to ``address`` now, failing the calls on them (Unavailable).
+
+        For a store that stopped answering (SIGSTOP, a hung disk): its connections are open
+        but nothing comes back, so every request sent on them would wait as long as it stays
+        stopped. Dropping them makes those requests fail at once (their callers go
+        elsewhere), and a reply sent after the store resumes can only reach a closed socket.
+        """
+        for c in self._clients.pop(address, []):
+            self._nursery.start_soon(c.conn.aclose)
+
     def _check_backoff(self, address: str) -> None:
         if self._view is not None and self._view.backing_off(address):
             raise Unavailable(f"chunk store {address} was unreachable moments ago (backing off)")

@@ -12,6 +12,8 @@ import signal
 import psutil
 import pytest
 import trio
+from cluster_fixtures import suite_cluster
+from maintenance_helpers import block_health, open_inspector
 
 from chunkstore import layout as chunk_layout
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
@@ -243,3 +245,101 @@ async def test_a_hung_chunk_store_does_not_stall_a_write(local_cluster, caplog):
         assert all(len(b.chunks) == 9 for b in blocks)
         r = await client.open_read("/hedged")
         assert await r.read() == data
+
+
+async def test_a_store_stopped_mid_put_does_not_hang_puts(local_cluster, caplog):
+    """9 stores for RS(6,3): no spare to hedge to. A store stopped (SIGSTOP) while 8 puts are
+    in flight must not hold them until it resumes: each block commits on the live stores
+    (at least the write quorum, k + 1) within a bound, reads back, and the blocks committed
+    short are the ones repair sees as degraded."""
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    await _stop_a_store_mid_puts(local_cluster, files=8, blocks=4)
+
+
+async def test_a_store_stopped_mid_put_of_large_chunks(tmp_path, caplog):
+    """The same with 1 MiB chunks: the stopped store's socket buffers fill, so puts to it stall
+    in the middle of sending a frame rather than waiting for a reply."""
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    with suite_cluster(tmp_path / "c", chunk_size=MiB, node_timeout=5.0) as cluster:
+        await _stop_a_store_mid_puts(cluster, files=4, blocks=2)
+
+
+async def _stop_a_store_mid_puts(cluster: LocalCluster, *, files: int, blocks: int) -> None:
+    hedge = 0.5
+    victim = 3
+    pid = cluster.chunkstore_pids()[victim]
+    assert pid is not None
+    async with open_client(cluster.cluster_file, write_hedge_s=hedge) as client:
+        block = (await client.create("/probe")).layout.block_size
+        datas = {f"/p{i}": _data(blocks * block + i, seed=50 + i) for i in range(files)}
+        stopped = trio.Event()
+
+        async def put(path: str) -> None:
+            w = await client.create(path)
+            for j in range(0, len(datas[path]), block):
+                await w.write(datas[path][j : j + block])
+                if j >= block:
+                    await stopped.wait()
+            await w.close()
+
+        try:
+            with trio.fail_after(60):  # a bound on the test; the timing assertion is below
+                async with trio.open_nursery() as nursery:
+                    for path in datas:
+                        nursery.start_soon(put, path)
+                    await trio.sleep(0.2)
+                    os.kill(pid, signal.SIGSTOP)
+                    t_stop = trio.current_time()
+                    stopped.set()
+            took = trio.current_time() - t_stop
+            assert took < 10 * hedge + 5, f"the puts took {took:.1f}s after the store stopped"
+            assert client.stats.stalled_puts >= 1
+            short = 0
+            for path, data in datas.items():
+                infos = await client.meta.block_list((await client.stat(path)).id)
+                assert all(len(b.chunks) >= 7 for b in infos)
+                short += sum(1 for b in infos if len(b.chunks) < 9)
+                with trio.fail_after(60):
+                    assert await (await client.open_read(path)).read() == data
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert short >= 1
+    async with open_inspector(cluster) as m:
+        health = await block_health(m)
+    assert health["degraded"] >= short
+
+
+async def test_reads_from_a_stopped_store_are_hedged_to_parity(local_cluster, caplog):
+    """A store stopped (SIGSTOP) after the write: whole-file reads and range reads, by the
+    writer (its connection to the store open) and by a new client (whose connect the
+    stopped store's kernel still accepts), are each served from parity within a bound."""
+    caplog.set_level(logging.CRITICAL, logger="tectonic_py.client")
+    hedge = 0.5
+    tuning = {"read_hedge_s": hedge, "slow_chunk_s": 4 * hedge, "write_hedge_s": hedge}
+    async with open_client(local_cluster.cluster_file, **tuning) as writer:
+        block = (await writer.create("/probe")).layout.block_size
+        datas = {f"/r{i}": _data(3 * block + 11 * i, seed=70 + i) for i in range(3)}
+        for path, data in datas.items():
+            await _put(writer, path, data)
+        first = (await writer.meta.block_list((await writer.stat("/r0")).id))[0]
+        victim = _node_index(next(c.node_id for c in first.chunks if c.index == 0))
+        pid = local_cluster.chunkstore_pids()[victim]
+        assert pid is not None
+        writer.cache.capacity = 0  # every block from the chunk stores
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            async with open_client(local_cluster.cluster_file, **tuning) as fresh:
+                for client in (writer, fresh):
+                    for path, data in datas.items():
+                        t0 = trio.current_time()
+                        with trio.fail_after(60):  # a bound on a hang
+                            r = await client.open_read(path)
+                            assert await r.read() == data
+                            assert (
+                                await r.pread(block - 3, block) == data[block - 3 : 2 * block - 3]
+                            )
+                        took = trio.current_time() - t0
+                        assert took < 10 * hedge + 5, f"reading {path} took {took:.1f}s"
+                assert fresh.stats.degraded_reads >= 1
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -121,6 +121,7 @@ class BlockIO:
         enc = await self.codec.encode(policy, padded, cl)
         grant = await self.meta.allocate_block(file_id, token, policy.name, hedge=self.tuning.hedge)
         self.node_view.refresh_soon()
+        quorum = self.quorum(policy)
         put = BlockPut(
             self.meta,
             self.pool,
@@ -131,9 +132,9 @@ class BlockIO:
             enc,
             write_hedge_s=self.tuning.write_hedge_s,
             chunk_timeout=self.tuning.chunk_timeout,
+            quorum=quorum,
         )
         results = await put.run()
-        quorum = self.quorum(policy)
         if len(results) < quorum:
             raise QuorumLost(
                 f"only {len(results)} of {policy.n} chunks of block {grant.block_id:016x} could"

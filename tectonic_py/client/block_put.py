@@ -3,14 +3,25 @@
 All n chunks go out at once over the pooled connections. A chunk store that fails gets its
 chunk re-sent to a hedge node of the grant (then to nodes asked for with ``more_nodes``); a
 put still running after ``write_hedge_s`` is also sent to a spare node, and the first to
-accept wins. A slow put is never failed: a burst makes every store slow, and failing them
-all would lose a write whose chunks are all landing. Nodes the client knows to be down or
-backing off (``NodeView``) are skipped from the start.
+accept wins. Nodes the client knows to be down or backing off (``NodeView``) are skipped
+from the start.
+
+A slow put is not failed while the block still needs it: a burst makes every store slow,
+and failing them all would lose a write whose chunks are all landing. But once the write
+quorum of the block has landed, a chunk still unplaced is a straggler, and a store that
+stopped (SIGSTOP, a hung disk) keeps its connections open and never answers: waiting for it
+would hold the block, and the file's close, for as long as it stays stopped. So a straggler
+is given up at ``start + 2 * write_hedge_s + 2 * (time the quorum took)``, that is a bound
+of twice the hedge delay plus the write itself, stretched under a burst as the write slows
+(``stalled_puts``). Its store's connections are dropped, failing the other requests stuck
+on them at once and leaving nowhere for a late reply to land, and the client backs off from
+it. The block commits with the chunks that landed and repair restores the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Any
 
@@ -55,6 +66,7 @@ class BlockPut:
         *,
         write_hedge_s: float,
         chunk_timeout: float,
+        quorum: int,
     ) -> None:
         self.meta = meta
         self.pool = pool
@@ -70,8 +82,14 @@ class BlockPut:
         self._tried: set[str] = {node.node_id for node in grant.nodes}
         self._more_lock = trio.Lock()
         self._asked_more = 0
+        self.quorum = quorum
+        self._start = math.inf
+        self._quorum_at: float | None = None
+        self._wakes: set[trio.Event] = set()  # races to wake when the quorum has landed
+        self._given_up: set[int] = set()  # indexes of straggler chunks (left for repair)
 
     async def run(self) -> dict[int, ChunkPlacement]:
+        self._start = trio.current_time()
         async with open_service_nursery() as nursery:
             for i in range(self.n):
                 nursery.start_soon(self._put_one, i, self._first_target(i))
@@ -126,24 +144,38 @@ class BlockPut:
                     return
                 self.stats.chunks_replaced += 1
             node = await self._race(i, target)
+            if i in self._given_up:
+                return
             if node is None:
                 target = None
                 continue
             self.results[i] = ChunkPlacement(i, node.node_id, self.enc.checksums[i], node.address)
             self.stats.chunks_written += 1
+            if self._quorum_at is None and len(self.results) >= self.quorum:
+                self._quorum_at = trio.current_time()
+                for wake in self._wakes:
+                    wake.set()
             return
+
+    def _give_up_at(self, race_start: float) -> float:
+        """When a put still running is a straggler to give up on (the module docstring):
+        never before the quorum has landed, nor before the put had ``write_hedge_s``."""
+        if self._quorum_at is None:
+            return math.inf
+        took = self._quorum_at - self._start
+        return max(self._start + 2 * (self.write_hedge_s + took), race_start + self.write_hedge_s)
 
     async def _race(self, i: int, target: Target) -> NodeInfo | None:
         """Put chunk i on ``target``; if that is still running after ``write_hedge_s`` and a
         spare node is left, put it there too (again every ``chunk_timeout``): the first to
-        accept wins. None when every put failed."""
+        accept wins. None when every put failed, or was given up as a straggler."""
         cid = chunk_id(self.grant.block_id, i)
         winner: NodeInfo | None = None
-        running = 0
-        settled = trio.Event()
+        running: list[NodeInfo] = []
+        wake = trio.Event()
 
         async def run(node: NodeInfo, cap: bytes) -> None:
-            nonlocal winner, running
+            nonlocal winner
             try:
                 await self._put_chunk(node, cap, cid, i)
                 if winner is None:
@@ -158,30 +190,56 @@ class BlockPut:
                     e,
                 )
             finally:
-                running -= 1
-                if winner is not None or running == 0:
-                    settled.set()
+                running.remove(node)
+                wake.set()
 
+        started = trio.current_time()
+        hedge_at = started + self.write_hedge_s
         async with open_service_nursery() as puts:
-            running += 1
+            running.append(target[0])
             puts.start_soon(run, *target)
-            wait = self.write_hedge_s
-            while not settled.is_set():
-                with trio.move_on_after(wait):
-                    await settled.wait()
-                if settled.is_set():
+            while winner is None and running:
+                wake = trio.Event()
+                self._wakes.add(wake)
+                give_up_at = self._give_up_at(started)
+                with trio.move_on_at(min(hedge_at, give_up_at)):
+                    await wake.wait()
+                self._wakes.discard(wake)
+                if winner is not None or not running:
                     break
-                spare = await self._replacement()
-                if spare is None:
-                    # No node left to hedge to: the running puts are slow, not failed.
-                    await settled.wait()
+                now = trio.current_time()
+                if now >= give_up_at:
+                    self._give_up(i, running, now - started)
                     break
-                self.stats.hedged_puts += 1
-                running += 1
-                puts.start_soon(run, *spare)
-                wait = self.chunk_timeout
+                if now >= hedge_at:
+                    spare = await self._replacement()
+                    if spare is None:
+                        # Nowhere to hedge to: the running puts are slow, not failed, until
+                        # the block's quorum has landed without them.
+                        hedge_at = math.inf
+                        continue
+                    self.stats.hedged_puts += 1
+                    running.append(spare[0])
+                    puts.start_soon(run, *spare)
+                    hedge_at = now + self.chunk_timeout
             puts.cancel_scope.cancel()
         return winner
+
+    def _give_up(self, i: int, running: list[NodeInfo], took: float) -> None:
+        """Chunk i's puts are stragglers: drop their stores' connections and back off."""
+        self.stats.stalled_puts += 1
+        self._given_up.add(i)
+        for node in running:
+            log.warning(
+                "chunk %d of block %016x: no answer from %s in %.1fs while the rest of the"
+                " block landed; committing without it (repair will restore it)",
+                i,
+                self.grant.block_id,
+                node.node_id,
+                took,
+            )
+            self.pool.drop(node.address)
+            self.view.failed(node.address)
 
     async def _put_chunk(self, node: NodeInfo, cap: bytes, cid: str, i: int) -> None:
         """One chunk to one node. No time limit: a slow put is hedged by ``_race``."""

@@ -15,6 +15,9 @@ class ClientStats:
     chunk_write_failures: int = 0
     chunks_replaced: int = 0
     hedged_puts: int = 0
+    # Chunk puts given up on because their store stopped answering while the rest of the
+    # block landed: the block commits without them and repair restores them.
+    stalled_puts: int = 0
     blocks_read: int = 0
     bytes_read: int = 0
     range_reads: int = 0
