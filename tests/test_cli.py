@@ -231,6 +231,17 @@ def test_mount_bad_mount_points(tmp_path: Path, secret_file: Path) -> None:
     assert_one_line_error(run_cli("mount", str(cluster), "/proc"), "already a mount point")
 
 
+def test_mount_refuses_a_non_empty_directory(tmp_path: Path, secret_file: Path) -> None:
+    cluster = write_cluster_file(tmp_path, secret_file, f"127.0.0.1:{closed_port()}")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "data").write_text("hidden by a mount")
+    assert_one_line_error(run_cli("mount", str(cluster), str(mnt)), "not empty", "--nonempty")
+    # --nonempty passes the check: what fails now is the unreachable cluster.
+    assert_one_line_error(run_cli("mount", str(cluster), str(mnt), "--nonempty"), "unavailable")
+    assert not os.path.ismount(mnt) and (mnt / "data").read_text() == "hidden by a mount"
+
+
 def test_mount_without_dev_fuse(tmp_path: Path, secret_file: Path) -> None:
     """In a private mount namespace whose /dev holds only /dev/null: no FUSE device."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:

@@ -8,6 +8,7 @@ import errno
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -577,3 +578,69 @@ def test_cli_background_mount_umount_and_sigterm(fuse_cluster, tmp_path: Path) -
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, check=False)
     assert "ERROR" not in (tmp_path / "bg.log").read_text()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tectonic_py.cli.main", *args],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_unsealed_file_whose_writer_is_gone_is_marked(wdir: Path, shared_mount: Mount) -> None:
+    """A writer that fsynced and then died (its lease recovered, as the GC does once it runs
+    out): ls -l shows no read bits, the durability xattr says unsealed, root still reads."""
+    import trio
+
+    from tectonic_py.client.tectonic_client import open_client
+
+    data = os.urandom(300_000)
+    remote = f"/{wdir.name}/unsealed.pt"
+
+    async def leave_unsealed() -> None:
+        async with open_client(shared_mount.cluster.cluster_file) as client:
+            writer = await client.create(remote, mode=0o644)
+            await writer.write(data)
+            await writer.fsync()
+            meta = client.meta
+            await meta._shard(
+                meta._of(writer.file_id), "file.recover_lease",
+                id=writer.file_id, token=writer.token, before_ns=2**62,
+            )  # fmt: skip
+            await writer.abort()
+
+    trio.run(leave_unsealed)
+    (wdir / "sealed.pt").write_bytes(data)
+    listing = subprocess.run(
+        ["ls", "-l", str(wdir)], capture_output=True, text=True, check=True
+    ).stdout
+    modes = {line.split()[-1]: line.split()[0] for line in listing.splitlines()[1:]}
+    assert modes == {"sealed.pt": "-rw-r--r--", "unsealed.pt": "--w-------"}, listing
+    assert os.getxattr(wdir / "unsealed.pt", "user.tectonic.durability") == b"unsealed"
+    assert os.getxattr(wdir / "sealed.pt", "user.tectonic.durability") == b"sealed"
+    assert (wdir / "unsealed.pt").stat().st_size == len(data)
+    if os.geteuid() == 0:
+        assert (wdir / "unsealed.pt").read_bytes() == data  # what was committed, for root
+
+
+def test_umount_clears_a_mount_whose_daemon_died(mount: Mount) -> None:
+    (mount / "kept").write_bytes(b"kept")
+    assert mount.proc is not None
+    os.kill(mount.pid, signal.SIGKILL)  # our own mount process, by PID
+    mount.proc.wait(timeout=60)
+    with pytest.raises(OSError) as info:
+        os.stat(mount.path)
+    assert info.value.errno == errno.ENOTCONN
+    r = _cli("mount", str(mount.cluster.cluster_file), str(mount.path))
+    assert r.returncode == 1 and "tectonic umount" in r.stderr, r.stderr
+    r = _cli("umount", str(mount.path))
+    assert r.returncode == 0, r.stderr
+    assert "cleared" in r.stderr and "died" in r.stderr, r.stderr
+    assert os.path.isdir(mount.path) and not os.path.ismount(mount.path)
+    mount.start()  # and it mounts again on the same directory, data intact
+    assert (mount / "kept").read_bytes() == b"kept"

@@ -5,6 +5,11 @@ cluster (and fails with one clear line if it cannot), mounts, and serves until t
 unmounted (``tectonic umount MOUNTPOINT`` or ``fusermount3 -u``) or the process gets SIGTERM
 or SIGINT. Without ``--foreground`` it forks into the background and returns only once the
 mount is up, with the child's error if it failed, so scripts can rely on its exit status.
+It refuses a mount point that is not empty (files there would be hidden while mounted, and
+a user who mounts over the wrong directory hears so) unless given ``--nonempty``.
+
+``tectonic umount`` also clears a mount whose daemon died (its mount point answers "Transport
+endpoint is not connected"), as ``fusermount3 -u`` does, and says so.
 
 After mounting it raises the mount's ``read_ahead_kb`` (found through /proc/self/mountinfo,
 which needs no call into the mount itself and so cannot deadlock before the main loop runs):
@@ -16,6 +21,7 @@ caps the request buffer at 256 pages and pyfuse3 rejects ``-o max_write``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -50,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
     p.add_argument("--allow-other", action="store_true", help="let users other than the mounter in")
     p.add_argument(
+        "--nonempty", action="store_true", help="mount over a directory that has files in it"
+    )
+    p.add_argument(
         "--read-ahead-kb",
         type=int,
         default=DEFAULT_READ_AHEAD_KB,
@@ -76,13 +85,33 @@ def mount_options(config: ClusterConfig, *, allow_other: bool) -> set[str]:
     return options
 
 
-def _check_mountpoint(path: str) -> str:
+def _check_mountpoint(path: str, *, nonempty: bool = False) -> str:
     mnt = os.path.abspath(path)
+    if _is_dead_mount(mnt):
+        raise ConfigError(f"{mnt!r} is a mount whose daemon died: run tectonic umount {mnt}")
     if not os.path.isdir(mnt):
         raise ConfigError(f"mount point {mnt!r} is not a directory")
     if os.path.ismount(mnt):
         raise ConfigError(f"{mnt!r} is already a mount point")
+    if not nonempty:
+        try:
+            with os.scandir(mnt) as entries:
+                has_entries = next(entries, None) is not None
+        except OSError as e:
+            raise ConfigError(f"cannot read mount point {mnt!r}: {e.strerror}") from None
+        if has_entries:
+            raise ConfigError(f"mount point {mnt!r} is not empty (--nonempty mounts over it)")
     return mnt
+
+
+def _is_dead_mount(mnt: str) -> bool:
+    """A FUSE mount whose daemon is gone: still in mountinfo, but every call on it fails
+    with ENOTCONN (os.path.ismount then says False, as its stat fails)."""
+    try:
+        os.stat(mnt)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN and mount_device(mnt) is not None
+    return False
 
 
 def _check_fuse_device() -> None:
@@ -103,7 +132,7 @@ def _check_fuse_device() -> None:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     config = cluster_file.load(args.cluster_file)
-    mnt = _check_mountpoint(args.mountpoint)
+    mnt = _check_mountpoint(args.mountpoint, nonempty=args.nonempty)
     _check_fuse_device()
     options = mount_options(config, allow_other=args.allow_other)
     if args.foreground:
@@ -268,7 +297,8 @@ def set_read_ahead(mountpoint: str, kb: int) -> bool:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     mnt = os.path.abspath(args.mountpoint)
-    if not os.path.ismount(mnt):
+    dead = _is_dead_mount(mnt)
+    if not dead and not os.path.ismount(mnt):
         raise ConfigError(f"{mnt!r} is not mounted")
     flag = "-uz" if args.lazy else "-u"
     proc = subprocess.run(
@@ -277,4 +307,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if proc.returncode != 0:
         msg = proc.stderr.strip() or f"fusermount3 exited {proc.returncode}"
         raise ConfigError(f"cannot unmount {mnt!r}: {msg} (files still open? try --lazy)")
+    if dead:
+        print(f"tectonic umount: cleared {mnt}: its mount daemon had died", file=sys.stderr)
     return 0
