@@ -88,6 +88,7 @@ class Repairer:
         # domains as chunks per block) meets this for every chunk of every block of a lost
         # store, every round: one warning per round with the count, the chunks at DEBUG.
         self.unplaced = 0
+        self._sent: set[tuple[int, int, str]] = set()  # scrub finds sent to the Block layer
 
     async def bad_chunks(
         self, nodes: dict[str, NodeInfo], *, record: bool = False, scrub_timeout: float = 30.0
@@ -118,11 +119,15 @@ class Repairer:
                 if node.state == "up":
                     nursery.start_soon(ask, node)
         if record:
-            for block_id, index, node_id in sorted(bad - reported):
+            # A find the Block layer refused (an orphan chunk: the GC's) is not sent again.
+            for block_id, index, node_id in sorted(bad - reported - self._sent):
                 try:
                     await self.m.meta.report_bad_chunk(block_id, index, node_id, "scrub")
                 except TectonicError as e:
                     log.info("scrub report of %016x.%d not recorded: %s", block_id, index, e)
+                    continue
+                self._sent.add((block_id, index, node_id))
+            self._sent &= bad
         return bad | reported
 
     async def reported_chunks(self) -> set[tuple[int, int, str]]:
