@@ -19,6 +19,7 @@ not async.
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
@@ -32,7 +33,7 @@ from tectonic_py.client.reader import FileReader
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.client.writer import FileWriter
 from tectonic_py.core.cluster_file import ClusterConfig
-from tectonic_py.core.errors import InvalidArgument, TectonicError, Unavailable
+from tectonic_py.core.errors import ConfigError, InvalidArgument, TectonicError, Unavailable
 from tectonic_py.core.records import Attrs, DirEntry
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,12 @@ class BlockingClient:
     def client(self) -> TectonicClient:
         assert self._client is not None
         return self._client
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` in the client's trio thread, its result returned here: for the
+        layers over this client (fsspec, DCP) that need what the blocking calls do not
+        offer, such as many ranged reads at once."""
+        return self._call(fn, *args)
 
     def stat(self, path: str) -> Attrs:
         return self._call(self.client.stat, path)
@@ -243,3 +250,47 @@ class _RawReader(_RawStream):
 def connect(cluster: ClusterConfig | str | os.PathLike[str], **tuning: Any) -> BlockingClient:
     """Connect to a cluster from plain (non-async) Python; see ``BlockingClient``."""
     return BlockingClient(cluster, **tuning)
+
+
+# The environment variable that names the cluster file when a caller gives none.
+CLUSTER_ENV = "TECTONIC_CLUSTER"
+
+_shared: dict[tuple[int, str], BlockingClient] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_client(cluster_file: str | os.PathLike[str] | None = None) -> BlockingClient:
+    """The process's one client of a cluster file, connected on first use, closed at exit;
+    without a cluster file, the one ``$TECTONIC_CLUSTER`` names.
+
+    Why: the fsspec filesystem and the DCP writers and readers are handed a cluster file and
+    are made anew for every checkpoint; each opening its own connections, threads and
+    buffer window would multiply them per rank. Keyed by process id as well, so that a
+    forked child never uses its parent's client, whose thread did not survive the fork.
+    """
+    if cluster_file is None:
+        cluster_file = os.environ.get(CLUSTER_ENV) or None
+        if cluster_file is None:
+            raise ConfigError(f"no cluster file given and ${CLUSTER_ENV} is not set")
+    key = (os.getpid(), os.path.realpath(cluster_file))
+    with _shared_lock:
+        client = _shared.get(key)
+        if client is None or not client._thread.is_alive():
+            client = _shared[key] = BlockingClient(cluster_file)
+        return client
+
+
+def close_shared_clients() -> None:
+    """Close this process's shared clients (``shared_client``); also run at exit. The next
+    ``shared_client`` call connects again."""
+    with _shared_lock:
+        clients = [c for (pid, _), c in _shared.items() if pid == os.getpid()]
+        _shared.clear()
+    for client in clients:
+        try:
+            client.close()
+        except TectonicError as e:
+            log.warning("closing a shared tectonic client at exit: %s", e)
+
+
+atexit.register(close_shared_clients)
