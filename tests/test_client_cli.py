@@ -169,6 +169,21 @@ async def _unsealed_file(cluster_file: Path, data: bytes) -> None:
         assert (attrs.sealed, attrs.writer, attrs.size) == (False, False, len(data))
 
 
+async def _get_while_written(cluster_file: Path, out: Path) -> subprocess.CompletedProcess[bytes]:
+    """``tectonic get`` of ``/open`` while its writer (fsynced, not closed) is alive."""
+    async with open_client(cluster_file) as client:
+        writer = await client.create("/open")
+        await writer.write(b"z" * 1000)
+        await writer.fsync()
+        try:
+            argv = [sys.executable, "-m", "tectonic_py.cli.main", "get", str(cluster_file)]
+            return await trio.run_process(
+                [*argv, "/open", str(out)], capture_stdout=True, capture_stderr=True, check=False
+            )
+        finally:
+            await writer.abort()
+
+
 def test_unsealed_file_writer_gone_is_said_by_get_stat_and_ls(local_cluster, tmp_path: Path):
     cf = str(local_cluster.cluster_file)
     data = os.urandom(100_000)
@@ -187,3 +202,6 @@ def test_unsealed_file_writer_gone_is_said_by_get_stat_and_ls(local_cluster, tmp
     r = _tectonic("get", cf, "/sealed", str(tmp_path / "out2"))
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert json.loads(_tectonic("stat", cf, "/sealed").stdout)["state"] == "sealed"
+    r = trio.run(_get_while_written, local_cluster.cluster_file, tmp_path / "out3")
+    assert r.returncode == 0 and b"still being written" in r.stderr, r.stderr
+    assert (tmp_path / "out3").read_bytes() == b"z" * 1000
