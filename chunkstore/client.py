@@ -26,7 +26,7 @@ from chunkstore.layout import file_size_for
 from tectonic_py.core import framing, rpc_client, sockets
 from tectonic_py.core.checksum import KEEP_GIL_MAX
 from tectonic_py.core.checksum import checksum as crc32c
-from tectonic_py.core.errors import ChecksumMismatch, ChunkCorrupt, Unavailable
+from tectonic_py.core.errors import ChecksumMismatch, ChunkCorrupt, TectonicError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class ChunkClient:
 
     ``on_lost(address)`` is told when a call fails because the connection died (not a busy
     store), so a pool can stop sending there; ``crc`` computes checksums (a caller may run
-    them on its own worker threads)."""
+    them on its own worker threads). ``last_answer`` is when the store last replied to
+    anything on ``conn`` (trio clock; the handshake counts): a store that is slow still
+    answers something now and then, a stopped one nothing."""
 
     def __init__(
         self,
@@ -82,6 +84,7 @@ class ChunkClient:
         self.conn = conn
         self._on_lost = on_lost
         self._crc = crc or _crc
+        self.last_answer = trio.current_time()
 
     @property
     def address(self) -> str:
@@ -97,11 +100,16 @@ class ChunkClient:
     ) -> rpc_client.Response:
         """One request as it is on the wire, for ops with no typed method (``scrub_report``)."""
         try:
-            return await self.conn.call(op, fields or {}, payload, into=into)
+            resp = await self.conn.call(op, fields or {}, payload, into=into)
         except Unavailable:
             if self.conn.broken is not None and self._on_lost is not None:
                 self._on_lost(self.conn.address)
             raise
+        except TectonicError:
+            self.last_answer = trio.current_time()  # an error reply is an answer
+            raise
+        self.last_answer = trio.current_time()
+        return resp
 
     async def put(
         self, chunk_id: str, data: framing.Buffer, cap: bytes, checksum: int | None = None
@@ -158,9 +166,10 @@ class ChunkClient:
             f" {self.address} (crc {got:08x} != {want})"
         )
 
-    async def delete(self, chunk_id: str) -> bool:
-        """Remove a chunk; True if it existed."""
-        resp = await self.call("delete", {"chunk_id": chunk_id})
+    async def delete(self, chunk_id: str, cap: bytes) -> bool:
+        """Remove a chunk; True if it existed. ``cap``: a delete capability for this chunk on
+        this node, from the metadata service's ``block.caps`` (BadCapability without one)."""
+        resp = await self.call("delete", {"chunk_id": chunk_id, "cap": cap})
         return bool(resp.fields["existed"])
 
     async def stat(self, chunk_id: str) -> ChunkStat:
@@ -256,6 +265,13 @@ class ChunkPool:
                 with trio.CancelScope(shield=True):
                     await c.conn.aclose()
         self._clients.clear()
+
+    def silent_for(self, address: str) -> float:
+        """Seconds since a connection to ``address`` last got any reply (0 with none open)."""
+        clients = [c for c in self._clients.get(address, []) if c.conn.broken is None]
+        if not clients:
+            return 0.0
+        return trio.current_time() - max(c.last_answer for c in clients)
 
     def drop(self, address: str) -> None:
         """Close every connection to ``address`` now, failing the calls on them (Unavailable).

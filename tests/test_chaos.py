@@ -51,7 +51,7 @@ STORES = 8  # n = 6: two spare failure domains, so a lost chunk always has somew
 CHUNK = 256 * 1024  # blocks of 1 MiB of data
 FILE_SIZE = 8 * MiB
 WRITERS = 3
-META_EVERY_S = 10.0  # at most one metadata server kill per this many seconds
+META_EVERY_S = 10.0  # between a metadata server's return and the next kill
 TUNING = {"write_hedge_s": 0.5, "read_hedge_s": 0.5, "slow_chunk_s": 2.0, "chunk_timeout": 5.0}
 
 
@@ -160,7 +160,6 @@ class Chaos:
         if self.meta_out or trio.current_time() < self.meta_next:
             return
         self.meta_out = True
-        self.meta_next = trio.current_time() + META_EVERY_S
         nursery.start_soon(self._meta_outage, self.rng.randrange(2), self.rng.uniform(0.5, 2))
 
     async def _meta_outage(self, i: int, seconds: float) -> None:
@@ -172,6 +171,7 @@ class Chaos:
             self.note(f"metadata server {i} back")
         finally:
             self.meta_out = False
+            self.meta_next = trio.current_time() + META_EVERY_S
 
     def _victim(self) -> Path | None:
         """A chunk file of a full, undamaged block of an acknowledged file, if one is left."""
@@ -252,9 +252,10 @@ async def _workload(client: TectonicClient, acked: Acked, total: int, rng: rando
     """WRITERS tasks write files until ``total`` bytes are acknowledged (or too many writes
     failed); after each acknowledged file, a random earlier one is read back."""
     names = iter(range(10**6))
+    most_failures = 2 * total // FILE_SIZE + 50
 
     async def writer() -> None:
-        while len(acked.files) * FILE_SIZE < total and len(acked.write_failures) < 200:
+        while len(acked.files) * FILE_SIZE < total and len(acked.write_failures) < most_failures:
             i = next(names)
             await _write_one(client, f"/chaos/f{i:05d}", i, acked)
             if acked.files:
@@ -330,6 +331,7 @@ async def test_chaos_write_read_cycle(cluster, caplog):
     acked = Acked()
     chaos = Chaos(cluster, acked, random.Random(rng.random()))
     total = _chaos_bytes()
+    t0 = trio.current_time()
     try:
         async with open_client(cluster.cluster_file, **TUNING) as client:
             await client.mkdir("/chaos")
@@ -346,7 +348,7 @@ async def test_chaos_write_read_cycle(cluster, caplog):
     for i in range(2):
         await trio.to_thread.run_sync(cluster.start_metadata, i)
     summary = (
-        f"seed {seed}: {len(acked.files)} files acknowledged, {len(acked.write_failures)} writes"
+        f"seed {seed}: {trio.current_time() - t0:.0f}s of chaos, {len(acked.files)} files acknowledged, {len(acked.write_failures)} writes"
         f" and {len(acked.read_failures)} reads failed (e.g. {acked.write_failures[:3]},"
         f" {acked.read_failures[:3]}); chaos: {chaos.events}"
     )
@@ -356,11 +358,14 @@ async def test_chaos_write_read_cycle(cluster, caplog):
 
 
 async def _check_after_chaos(cluster: LocalCluster, acked: Acked, summary: str) -> None:
+    t0 = trio.current_time()
     async with open_client(cluster.cluster_file, **TUNING) as client:
         for path in sorted(acked.files):  # nothing acknowledged is lost, even before repair
             with trio.fail_after(60):
                 assert await _read_check(client, path, acked), f"{path}: {acked.read_failures}"
+    t1 = trio.current_time()
     repair = await _settle(cluster)
+    print(f"read back in {t1 - t0:.1f}s, repair settled in {trio.current_time() - t1:.1f}s")
     async with open_client(cluster.cluster_file, **TUNING) as client:
         truth = await _chunk_truth(client, acked.files)
         out = await _tectonic("status", str(cluster.cluster_file), "--json")

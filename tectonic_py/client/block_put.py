@@ -12,10 +12,14 @@ quorum of the block has landed, a chunk still unplaced is a straggler, and a sto
 stopped (SIGSTOP, a hung disk) keeps its connections open and never answers: waiting for it
 would hold the block, and the file's close, for as long as it stays stopped. So a straggler
 is given up at ``start + 2 * write_hedge_s + 2 * (time the quorum took)``, that is a bound
-of twice the hedge delay plus the write itself, stretched under a burst as the write slows
-(``stalled_puts``). Its store's connections are dropped, failing the other requests stuck
-on them at once and leaving nowhere for a late reply to land, and the client backs off from
-it. The block commits with the chunks that landed and repair restores the rest.
+of twice the hedge delay plus the write itself, stretched under a burst as the write slows,
+if its store has answered nothing at all (on any connection) for ``write_hedge_s``: it has
+stopped. Its connections are dropped, failing the other requests stuck on them at once and
+leaving nowhere for a late reply to land, and the client backs off from it. A store that
+still answers other requests is slow, not stopped (a burst queues every store): it gets
+``chunk_timeout`` more before the chunk is given up, and keeps its connections. Either way
+the block commits with the chunks that landed (``stalled_puts``) and repair restores the
+rest.
 """
 
 from __future__ import annotations
@@ -195,13 +199,14 @@ class BlockPut:
 
         started = trio.current_time()
         hedge_at = started + self.write_hedge_s
+        patience = -math.inf  # a look again at slow stores that still answer
         async with open_service_nursery() as puts:
             running.append(target[0])
             puts.start_soon(run, *target)
             while winner is None and running:
                 wake = trio.Event()
                 self._wakes.add(wake)
-                give_up_at = self._give_up_at(started)
+                give_up_at = max(self._give_up_at(started), patience)
                 with trio.move_on_at(min(hedge_at, give_up_at)):
                     await wake.wait()
                 self._wakes.discard(wake)
@@ -209,8 +214,11 @@ class BlockPut:
                     break
                 now = trio.current_time()
                 if now >= give_up_at:
-                    self._give_up(i, running, now - started)
-                    break
+                    last = self._give_up_at(started) + self.chunk_timeout
+                    if self._all_silent(running) or now >= last:
+                        self._give_up(i, running, now - started)
+                        break
+                    patience = now + self.write_hedge_s
                 if now >= hedge_at:
                     spare = await self._replacement()
                     if spare is None:
@@ -225,21 +233,33 @@ class BlockPut:
             puts.cancel_scope.cancel()
         return winner
 
+    def _all_silent(self, running: list[NodeInfo]) -> bool:
+        """Whether every store with a put of this chunk running has answered nothing, on any
+        connection, for ``write_hedge_s``: stopped, not merely slow."""
+        return all(self.pool.silent_for(n.address) >= self.write_hedge_s for n in running)
+
     def _give_up(self, i: int, running: list[NodeInfo], took: float) -> None:
-        """Chunk i's puts are stragglers: drop their stores' connections and back off."""
+        """Chunk i's puts are stragglers. A store that has answered nothing on any connection
+        for ``write_hedge_s`` has stopped: its connections are dropped and the client backs
+        off from it. One that still answers other requests is only slow (a burst, a hung
+        disk behind a live server): it keeps them, since dropping would fail every request
+        in flight there."""
         self.stats.stalled_puts += 1
         self._given_up.add(i)
         for node in running:
+            silent = self.pool.silent_for(node.address)
             log.warning(
-                "chunk %d of block %016x: no answer from %s in %.1fs while the rest of the"
-                " block landed; committing without it (repair will restore it)",
+                "chunk %d of block %016x: no answer from %s in %.1fs (silent for %.1fs) while"
+                " the rest of the block landed; committing without it (repair restores it)",
                 i,
                 self.grant.block_id,
                 node.node_id,
                 took,
+                silent,
             )
-            self.pool.drop(node.address)
-            self.view.failed(node.address)
+            if silent >= self.write_hedge_s:
+                self.pool.drop(node.address)
+                self.view.failed(node.address)
 
     async def _put_chunk(self, node: NodeInfo, cap: bytes, cid: str, i: int) -> None:
         """One chunk to one node. No time limit: a slow put is hedged by ``_race``."""
