@@ -99,6 +99,8 @@ def start_daemon(
             "bench",
             "--secret-file",
             str(secret_file),
+            "--capability-key-file",
+            str(secret_file.with_name("capability_key")),
             "--ready-file",
             str(ready),
             *(extra or []),
@@ -118,6 +120,7 @@ def start_daemon(
 async def run_case(
     port: int,
     secret: bytes,
+    key: bytes,
     daemon_pid: int,
     data_dir: Path,
     raw_dir: Path,
@@ -129,7 +132,7 @@ async def run_case(
     data = os.urandom(chunk)
     crc = checksum(data)
     block = ids.new_id()
-    cap = capability.issue(secret, block, [NODE])
+    cap = capability.issue(key, block, [NODE])
     # One block per chunk would need a token each; indexes 0..255 of a few blocks keep the
     # ids realistic (one block's chunks) while covering many chunks.
     chunk_ids = []
@@ -137,7 +140,7 @@ async def run_case(
     for i in range(count):
         if i % 256 == 0:
             block = ids.new_id()
-            cap = capability.issue(secret, block, [NODE])
+            cap = capability.issue(key, block, [NODE])
         cid = ids.chunk_id(block, i % 256)
         chunk_ids.append(cid)
         caps[cid] = cap
@@ -192,7 +195,9 @@ async def run_case(
         results[-1]["files_ratio"] = results[-1]["mbps"] / files["mbps"]
         async with trio.open_nursery() as n:
             for cid in chunk_ids:
-                n.start_soon(client.delete, cid)
+                block_id, index = ids.parse_chunk_id(cid)
+                dcap = capability.issue(key, block_id, [NODE], op="delete", index=index)
+                n.start_soon(client.delete, cid, dcap)
     return results
 
 
@@ -241,6 +246,10 @@ def main() -> int:
         secret_file = scratch / "secret"
         secret_file.write_bytes(secret)
         secret_file.chmod(0o600)
+        key = secrets.token_hex(32).encode()  # the capability key: daemon and bench only
+        key_file = scratch / "capability_key"
+        key_file.write_bytes(key)
+        key_file.chmod(0o600)
         data_dir = scratch / "data"
         raw_dir = scratch / "raw"
         raw_dir.mkdir()
@@ -258,6 +267,7 @@ def main() -> int:
                     run_case,
                     port,
                     secret,
+                    key,
                     proc.pid,
                     data_dir,
                     raw_dir,

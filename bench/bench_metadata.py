@@ -80,6 +80,10 @@ class Servers:
 
     def start(self) -> ClusterConfig:
         readies = []
+        key_file = self.root / "capability_key"  # the servers' own: clients never read it
+        if not key_file.exists():
+            key_file.write_bytes(os.urandom(32).hex().encode())
+            key_file.chmod(0o600)
         for i in range(self.count):
             lo, hi = i * self.shards // self.count, (i + 1) * self.shards // self.count
             ready = self.root / f"ready{i}.json"
@@ -102,6 +106,8 @@ class Servers:
                             str(self.shards),
                             "--secret-file",
                             str(self.secret_file),
+                            "--capability-key-file",
+                            str(key_file),
                             "--ready-file",
                             str(ready),
                         ],

@@ -114,11 +114,16 @@ def chunkstore_runs(total: int, directory: str | None) -> dict[str, tuple[float,
     data = os.urandom(MESSAGE)
     count = max(1, total // MESSAGE)
     with tempfile.TemporaryDirectory(prefix="bench-wire-mac-", dir=directory) as tmp:
+        key = secrets.token_hex(32).encode()  # the capability key, apart from the secret
         config = StoreConfig(
-            data_dir=Path(tmp) / "data", node_id="n1", failure_domain="r1", secret=secret
+            data_dir=Path(tmp) / "data",
+            node_id="n1",
+            failure_domain="r1",
+            secret=secret,
+            capability_key=key,
         )
         block = ids.new_id()
-        cap = capability.issue(secret, block, ["n1"])
+        cap = capability.issue(key, block, ["n1"])
         cids = [ids.chunk_id(block, i) for i in range(count)]
         crc = checksum(data)
 

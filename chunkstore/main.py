@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from chunkstore.server import StoreConfig, serve
-from tectonic_py.core import auth, sockets
+from tectonic_py.core import auth, capability, sockets
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
 
@@ -26,6 +26,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--node-id", required=True, help="this node's name in the cluster")
     p.add_argument("--failure-domain", required=True, help="e.g. the rack of this node")
     p.add_argument("--secret-file", required=True, type=Path, help="the cluster secret")
+    p.add_argument(
+        "--capability-key-file",
+        type=Path,
+        help="the key that signs capabilities (metadata servers and chunk stores only; required)",
+    )
     p.add_argument("--registry", help="HOST:PORT of the metadata server hosting shard 0")
     p.add_argument(
         "--capacity", type=size_arg, help="bytes this node may store, e.g. 2TiB (default: the disk)"
@@ -105,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         failure_domain=args.failure_domain,
         secret=auth.load_secret(args.secret_file),
+        capability_key=capability.load_key(args.capability_key_file),
         host=host,
         port=port,
         capacity=args.capacity,

@@ -81,6 +81,7 @@ class StoreConfig:
     node_id: str
     failure_domain: str
     secret: bytes
+    capability_key: bytes  # checks puts' and deletes' capabilities (core/capability.py)
     host: str = "127.0.0.1"
     port: int = 0
     capacity: int | None = None
@@ -105,6 +106,8 @@ class StoreConfig:
             raise ConfigError(f"bad node id {self.node_id!r}: letters, digits, '_.-', <= 64")
         if not self.failure_domain or len(self.failure_domain) > 255:
             raise ConfigError("failure domain must be 1..255 characters")
+        if len(self.capability_key) < 16:
+            raise ConfigError("the capability key must be at least 16 bytes")
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError("capacity must be positive")
         if not self.heartbeat_interval > 0:
@@ -365,9 +368,11 @@ class ChunkStoreServer:
     async def _put(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
         checksum = req.int("checksum", hi=2**32 - 1)
-        cap = req.bytes("cap", max_len=16384)
-        block_id, _index = parse_chunk_id(chunk_id)
-        capability.verify(self.config.secret, cap, block_id, self.config.node_id)
+        cap = req.bytes("cap", max_len=capability.MAX_TOKEN)
+        block_id, index = parse_chunk_id(chunk_id)
+        capability.verify(
+            self.config.capability_key, cap, block_id, self.config.node_id, index=index
+        )
         # A zero-length chunk is legal (a short block's padding); the wire sends no payload.
         data = req.payload if req.payload is not None else memoryview(b"")
         need = layout.file_size_for(len(data))
@@ -479,7 +484,15 @@ class ChunkStoreServer:
         return fields, data, lambda: replies.give_back(taken)
 
     async def _delete(self, req: Request) -> dict[str, Any]:
+        """Remove a chunk, with a delete capability for it: the metadata service grants one
+        only for a chunk the Block layer no longer needs on this node, so holding the
+        cluster secret is not enough to destroy data."""
         chunk_id = self._chunk_id(req)
+        cap = req.bytes("cap", b"", max_len=capability.MAX_TOKEN)
+        block_id, index = parse_chunk_id(chunk_id)
+        capability.verify(
+            self.config.capability_key, cap, block_id, self.config.node_id, op="delete", index=index
+        )
         self._outstanding += 1
         try:
             async with self._locks.hold(chunk_id):

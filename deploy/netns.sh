@@ -117,8 +117,12 @@ cmd_up() {
         record pid $!
     }
 
-    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/secret"
-    chmod 600 "$DIR/secret"
+    # the cluster secret (every process) and the capability key (daemons only: the cluster
+    # file names the secret, never the key), created 0600 before any byte is written
+    for key in secret capability_key; do
+        (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/$key")
+        chmod 600 "$DIR/$key"
+    done
 
     # shards are dealt round-robin-free: contiguous ranges, one per metadata server
     local per=$(( (shards + metadata_servers - 1) / metadata_servers ))
@@ -134,6 +138,7 @@ cmd_up() {
         launch "${prefix}-md$i" "$DIR/md$i/log" "$PYTHON" -m tectonic_py.cli.main metadata \
             --data-dir "$DIR/md$i" --listen "$addr:7100" --shards "$lo-$hi" \
             --total-shards "$shards" --secret-file "$DIR/secret" \
+            --capability-key-file "$DIR/capability_key" \
             --ready-file "$DIR/md$i/ready.json" --node-timeout "$node_timeout"
         if [ "$i" -eq 0 ]; then registry="$addr:7100"; fi
         servers_toml+=$'\n[[metadata_servers]]\n'"address = \"$addr:7100\""$'\n'"shards = [$(seq -s ', ' "$lo" "$hi")]"$'\n'
@@ -146,6 +151,7 @@ cmd_up() {
         launch "${prefix}-cs$i" "$DIR/cs$i/log" "$PYTHON" -m tectonic_py.cli.main chunkstore \
             --data-dir "$DIR/cs$i/data" --listen "$addr:7200" --node-id "cs$i" \
             --failure-domain "host$i" --secret-file "$DIR/secret" --registry "$registry" \
+            --capability-key-file "$DIR/capability_key" \
             --heartbeat-interval "$heartbeat" --ready-file "$DIR/cs$i/ready.json"
     done
 

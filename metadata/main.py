@@ -9,6 +9,7 @@ import signal
 import trio
 
 from metadata.server import MetadataServer, parse_shard_list
+from tectonic_py.core import capability
 from tectonic_py.core.aio import _single
 from tectonic_py.core.auth import load_secret
 from tectonic_py.core.errors import ConfigError, TectonicError
@@ -24,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--shards", required=True, help="logical shards hosted here, e.g. 0-31 or 0,2")
     p.add_argument("--total-shards", type=int, required=True, help="S, fixed at cluster creation")
     p.add_argument("--secret-file", required=True)
+    p.add_argument(
+        "--capability-key-file",
+        help="the key that signs capabilities (metadata servers and chunk stores only; required)",
+    )
     p.add_argument("--ready-file", help="write {address, pid} as JSON here once serving")
     p.add_argument(
         "--node-timeout",
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         parse_shard_list(args.shards),
         args.total_shards,
         load_secret(args.secret_file),
+        capability_key=capability.load_key(args.capability_key_file),
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
     )

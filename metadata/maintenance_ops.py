@@ -19,6 +19,8 @@ block.bad_chunks     after, limit                                          chunk
                                                                            next
 block.node_chunks    node_id, after [block_id, index], upto, limit         chunks [[b, i, crc,
                                                                            chunk_len]]
+block.caps           action ("put" | "delete"), chunks [[node_id, block_id,    caps [token | nil]
+                     index], ...]
 file.gc_queue        older_than_ns, limit                                  blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
@@ -37,6 +39,17 @@ status`` reports. ``block.node_chunks`` pages through the chunks the Block layer
 node with their checksums and lengths, in (block_id, index) order and within a block-id
 range: the inventory (``tectonic_py/maintenance/inventory.py``) compares it with what the
 node's chunk store lists.
+
+``block.caps`` is where the background services get their capabilities, signed with the
+capability key that only metadata servers and chunk stores hold, one per chunk (nil where
+refused), many chunks per call. A **delete** is granted only for a chunk the Block layer no
+longer needs on that node, by the rule of ``dead_chunks``: its block is gone (forgotten by
+the GC: an aborted write past its grace, a block of a deleted file), or committed with that
+chunk on another node (the old copy repair or rebalance repointed away, a hedge copy). So
+no peer, not even one holding the cluster secret, gets a capability to delete a chunk a
+committed block still reads from that node. A **put** is granted for any chunk of a
+committed block (repair rebuilds it, rebalance copies it); a put never replaces a good
+chunk (chunkstore/writes.py), so it can only add a copy, which the GC later collects.
 
 Lease recovery rule (``recover_lease``), matching the FUSE promise that a crashed writer
 never leaves a file that looks complete but is not: a file whose writer lease expired
@@ -57,11 +70,13 @@ import msgpack
 
 from metadata.block_layer import repoint_chunk
 from metadata.shard import now_ns
-from tectonic_py.core.errors import FileNotFound, InvalidArgument
-from tectonic_py.core.ids import MAX_ID, NODE_ID_RE
+from tectonic_py.core import capability
+from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
+from tectonic_py.core.ids import MAX_CHUNK_INDEX, MAX_ID, NODE_ID_RE, shard_of
 from tectonic_py.core.rpc_server import Request
 
 MAX_SCAN = 10_000
+REPAIR_PUT_TTL_S = 600.0
 
 
 # --- Block layer functions -----------------------------------------------------------------
@@ -232,6 +247,24 @@ def dead_chunks(
     return dead
 
 
+def grantable(conn: sqlite3.Connection, op: str, chunks: list[tuple[str, int, int]]) -> list[bool]:
+    """For each (node_id, block_id, index): may ``op`` be licensed there (the rule of the
+    module docstring)? Delete: the chunk is dead on that node; put: the block is committed
+    and the index is one of its scheme's."""
+    from tectonic_py.core.ec_policy import ECPolicy
+
+    out = []
+    for node_id, block_id, index in chunks:
+        if op == "delete":
+            out.append(bool(dead_chunks(conn, node_id, [(block_id, index)])))
+            continue
+        row = conn.execute(
+            "SELECT state, ec FROM blocks WHERE block_id = ?", (block_id,)
+        ).fetchone()
+        out.append(row is not None and row[0] == "committed" and index < ECPolicy.parse(row[1]).n)
+    return out
+
+
 # --- File layer functions ------------------------------------------------------------------
 
 
@@ -318,8 +351,33 @@ def _pairs(req: Request, field: str, width: int) -> list[tuple[int, ...]]:
     return out
 
 
+def _chunk_triples(req: Request, shard: int, total_shards: int) -> list[tuple[str, int, int]]:
+    """``chunks`` as (node_id, block_id, index), every block of this shard: a block of
+    another shard is absent here, which must never read as "gone, so deletable"."""
+    out = []
+    for item in req.list("chunks", max_len=MAX_SCAN):
+        if not (
+            isinstance(item, list | tuple)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and NODE_ID_RE.match(item[0])
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
+            and 0 < item[1] <= MAX_ID
+            and 0 <= item[2] <= MAX_CHUNK_INDEX
+        ):
+            raise InvalidArgument(f"{req.op}: chunks must be [node_id, block_id, index]")
+        if shard_of(item[1], total_shards) != shard:
+            raise WrongShard(f"block {item[1]:016x} is not in shard {shard}")
+        out.append((item[0], item[1], item[2]))
+    return out
+
+
 class MaintenanceOps:
-    """Mixin of ``MetadataServer`` (which provides ``_store``)."""
+    """Mixin of ``MetadataServer`` (which provides ``_store``, ``total_shards`` and
+    ``capability_key``)."""
+
+    total_shards: int
+    capability_key: bytes
 
     def _store(self, req: Request) -> Any:  # provided by MetadataServer
         raise NotImplementedError
@@ -389,6 +447,22 @@ class MaintenanceOps:
             req.int("limit", 1000, lo=1, hi=MAX_SCAN),
         )
         return {"chunks": [list(c) for c in chunks]}
+
+    async def op_block__caps(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        op = req.str("action", max_len=8)
+        if op not in capability.OPS:
+            raise InvalidArgument(f"block.caps: unknown op {op!r}")
+        chunks = _chunk_triples(req, store.shard, self.total_shards)
+        ttl = capability.DELETE_TTL_S if op == "delete" else REPAIR_PUT_TTL_S
+        return {
+            "caps": [
+                capability.issue(self.capability_key, b, [n], op=op, index=i, ttl_s=ttl)
+                if ok
+                else None
+                for (n, b, i), ok in zip(chunks, store.read(grantable, op, chunks))
+            ]
+        }
 
     async def op_file__gc_queue(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

@@ -144,6 +144,7 @@ class MetadataServer(MaintenanceOps):
         total_shards: int,
         secret: bytes,
         *,
+        capability_key: bytes,
         node_timeout: float = 10.0,
         lease_ns: int = LEASE_NS,
         recovery_interval_s: float = RECOVERY_INTERVAL_S,
@@ -164,6 +165,9 @@ class MetadataServer(MaintenanceOps):
             ) from None
         self.total_shards = total_shards
         self.secret = secret
+        if len(capability_key) < 16:
+            raise ConfigError("the capability key must be at least 16 bytes")
+        self.capability_key = capability_key  # signs capabilities; clients never hold it
         self.lease_ns = lease_ns
         self.recovery_interval_s = recovery_interval_s
         self.stores = {s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))}
@@ -530,13 +534,17 @@ class MetadataServer(MaintenanceOps):
             nodes,
             now_ns(),
         )
-        return {"block_id": block_id, "capability": capability.issue(self.secret, block_id, nodes)}
+        cap = capability.issue(self.capability_key, block_id, nodes)
+        return {"block_id": block_id, "capability": cap}
 
     async def op_block__grant(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         block_id = _id(req, "block_id")
         nodes = await store.write(block_layer.grant_more, block_id, self._node_list(req))
-        return {"nodes": nodes, "capability": capability.issue(self.secret, block_id, nodes)}
+        return {
+            "nodes": nodes,
+            "capability": capability.issue(self.capability_key, block_id, nodes),
+        }
 
     async def op_block__commit(self, req: Request) -> None:
         store = self._store(req)

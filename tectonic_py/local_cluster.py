@@ -4,6 +4,9 @@ the FUSE tests and the load test all start clusters through this one piece of li
 Layout under ``root``::
 
     secret                 the cluster secret (created on first use, mode 0600)
+    capability_key         the key that signs capabilities (created on first use, mode 0600);
+                           passed to metadata servers and chunk stores only, never named in
+                           cluster.toml, so clients (and maintenance) cannot forge one
     cluster.toml           the cluster file clients use (rewritten on every start)
     state.json             ports of every daemon, so a restart reuses them when free, the
                            chunk store count and the failure domains they were given
@@ -200,6 +203,10 @@ class LocalCluster:
     def secret_file(self) -> Path:
         return self.root / "secret"
 
+    @property
+    def capability_key_file(self) -> Path:
+        return self.root / "capability_key"
+
     def chunkstore_dir(self, i: int) -> Path:
         return self.root / "chunks" / str(i)
 
@@ -223,14 +230,8 @@ class LocalCluster:
         """Start (or restart) every daemon and write ``cluster.toml``; returns its config."""
         for sub in ("metadata", "chunks", "logs", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        if not self.secret_file.exists():
-            # Created 0600, never briefly readable by others under a loose umask.
-            tmp = self.secret_file.with_suffix(".tmp")
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_hex(32).encode())
-            os.replace(tmp, self.secret_file)
+        for key_file in (self.secret_file, self.capability_key_file):
+            _create_key_file(key_file)
         self._load_state()
         if not self._meta:
             self._meta = [self._daemon(f"metadata-{i}") for i in range(self.metadata_count)]
@@ -403,6 +404,8 @@ class LocalCluster:
             str(self.shards),
             "--secret-file",
             str(self.secret_file),
+            "--capability-key-file",
+            str(self.capability_key_file),
             "--ready-file",
             str(d.ready_file),
             "--node-timeout",
@@ -428,6 +431,8 @@ class LocalCluster:
             self.failure_domain(i),
             "--secret-file",
             str(self.secret_file),
+            "--capability-key-file",
+            str(self.capability_key_file),
             "--registry",
             self.config.registry_address,
             "--heartbeat-interval",
@@ -501,6 +506,19 @@ class LocalCluster:
         }
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
+
+
+def _create_key_file(path: Path) -> None:
+    """64 random hex digits in ``path`` unless it exists; created 0600, never briefly
+    readable by others under a loose umask."""
+    if path.exists():
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_hex(32).encode())
+    os.replace(tmp, path)
 
 
 def load_config(root: str | os.PathLike[str]) -> ClusterConfig:

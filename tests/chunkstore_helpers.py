@@ -1,7 +1,13 @@
-"""Helpers of the chunk store tests: a store started in-process, its client, chunk ids."""
+"""Helpers of the chunk store tests: a store started in-process, its client, chunk ids.
+
+A store checks capabilities with its capability key, which no client holds; here the test's
+key is derived from the test's secret (``cap_key``), so that a test of the chunk store alone
+can sign the capabilities the metadata service would grant.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -14,7 +20,13 @@ NODE = "node-1"
 KiB, MiB = 1024, 1024 * 1024
 
 
+def cap_key(secret: bytes) -> bytes:
+    """The capability key of a test's chunk store (distinct from the secret, as in a cluster)."""
+    return hashlib.sha256(b"test capability key|" + secret).hexdigest().encode()
+
+
 def make_config(data_dir: Path, secret: bytes, **kw) -> StoreConfig:
+    kw.setdefault("capability_key", cap_key(secret))
     return StoreConfig(
         data_dir=data_dir, node_id=NODE, failure_domain="rack-1", secret=secret, **kw
     )
@@ -33,8 +45,15 @@ async def open_client(port: int, secret: bytes):
 
 
 def new_chunk(secret: bytes, index: int = 0, node: str = NODE) -> tuple[str, bytes]:
+    """A fresh chunk id and a put capability for it, as ``block.allocate`` grants."""
     block = ids.new_id()
-    return ids.chunk_id(block, index), capability.issue(secret, block, [node])
+    return ids.chunk_id(block, index), capability.issue(cap_key(secret), block, [node])
+
+
+def delete_cap(secret: bytes, chunk_id: str, node: str = NODE) -> bytes:
+    """A delete capability for ``chunk_id`` on ``node``, as ``block.caps`` grants one."""
+    block, index = ids.parse_chunk_id(chunk_id)
+    return capability.issue(cap_key(secret), block, [node], op="delete", index=index)
 
 
 def payload(n: int, seed: int = 0) -> bytes:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a cluster secret on disk and helpers every test module may use."""
+"""Shared fixtures: a cluster secret and a capability key on disk, and helpers every test
+module may use."""
 
 from __future__ import annotations
 
@@ -19,5 +20,14 @@ def secret() -> bytes:
 def secret_file(tmp_path: Path, secret: bytes) -> Path:
     path = tmp_path / "secret"
     path.write_bytes(secret)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def capability_key_file(tmp_path: Path) -> Path:
+    """What a daemon signs or checks capabilities with: apart from the secret, as in a cluster."""
+    path = tmp_path / "capability_key"
+    path.write_bytes(secrets.token_hex(32).encode())
     path.chmod(0o600)
     return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ class MetaCluster:
     client: MetadataClient
     servers: list[MetadataServer]
     config: ClusterConfig
+    capability_key: bytes  # what the servers sign capabilities with (clients never hold it)
 
 
 @asynccontextmanager
@@ -32,9 +34,12 @@ async def open_meta_cluster(
     node_timeout: float = 10.0,
     recovery_interval_s: float = 5.0,
     ports: list[int] | None = None,
+    capability_key: bytes | None = None,
 ) -> AsyncIterator[MetaCluster]:
-    """``ports``: listen on these (a restart "on the same addresses"); default any free port."""
+    """``ports``: listen on these (a restart "on the same addresses"); default any free port.
+    ``capability_key``: default a fresh random one."""
     secret = secret_file.read_bytes().strip()
+    key = capability_key if capability_key is not None else secrets.token_hex(32).encode()
     async with trio.open_nursery() as nursery:
         entries = []
         objs = []
@@ -45,6 +50,7 @@ async def open_meta_cluster(
                 hosted,
                 shards,
                 secret,
+                capability_key=key,
                 node_timeout=node_timeout,
                 recovery_interval_s=recovery_interval_s,
             )
@@ -54,7 +60,7 @@ async def open_meta_cluster(
         config = ClusterConfig("test", secret_file, shards, entries)
         client = MetadataClient(config, nursery=nursery)
         try:
-            yield MetaCluster(client, objs, config)
+            yield MetaCluster(client, objs, config, key)
         finally:
             await client.aclose()
             nursery.cancel_scope.cancel()

@@ -14,7 +14,9 @@ from chunkstore_helpers import (
     NODE,
     KiB,
     MiB,
+    cap_key,
     chunk_file,
+    delete_cap,
     flip_byte,
     make_config,
     new_chunk,
@@ -78,8 +80,8 @@ async def _round_trip(port: int, secret: bytes, size: int) -> None:
         assert await c.list() == ([(cid, size)], None)
         stats = await c.node_stats()
         assert stats.chunk_count == 1 and stats.used == layout.file_size_for(size)
-        assert await c.delete(cid) is True
-        assert await c.delete(cid) is False
+        assert await c.delete(cid, delete_cap(secret, cid)) is True
+        assert await c.delete(cid, delete_cap(secret, cid)) is False
         with pytest.raises(ChunkNotFound):
             await c.get(cid)
         with pytest.raises(ChunkNotFound):
@@ -249,7 +251,7 @@ async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_p
         return {p for p in tmp_path.rglob("*") if spares not in (p, *p.parents)}
 
     before = files()
-    cap = capability.issue(secret, 0x0123456789ABCDEF, [NODE])
+    cap = capability.issue(cap_key(secret), 0x0123456789ABCDEF, [NODE])
     async with open_client(port, secret) as c:
         for bad in BAD_IDS:
             with pytest.raises(InvalidArgument):
@@ -259,7 +261,7 @@ async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_p
             with pytest.raises(InvalidArgument):
                 await c.stat(bad)
             with pytest.raises(InvalidArgument):
-                await c.delete(bad)
+                await c.delete(bad, cap)
         for field_value in [5, None, b"bytes", ["0123456789abcdef.0"]]:
             with pytest.raises(InvalidArgument):
                 await c.conn.call("get", {"chunk_id": field_value})
@@ -294,12 +296,16 @@ async def test_bad_capabilities_are_refused(store, secret):
     _, port = store
     block = ids.new_id()
     cid = ids.chunk_id(block, 2)
-    good = capability.issue(secret, block, ["other", NODE])
+    key = cap_key(secret)
+    good = capability.issue(key, block, ["other", NODE])
     bad_caps = [
-        capability.issue(secret, block + 1, [NODE]),  # another block
-        capability.issue(secret, block, ["node-2"]),  # another node
-        capability.issue(b"not-the-cluster-secret-at-all!!", block, [NODE]),  # forged
-        capability.issue(secret, block, [NODE], ttl_s=-10),  # expired
+        capability.issue(key, block + 1, [NODE]),  # another block
+        capability.issue(key, block, ["node-2"]),  # another node
+        capability.issue(key, block, [NODE], index=1),  # another chunk of the block
+        capability.issue(b"not-the-capability-key-at-all!!", block, [NODE]),  # forged
+        capability.issue(secret, block, [NODE]),  # signed with the secret every client holds
+        capability.issue(key, block, [NODE], ttl_s=-10),  # expired
+        capability.issue(key, block, [NODE], op="delete", index=2),  # a delete's
         good[:-1] + bytes([good[-1] ^ 1]),  # tampered
         b"",
     ]
@@ -315,6 +321,33 @@ async def test_bad_capabilities_are_refused(store, secret):
             await c.put(cid, b"x", good, checksum=2**32)
         await c.put(cid, b"data", good)
         assert (await c.node_stats()).chunk_count == 1
+
+
+async def test_a_client_with_the_cluster_secret_cannot_delete_a_chunk(store, secret):
+    """Before: any peer holding the secret deleted any chunk. A delete now needs a delete
+    capability for that chunk on this node, signed with the capability key."""
+    server, port = store
+    cid, cap = new_chunk(secret)
+    block, index = ids.parse_chunk_id(cid)
+    key = cap_key(secret)
+    async with open_client(port, secret) as c:
+        await c.put(cid, b"live data", cap)
+        for bad in [
+            b"",  # no capability
+            capability.issue(secret, block, [NODE], op="delete", index=index),  # forged
+            cap,  # the put capability, reused
+            capability.issue(key, block, [NODE], index=index),  # a put one naming the chunk
+            capability.issue(key, block, [NODE], op="delete", index=index + 1),  # other chunk
+            capability.issue(key, block, ["node-2"], op="delete", index=index),  # other node
+            capability.issue(key, block, [NODE], op="delete", index=index, ttl_s=-10),
+        ]:
+            with pytest.raises(BadCapability):
+                await c.delete(cid, bad)
+        with pytest.raises(BadCapability):
+            await c.conn.call("delete", {"chunk_id": cid})
+        assert bytes(await c.get(cid)) == b"live data"
+        assert await c.delete(cid, delete_cap(secret, cid))
+    assert not chunk_file(server, cid).exists()
 
 
 async def test_wrong_secret_is_refused_and_store_keeps_serving(store, secret):
@@ -358,7 +391,7 @@ def _put_frame(secret: bytes, plen_claimed: int, body: bytes) -> bytes:
             "f": {
                 "chunk_id": ids.chunk_id(block, 0),
                 "checksum": 0,
-                "cap": capability.issue(secret, block, [NODE]),
+                "cap": capability.issue(cap_key(secret), block, [NODE]),
             },
         },
         use_bin_type=True,
@@ -442,7 +475,7 @@ async def test_capacity_limit_refuses_puts_before_writing(nursery, tmp_path, sec
         assert len(stored) == 2
         stats = await c.node_stats()
         assert stats.capacity == 3 * MiB and stats.free < MiB and stats.chunk_count == 2
-        await c.delete(stored[0][0])
+        await c.delete(stored[0][0], delete_cap(secret, stored[0][0]))
         cid, cap = new_chunk(secret)
         await c.put(cid, payload(MiB, 9), cap)
         assert bytes(await c.get(stored[1][0])) == payload(MiB, stored[1][1])
@@ -469,7 +502,7 @@ async def test_real_disk_full_is_a_clear_error_and_the_store_stays_up(small_fs, 
             assert (await c.node_stats()).chunk_count == len(stored)
             for cid, i in stored:
                 assert bytes(await c.get(cid)) == payload(MiB, i)
-            await c.delete(stored[0][0])
+            await c.delete(stored[0][0], delete_cap(secret, stored[0][0]))
             cid, cap = new_chunk(secret)
             await c.put(cid, payload(MiB, 42), cap)
             assert bytes(await c.get(cid)) == payload(MiB, 42)
@@ -594,8 +627,15 @@ def test_config_is_validated(tmp_path, secret):
         {"spare_files": -1},
         {"spare_bytes": -1},
         {"spare_min": -1},
+        {"capability_key": b"short"},
     ]:
-        base = {"data_dir": tmp_path, "node_id": NODE, "failure_domain": "r", "secret": secret}
+        base = {
+            "data_dir": tmp_path,
+            "node_id": NODE,
+            "failure_domain": "r",
+            "secret": secret,
+            "capability_key": cap_key(secret),
+        }
         base.update(kw)
         with pytest.raises(ConfigError):
             StoreConfig(**base)

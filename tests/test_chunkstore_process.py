@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
+from chunkstore_helpers import cap_key
 
 from chunkstore.client import ChunkClient
 from tectonic_py.core import capability, ids, rpc_client
@@ -23,6 +24,15 @@ from tectonic_py.core.errors import Busy, ChunkNotFound, TectonicError, Unavaila
 REPO = Path(__file__).resolve().parent.parent
 NODE = "node-p"
 KiB, MiB = 1024, 1024 * 1024
+
+
+def key_file(secret_file: Path) -> Path:
+    """The test's capability key file beside its secret file (0600, as the daemon demands)."""
+    path = secret_file.with_name("capability_key")
+    if not path.exists():
+        path.write_bytes(cap_key(secret_file.read_bytes().strip()))
+        path.chmod(0o600)
+    return path
 
 
 class Daemon:
@@ -52,6 +62,8 @@ class Daemon:
                 "rack-p",
                 "--secret-file",
                 str(self.secret_file),
+                "--capability-key-file",
+                str(key_file(self.secret_file)),
                 "--ready-file",
                 str(self.ready),
                 *self.extra,
@@ -99,7 +111,12 @@ async def open_client(port: int, secret: bytes):
 
 def new_chunk(secret: bytes) -> tuple[str, bytes]:
     block = ids.new_id()
-    return ids.chunk_id(block, 0), capability.issue(secret, block, [NODE])
+    return ids.chunk_id(block, 0), capability.issue(cap_key(secret), block, [NODE])
+
+
+def delete_cap(secret: bytes, cid: str) -> bytes:
+    block, index = ids.parse_chunk_id(cid)
+    return capability.issue(cap_key(secret), block, [NODE], op="delete", index=index)
 
 
 def payload(n: int, seed: int) -> bytes:
@@ -172,7 +189,7 @@ async def test_kill9_during_deletes_and_puts_that_reuse_spares(
             kept[cid] = payload(MiB, i)
             await c.put(cid, kept[cid], cap)
         for cid in list(kept)[:20]:
-            assert await c.delete(cid)
+            assert await c.delete(cid, delete_cap(secret, cid))
             deleted.add(cid)
             del kept[cid]
         assert (await c.node_stats()).chunk_count == 10
@@ -193,7 +210,7 @@ async def test_kill9_during_deletes_and_puts_that_reuse_spares(
             if after:
                 await acks[after].wait()
             try:
-                await c.delete(cid)
+                await c.delete(cid, delete_cap(secret, cid))
             except Unavailable:
                 pass
 
@@ -269,7 +286,7 @@ async def test_burst_of_1000_connections_all_succeed_or_busy_memory_bounded(
         async with open_client(port, secret) as c:  # warm up: one put/get, so imports are paid
             cid, cap = new_chunk(secret)
             await c.put(cid, payload(512 * KiB, 1), cap)
-            await c.delete(cid)
+            await c.delete(cid, delete_cap(secret, cid))
         baseline = _rss(pid)
         size, clients = 512 * KiB, 1000
         data = payload(size, 7)
@@ -347,8 +364,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_errors_are_one_clear_line(tmp_path, secret_file):
-    base = ["--listen", "127.0.0.1:0", "--node-id", NODE, "--failure-domain", "r"]
+    key = ["--capability-key-file", str(key_file(secret_file))]
+    base = ["--listen", "127.0.0.1:0", "--node-id", NODE, "--failure-domain", "r", *key]
+    loose = tmp_path / "loose_key"
+    loose.write_bytes(b"k" * 32)
+    loose.chmod(0o644)
+    no_key = [*base[:6], "--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file)]
     cases = [
+        (no_key, "no --capability-key-file"),
+        ([*no_key, "--capability-key-file", str(loose)], "chmod 600"),
+        ([*no_key, "--capability-key-file", str(tmp_path / "nokey")], "cannot read capability key"),
         (
             [*base, "--data-dir", str(tmp_path / "d"), "--secret-file", str(tmp_path / "nope")],
             "cannot read secret file",
@@ -364,6 +389,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, secret_file):
                 str(tmp_path / "d"),
                 "--secret-file",
                 str(secret_file),
+                *key,
             ],
             "bad node id",
         ),
@@ -379,6 +405,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, secret_file):
                 str(tmp_path / "d"),
                 "--secret-file",
                 str(secret_file),
+                *key,
             ],
             "bad address",
         ),
@@ -409,6 +436,8 @@ async def test_sigterm_stops_cleanly_and_a_second_daemon_is_refused(tmp_path, se
             "r",
             "--secret-file",
             str(secret_file),
+            "--capability-key-file",
+            str(key_file(secret_file)),
         )
     )
     assert r.returncode == 1 and "in use by another chunk store" in r.stderr, r.stderr

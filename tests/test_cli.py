@@ -396,7 +396,7 @@ def test_status_warns_when_repair_has_no_spare_failure_domain() -> None:
 
 @pytest.mark.parametrize("daemon", ["metadata", "chunkstore"])
 def test_daemons_log_start_ready_and_stop_without_v(
-    tmp_path: Path, secret_file: Path, daemon: str
+    tmp_path: Path, secret_file: Path, capability_key_file: Path, daemon: str
 ) -> None:
     """A service log shows the lifecycle at INFO with no -v; nothing else is needed to see
     where a daemon listens and keeps its data."""
@@ -407,6 +407,8 @@ def test_daemons_log_start_ready_and_stop_without_v(
         str(data),
         "--secret-file",
         str(secret_file),
+        "--capability-key-file",
+        str(capability_key_file),
         "--ready-file",
         str(ready),
     ]

@@ -194,7 +194,7 @@ async def test_blocks_commit_locate_replace_and_reverse_index(mc):
     g0 = grants[0]
     assert len(g0.nodes) == 5 and len({n.failure_domain for n in g0.nodes}) == 5
     for n in g0.nodes:
-        capability.verify(mc.config.secret(), g0.capability, g0.block_id, n.node_id)
+        capability.verify(mc.capability_key, g0.capability, g0.block_id, n.node_id)
     await c.commit_blocks(f.id, tok, [block(g, i) for i, g in enumerate(grants)])
     infos = await c.block_list(f.id)
     assert [i.file_index for i in infos] == [0, 1, 2]
@@ -226,8 +226,8 @@ async def test_blocks_commit_locate_replace_and_reverse_index(mc):
     more = await c.more_nodes(spare.block_id, [n.node_id for n in spare.nodes], 2)
     assert more.block_id == spare.block_id
     assert not {n.node_id for n in more.nodes} & {n.node_id for n in spare.nodes}
-    capability.verify(mc.config.secret(), more.capability, spare.block_id, more.nodes[0].node_id)
-    capability.verify(mc.config.secret(), more.capability, spare.block_id, spare.nodes[0].node_id)
+    capability.verify(mc.capability_key, more.capability, spare.block_id, more.nodes[0].node_id)
+    capability.verify(mc.capability_key, more.capability, spare.block_id, spare.nodes[0].node_id)
     with pytest.raises(InvalidArgument):
         await c.more_nodes(extra.block_id, [], 1)  # committed blocks are immutable
     # set_size drops blocks wholly past the new size: bytes per block = k * chunk_size.
@@ -657,7 +657,7 @@ async def test_shard_file_identity_is_checked(tmp_path, secret_file):
     from tectonic_py.core.errors import ShardUnavailable
 
     with pytest.raises(ShardUnavailable, match="total_shards"):
-        MetadataServer(tmp_path / "meta0", [0, 1], 8, b"s" * 32)
+        MetadataServer(tmp_path / "meta0", [0, 1], 8, b"s" * 32, capability_key=b"k" * 32)
 
 
 async def test_killed_directory_refuses_creates_until_revived(mc):

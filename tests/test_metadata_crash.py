@@ -23,6 +23,15 @@ SHARDS = 8
 REPO = Path(__file__).resolve().parent.parent
 
 
+def key_file(secret_file: Path) -> Path:
+    """The metadata server's capability key file, beside the secret (0600)."""
+    path = secret_file.with_name("capability_key")
+    if not path.exists():
+        path.write_bytes(os.urandom(16).hex().encode())
+        path.chmod(0o600)
+    return path
+
+
 def spawn(data: Path, secret_file: Path, ready: Path, listen: str) -> subprocess.Popen:
     ready.unlink(missing_ok=True)
     log = open(data.parent / "meta.log", "ab")  # noqa: SIM115 (the child owns it)
@@ -49,6 +58,8 @@ def _popen(data: Path, secret_file: Path, ready: Path, listen: str, log) -> subp
             str(SHARDS),
             "--secret-file",
             str(secret_file),
+            "--capability-key-file",
+            str(key_file(secret_file)),
             "--ready-file",
             str(ready),
             "--writer-lease",
@@ -168,7 +179,15 @@ def test_cli_refuses_bad_settings_with_one_line(tmp_path, secret_file):
         ),
     ]
     for extra, message in cases:
-        args = ["--data-dir", str(tmp_path / "d"), "--secret-file", str(secret_file), *extra]
+        args = [
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--secret-file",
+            str(secret_file),
+            "--capability-key-file",
+            str(key_file(secret_file)),
+            *extra,
+        ]
         out = subprocess.run(
             [sys.executable, "-m", "tectonic_py.cli.main", "metadata", *args],
             cwd=REPO,

@@ -3,7 +3,9 @@
 A secret file others can read is refused; a peer that has not authenticated holds next to no
 memory; a relay that passed the handshake through cannot inject, replay or reorder frames;
 a capability names the one op it licenses, and no capability goes to a caller without the
-file's writer token.
+file's writer token; capabilities are signed with a key clients never hold, and the metadata
+service grants a delete only for a chunk no block needs, so a peer holding the cluster secret
+cannot delete a live chunk.
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ from metadata_fixtures import open_meta_cluster, register_nodes
 
 from tectonic_py.core import auth, capability, framing, rpc_client, rpc_server
 from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
-from tectonic_py.core.errors import BadCapability, ConfigError, StaleWriterToken, Unavailable
-from tectonic_py.core.ids import ROOT_ID
+from tectonic_py.core.errors import (
+    BadCapability,
+    ConfigError,
+    InvalidArgument,
+    StaleWriterToken,
+    Unavailable,
+    WrongShard,
+)
+from tectonic_py.core.ids import ROOT_ID, chunk_id, shard_of
+from tectonic_py.core.records import BlockInfo, ChunkPlacement
 from tectonic_py.core.rpc_server import Request
 
 
@@ -260,16 +270,113 @@ def test_a_frames_tag_covers_its_header_and_payload_in_one_piece_or_two():
 
 
 def test_a_capability_names_its_op_and_a_put_token_does_not_license_a_delete(secret):
-    put = capability.issue(secret, 7, ["n1"])
-    capability.verify(secret, put, 7, "n1")
+    key = b"k" * 32
+    put = capability.issue(key, 7, ["n1"])
+    capability.verify(key, put, 7, "n1", index=4)  # a writer's: any chunk of the block
     with pytest.raises(BadCapability, match="not 'delete'"):
-        capability.verify(secret, put, 7, "n1", op="delete")
-    delete = capability.issue(secret, 7, ["n1"], op="delete")
-    capability.verify(secret, delete, 7, "n1", op="delete")
+        capability.verify(key, put, 7, "n1", op="delete", index=4)
+    delete = capability.issue(key, 7, ["n1"], op="delete", index=4)
+    capability.verify(key, delete, 7, "n1", op="delete", index=4)
     with pytest.raises(BadCapability):
-        capability.verify(secret, delete, 7, "n1")  # and no put with a delete token
+        capability.verify(key, delete, 7, "n1", index=4)  # and no put with a delete token
     with pytest.raises(BadCapability):
-        capability.verify(secret, delete, 8, "n1", op="delete")
+        capability.verify(key, delete, 8, "n1", op="delete", index=4)
+    with pytest.raises(BadCapability, match="not for chunk 5"):
+        capability.verify(key, delete, 7, "n1", op="delete", index=5)
+    with pytest.raises(BadCapability, match="signature"):  # signed with the secret, not the key
+        capability.verify(key, capability.issue(secret, 7, ["n1"]), 7, "n1", index=4)
+    with pytest.raises(ValueError):
+        capability.issue(key, 7, ["n1"], op="delete")  # a delete always names its chunk
+
+
+def test_a_capability_key_file_is_required_and_refused_when_others_can_read_it(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="no --capability-key-file"):
+        capability.load_key(None)
+    key = tmp_path / "capability_key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o640)
+    with pytest.raises(ConfigError, match="capability key file .* chmod 600"):
+        capability.load_key(key)
+    key.chmod(0o600)
+    assert capability.load_key(key) == b"k" * 32
+
+
+def test_a_metadata_server_without_a_capability_key_refuses_to_start_in_one_line(
+    tmp_path: Path, secret_file: Path
+) -> None:
+    """Before: there was no key; a server signed capabilities with the cluster secret."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "tectonic_py.cli.main", "metadata",
+            "--data-dir", str(tmp_path / "d"), "--shards", "0", "--total-shards", "1",
+            "--secret-file", str(secret_file),
+        ],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "no --capability-key-file" in lines[0]
+
+
+async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
+    tmp_path, secret_file
+):
+    """``block.caps``: a delete only where the Block layer no longer needs the chunk on that
+    node (a hedge copy, an old copy repointed away, a forgotten block), never for a chunk a
+    committed block reads there or one a writer may still be writing."""
+    async with open_meta_cluster(tmp_path, secret_file, servers=2, shards=4) as mc:
+        c, key = mc.client, mc.capability_key
+        await register_nodes(c, 4)
+        f, tok = await c.create(ROOT_ID, "f", ec="rs-2-1")
+        g = await c.allocate_block(f.id, tok, "rs-2-1", hedge=1)
+        b, nodes = g.block_id, [n.node_id for n in g.nodes]
+        shard = shard_of(b, 4)
+
+        async def caps(action: str, *chunks: tuple[str, int, int]) -> list[bytes | None]:
+            r = await c._shard(shard, "block.caps", action=action, chunks=[list(x) for x in chunks])
+            return r["caps"]
+
+        # Allocated: a writer may be putting its chunks now; its put capability came with
+        # block.allocate, and nothing else is granted.
+        assert await caps("delete", (nodes[0], b, 0)) == [None]
+        assert await caps("put", (nodes[0], b, 0)) == [None]
+        placed = [ChunkPlacement(i, nodes[i], 70 + i) for i in range(3)]
+        await c.commit_blocks(f.id, tok, [BlockInfo(b, "rs-2-1", 100, 150, placed, 0)])
+        live = [(nodes[i], b, i) for i in range(3)]
+        assert await caps("delete", *live) == [None, None, None]
+        # The hedge copy of chunk 0 on nodes[3], chunk 1 on a node that holds chunk 0.
+        hedge, misplaced = await caps("delete", (nodes[3], b, 0), (nodes[0], b, 1))
+        assert hedge is not None and misplaced is not None
+        capability.verify(key, hedge, b, nodes[3], op="delete", index=0)
+        with pytest.raises(BadCapability):  # only that chunk, only on that node
+            capability.verify(key, hedge, b, nodes[3], op="delete", index=1)
+        with pytest.raises(BadCapability):
+            capability.verify(key, hedge, b, nodes[0], op="delete", index=0)
+        with pytest.raises(BadCapability):  # signed with the key, never with the secret
+            capability.verify(mc.config.secret(), hedge, b, nodes[3], op="delete", index=0)
+        # Repair's put of a committed block's chunk; then the repoint frees the old copy.
+        (put,) = await caps("put", (nodes[3], b, 0))
+        assert put is not None
+        capability.verify(key, put, b, nodes[3], index=0)
+        await c._shard(
+            shard, "block.set_chunk", block_id=b, index=0, old_node=nodes[0], new_node=nodes[3],
+            checksum=70,
+        )  # fmt: skip
+        old, new = await caps("delete", (nodes[0], b, 0), (nodes[3], b, 0))
+        assert old is not None and new is None
+        # A block of another shard is absent here, which must not read as "gone".
+        other = next(x for x in range(1, 1000) if shard_of(x, 4) != shard)
+        with pytest.raises(WrongShard):
+            await caps("delete", (nodes[0], other, 0))
+        with pytest.raises(InvalidArgument):
+            await caps("erase", (nodes[0], b, 0))
+        with pytest.raises(InvalidArgument):
+            await caps("delete", ("../etc", b, 0))
+        # The block of a deleted file, once the GC forgot it: every chunk may go.
+        await c._shard(shard, "block.forget", block_id=b, state="committed")
+        assert None not in await caps("delete", (nodes[3], b, 0), (nodes[1], b, 1))
 
 
 async def test_block_allocate_without_a_writer_token_hands_out_no_capability(tmp_path, secret_file):
@@ -281,5 +388,47 @@ async def test_block_allocate_without_a_writer_token_hands_out_no_capability(tmp
         with pytest.raises(StaleWriterToken, match="without a writer token"):
             await c.allocate_block(f.id, 0, "rs-2-1", hedge=0)
         grant = await c.allocate_block(f.id, token, "rs-2-1", hedge=0)
-        secret = secret_file.read_bytes().strip()
-        capability.verify(secret, grant.capability, grant.block_id, grant.nodes[0].node_id)
+        capability.verify(
+            mc.capability_key, grant.capability, grant.block_id, grant.nodes[0].node_id
+        )
+
+
+async def test_a_client_of_a_real_cluster_cannot_delete_a_live_chunk(tmp_path):
+    """Before: a peer holding the cluster secret deleted any chunk it could name. Now a
+    client (even the maintenance runtime, without the key) gets no delete capability for a
+    chunk a committed block needs, and cannot forge one: the key is not in the cluster file."""
+    from maintenance_helpers import data_of, make_cluster, open_fresh_client, open_inspector, put
+
+    cluster = make_cluster(tmp_path / "c", chunkstores=6, maintenance=False)
+    try:
+        config = cluster.start()
+        key_file = cluster.capability_key_file
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        assert "capability" not in cluster.cluster_file.read_text()
+        data = data_of(40_000, seed=1)
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/f", data)
+            (block,) = await client.meta.block_list((await client.stat("/f")).id)
+        chunk = block.chunks[0]
+        cid = chunk_id(block.block_id, chunk.index)
+        async with open_inspector(cluster) as m:
+            node = (await m.nodes())[chunk.node_id]
+            with pytest.raises(BadCapability, match="grants no delete"):
+                await m.delete_chunk(node, block.block_id, chunk.index)
+            forged = capability.issue(
+                config.secret(), block.block_id, [node.node_id], op="delete", index=chunk.index
+            )
+            put_cap = capability.issue(config.secret(), block.block_id, [node.node_id])
+            c = await m.pool.client(node.address)
+            for cap in (b"", forged, put_cap):
+                with pytest.raises(BadCapability):
+                    await c.delete(cid, cap)
+            assert (await c.stat(cid)).size == block.chunk_len
+        async with open_fresh_client(cluster) as client:
+            r = await client.open_read("/f")
+            try:
+                assert await r.read() == data
+            finally:
+                await r.aclose()
+    finally:
+        cluster.stop()

@@ -8,6 +8,7 @@ from chunkstore_helpers import (
     KiB,
     MiB,
     chunk_file,
+    delete_cap,
     new_chunk,
     open_client,
     payload,
@@ -29,7 +30,7 @@ async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp
         a, cap_a = new_chunk(secret)
         await c.put(a, payload(MiB, 1), cap_a)
         inode = chunk_file(server, a).stat().st_ino
-        assert await c.delete(a)
+        assert await c.delete(a, delete_cap(secret, a))
         assert server.spares.count == 1 and server.used == 0 and server.chunk_count == 0
         (spare,) = server.spares.directory.iterdir()
         assert spare.stat().st_ino == inode and not chunk_file(server, a).exists()
@@ -46,7 +47,7 @@ async def test_delete_keeps_the_file_as_a_spare_and_a_put_reuses_it(nursery, tmp
         assert (await c.node_stats()).free <= stats
         # While the pool has room, a chunk of another size neither grows nor cuts it: a
         # new file each, and the spare waits for a chunk of its size.
-        assert await c.delete(b)
+        assert await c.delete(b, delete_cap(secret, b))
         for size, seed in ((3 * MiB + 5, 3), (1000, 4)):
             other, cap_o = new_chunk(secret)
             await c.put(other, payload(size, seed), cap_o)
@@ -63,7 +64,7 @@ async def test_a_full_pool_cuts_larger_spares_and_grows_smaller_ones(nursery, tm
         big, cap = new_chunk(secret)
         await c.put(big, payload(MiB, 1), cap)
         inode = chunk_file(server, big).stat().st_ino
-        assert await c.delete(big) and server.spares.count == 1
+        assert await c.delete(big, delete_cap(secret, big)) and server.spares.count == 1
         small, cap = new_chunk(secret)
         await c.put(small, payload(1000, 2), cap)
         stat = chunk_file(server, small).stat()
@@ -71,7 +72,7 @@ async def test_a_full_pool_cuts_larger_spares_and_grows_smaller_ones(nursery, tm
         assert bytes(await c.get(small)) == payload(1000, 2)
         assert server.spares.count == 0
         # And a full pool's smaller spare grows for a larger chunk.
-        assert await c.delete(small) and server.spares.count == 1
+        assert await c.delete(small, delete_cap(secret, small)) and server.spares.count == 1
         large, cap = new_chunk(secret)
         await c.put(large, payload(3 * MiB + 5, 3), cap)
         stat = chunk_file(server, large).stat()
@@ -107,7 +108,7 @@ async def test_spares_are_bounded_in_files_and_bytes(nursery, tmp_path, secret):
             cids.append(cid)
         async with trio.open_nursery() as n:  # at once: each may think one more fits
             for cid in cids:
-                n.start_soon(c.delete, cid)
+                n.start_soon(c.delete, cid, delete_cap(secret, cid))
         files = list(server.spares.directory.iterdir())
         assert len(files) == server.spares.count <= 3
         assert sum(f.stat().st_size for f in files) == server.spares.bytes <= 5 * 100_000
@@ -117,7 +118,7 @@ async def test_spares_are_bounded_in_files_and_bytes(nursery, tmp_path, secret):
     async with open_client(port2, secret) as c:
         cid, cap = new_chunk(secret)
         await c.put(cid, b"x" * 5000, cap)
-        await c.delete(cid)
+        await c.delete(cid, delete_cap(secret, cid))
         assert not list(server2.spares.directory.iterdir())
 
 
@@ -132,7 +133,7 @@ async def test_restart_keeps_spares_within_bounds_and_removes_strays(tmp_path, s
                 await c.put(cid, payload(1000 * (i + 1), i), cap)
                 cids.append(cid)
             for cid in cids:
-                await c.delete(cid)
+                await c.delete(cid, delete_cap(secret, cid))
         nursery.cancel_scope.cancel()
     spares_dir = server.spares.directory
     (spares_dir / "not-a-spare").write_bytes(b"junk")
@@ -178,7 +179,7 @@ async def _put_three_delete_two(c, server, secret):
         stored.append(cid)
     full = await c.node_stats()
     for cid in stored[:2]:
-        await c.delete(cid)
+        await c.delete(cid, delete_cap(secret, cid))
     assert server.spares.count == 2
     return stored, full
 

@@ -370,9 +370,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up",
         help="create (first time) and start a local cluster; Ctrl-C stops it",
-        description="Create the cluster in DIR on first use (secret, shard map, config), start "
-        "its daemons, wait until all are healthy and write DIR/cluster.toml. Restarting on "
-        "the same DIR brings back all data.",
+        description="Create the cluster in DIR on first use (secret, capability key, shard map, "
+        "config), start its daemons, wait until all are healthy and write DIR/cluster.toml. "
+        "Restarting on the same DIR brings back all data.",
     )
     up.add_argument("--dir", required=True, help="directory for all data and DIR/cluster.toml")
     new = "for a new cluster; else what DIR holds"

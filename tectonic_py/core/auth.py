@@ -65,23 +65,24 @@ HANDSHAKE_LIMITS = Limits(max_header=512, max_payload=0)
 _NONCE = struct.Struct("!4xQ")  # GCM's 96-bit nonce: the frame's sequence number
 
 
-def load_secret(path: str | os.PathLike[str]) -> bytes:
-    """Read a cluster secret file; refuse one too short to be a secret, or one that users
-    other than its owner may read or write (as ssh refuses such a key): a secret others
-    can read is no longer a secret, and the operator should hear so, not find out later."""
+def load_secret(path: str | os.PathLike[str], *, what: str = "secret file") -> bytes:
+    """Read a cluster secret file (or another key file, ``what`` naming it in errors);
+    refuse one too short to be a secret, or one that users other than its owner may read or
+    write (as ssh refuses such a key): a secret others can read is no longer a secret, and
+    the operator should hear so, not find out later."""
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
             if mode & 0o077:
                 raise ConfigError(
-                    f"secret file {os.fspath(path)!r} is accessible by others "
+                    f"{what} {os.fspath(path)!r} is accessible by others "
                     f"(mode {mode & 0o777:04o}); run: chmod 600 {os.fspath(path)}"
                 )
             data = f.read().strip()
     except OSError as e:
-        raise ConfigError(f"cannot read secret file {os.fspath(path)!r}: {e.strerror}") from None
+        raise ConfigError(f"cannot read {what} {os.fspath(path)!r}: {e.strerror}") from None
     if len(data) < MIN_SECRET_BYTES:
-        raise ConfigError(f"secret file {os.fspath(path)!r} holds under 16 bytes")
+        raise ConfigError(f"{what} {os.fspath(path)!r} holds under 16 bytes")
     return data
 
 

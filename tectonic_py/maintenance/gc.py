@@ -14,9 +14,11 @@ Each round, in this order:
 2. **Orphan records**: File records of creates that crashed before their Name entry
    (``MetadataClient.collect_orphans``), after ``grace``.
 3. **The GC queue**: blocks of deleted, truncated or overwritten files (queued by the File
-   layer), once queued for ``grace``: their chunks are deleted from their nodes, then the
-   block record is forgotten, then the queue entry acknowledged. A crash anywhere repeats
-   the step; chunks on nodes that are down are left to the chunk sweep.
+   layer), once queued for ``grace``: the block record is forgotten, then its chunks are
+   deleted from their nodes, then the queue entry acknowledged. The record goes first
+   because the metadata service grants a delete capability only for a chunk no block
+   needs (``block.caps``); a crash after it leaves chunks of a forgotten block, which the
+   chunk sweep collects, as it does the chunks on nodes that are down.
 4. Every ``sweep_interval``, the **block sweep**: blocks allocated but never committed
    (aborted writes, a killed writer) and committed blocks that their file does not hold
    (a crash between Block-layer commit and File-layer append) whose allocation is older
@@ -26,11 +28,14 @@ Each round, in this order:
 5. Every ``sweep_interval``, the **chunk sweep**: every up chunk store's chunk list is
    checked against the Block layer (``block.dead_chunks``); a chunk no block needs on that
    node (its block forgotten, or the chunk repaired or moved elsewhere, or a hedge copy)
-   whose file is older than ``grace`` is deleted. This is also how a node that comes back
-   after being down is reconciled with the Block layer.
+   whose file is older than ``grace`` is deleted, with a delete capability asked for after
+   the age check (``block.caps`` applies the same rule again, so a chunk moved back here
+   meanwhile gets none). This is also how a node that comes back after being down is
+   reconciled with the Block layer.
 
 Nothing referenced is ever deleted: a chunk goes only if the Block layer says no committed
-block needs it there, a block record only when unreferenced twice, ``grace`` apart.
+block needs it there (and a chunk store deletes nothing without the metadata service's
+capability saying so), a block record only when unreferenced twice, ``grace`` apart.
 """
 
 from __future__ import annotations
@@ -117,23 +122,27 @@ class GarbageCollector:
         return done
 
     async def collect_block(self, block_id: int, nodes: dict[str, NodeInfo]) -> bool:
-        """Delete a dropped block's chunks and forget it; True when it is gone for good."""
+        """Forget a dropped block, then delete its chunks (one ``block.caps`` call for all
+        of them); True when it is gone for good."""
         try:
             info = (await self.m.meta.locate_blocks([block_id]))[0]
         except FileNotFound:
             return True  # never committed, or forgotten by an earlier (crashed) round
-        for c in info.chunks:
-            node = nodes.get(c.node_id)
-            if node is None or node.state != "up":
-                continue  # the chunk sweep deletes it when the node is back
-            try:
-                await self.m.delete_chunk(node, block_id, c.index)
-            except TectonicError as e:
-                log.info("chunk %s stays for the chunk sweep: %s", chunk_id(block_id, c.index), e)
         r = await self.m.shard_call(
             self.m.meta._of(block_id), "block.forget", block_id=block_id, state="committed"
         )
         self.m.counters.forgotten_blocks += bool(r["forgotten"])
+        up = [
+            (c.node_id, block_id, c.index)
+            for c in info.chunks
+            if c.node_id in nodes and nodes[c.node_id].state == "up"
+        ]  # a chunk on a node that is down: the chunk sweep deletes it when the node is back
+        caps = await self.m.chunk_caps("delete", up) if up else {}
+        for key, cap in caps.items():
+            try:
+                await self.m.delete_chunk(nodes[key[0]], block_id, key[2], cap)
+            except TectonicError as e:
+                log.info("chunk %s stays for the chunk sweep: %s", chunk_id(block_id, key[2]), e)
         return True
 
     # --- 4. the block sweep ----------------------------------------------------------------
@@ -232,20 +241,19 @@ class GarbageCollector:
                 d = await self.m.shard_call(
                     shard, "block.dead_chunks", node_id=node.node_id, chunks=chunks
                 )
+                old: list[tuple[str, int, int]] = []
                 for b, i in d["dead"]:
-                    cid = chunk_id(b, i)
                     try:
-                        st = await self.m.node_call(node, "stat", chunk_id=cid)
+                        st = await self.m.node_call(node, "stat", chunk_id=chunk_id(b, i))
                     except TectonicError:
                         continue
                     if st["mtime"] > cutoff:
                         continue  # a copy being made right now (repair, rebalance, a writer)
-                    again = await self.m.shard_call(
-                        shard, "block.dead_chunks", node_id=node.node_id, chunks=[[b, i]]
-                    )
-                    if not again["dead"]:
-                        continue  # moved back here meanwhile
-                    if await self.m.delete_chunk(node, b, i):
+                    old.append((node.node_id, b, i))
+                # Granted only if still dead: a chunk moved back here meanwhile gets no cap.
+                caps = await self.m.chunk_caps("delete", old) if old else {}
+                for (_, bid, idx), cap in caps.items():
+                    if await self.m.delete_chunk(node, bid, idx, cap):
                         deleted += 1
             await trio.lowlevel.checkpoint()
         if deleted:

@@ -9,7 +9,7 @@ at most ``rebalance_max_moves`` per round, paced by the shared bandwidth bucket.
 A move never lowers a block below full redundancy: the chunk is copied (read and verified
 against the Block layer's CRC, written to the target), then ``block.set_chunk`` points the
 block at the copy (refused if the chunk moved meanwhile), and only then is the source copy
-deleted. A crash between steps leaves an extra copy, which the GC's chunk sweep removes. The
+deleted (the metadata service grants that delete only now: ``block.caps``). A crash between steps leaves an extra copy, which the GC's chunk sweep removes. The
 target holds no chunk of the block and, where possible, is in a failure domain the block's
 other chunks do not use; a chunk whose only possible targets would share a domain stays.
 A reader holding the old placement finds the source copy gone and reads degraded (correct

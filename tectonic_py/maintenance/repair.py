@@ -27,6 +27,8 @@ or a node that came back). When every other up node holds a chunk of the block a
 chunk is put back on its own node as a last resort: that succeeds where the store lost it
 (and is a no-op where the report was wrong), and is refused where the store holds other
 bytes under its id. Bytes read and written go through the bandwidth ``TokenBucket``.
+The put and the delete of the old copy carry capabilities from ``block.caps``: the delete's
+is granted only once ``block.set_chunk`` has pointed the chunk away from the old node.
 A block with fewer than k live chunks cannot be rebuilt: it is logged as lost and counted.
 """
 

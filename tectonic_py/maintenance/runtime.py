@@ -2,7 +2,9 @@
 
 ``Maintenance`` holds one ``MetadataClient``, one ``ChunkPool`` of chunk store connections
 and the ``TokenBucket`` that bounds the bytes repair and rebalance read and write per second,
-so background traffic cannot starve checkpoint writes. ``run_services`` runs every service as
+so background traffic cannot starve checkpoint writes. It holds no capability key: every
+chunk put and delete carries a capability the metadata service granted (``block.caps``),
+and a delete is granted only for a chunk the Block layer no longer needs on that node. ``run_services`` runs every service as
 a loop of rounds in one nursery; a round that fails (a metadata server or chunk store down,
 a refused step) is logged and retried next interval: failures are what these services exist
 for, so none of them ends the process.
@@ -24,10 +26,10 @@ import trio
 
 from chunkstore.client import ChunkClient, ChunkPool
 from metadata.client import MetadataClient
-from tectonic_py.core import capability
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import (
+    BadCapability,
     ConfigError,
     TectonicError,
     Timeout,
@@ -158,6 +160,32 @@ class Maintenance:
             checksum=crc,
         )
 
+    async def chunk_caps(
+        self, op: str, chunks: Sequence[tuple[str, int, int]]
+    ) -> dict[tuple[str, int, int], bytes]:
+        """Capabilities for ``op`` on (node_id, block_id, index) chunks, one ``block.caps``
+        call per block shard; the chunks the metadata service refused are absent."""
+        by_shard: dict[int, list[tuple[str, int, int]]] = {}
+        for c in chunks:
+            by_shard.setdefault(self.meta._of(c[1]), []).append(c)
+        out: dict[tuple[str, int, int], bytes] = {}
+        for shard, group in by_shard.items():
+            r = await self.shard_call(
+                shard, "block.caps", action=op, chunks=[list(c) for c in group]
+            )
+            out.update((c, cap) for c, cap in zip(group, r["caps"]) if cap is not None)
+        return out
+
+    async def _chunk_cap(self, op: str, node: NodeInfo, block_id: int, index: int) -> bytes:
+        key = (node.node_id, block_id, index)
+        cap = (await self.chunk_caps(op, [key])).get(key)
+        if cap is None:
+            raise BadCapability(
+                f"the metadata service grants no {op} of chunk {chunk_id(block_id, index)}"
+                f" on {node.node_id}"
+            )
+        return cap
+
     # --- chunk stores ----------------------------------------------------------------------------
 
     async def get_chunk(self, node: NodeInfo, block_id: int, index: int, crc: int) -> bytes:
@@ -172,14 +200,19 @@ class Maintenance:
     async def put_chunk(
         self, node: NodeInfo, block_id: int, index: int, data: bytes, crc: int
     ) -> None:
-        cap = capability.issue(self.secret, block_id, [node.node_id], ttl_s=600)
+        cap = await self._chunk_cap("put", node, block_id, index)
         await self.bucket.take(len(data))
         cid = chunk_id(block_id, index)
         await self._on(node, "put", lambda c: c.put(cid, data, cap, crc))
 
-    async def delete_chunk(self, node: NodeInfo, block_id: int, index: int) -> bool:
+    async def delete_chunk(
+        self, node: NodeInfo, block_id: int, index: int, cap: bytes | None = None
+    ) -> bool:
+        """Delete a chunk the Block layer no longer needs on ``node``, with ``cap`` (from
+        ``chunk_caps``) or a capability asked for now; BadCapability if it is still needed."""
+        token = cap if cap is not None else await self._chunk_cap("delete", node, block_id, index)
         cid = chunk_id(block_id, index)
-        existed = await self._on(node, "delete", lambda c: c.delete(cid))
+        existed = await self._on(node, "delete", lambda c: c.delete(cid, token))
         self.counters.deleted_chunks += existed
         return existed
 
