@@ -11,7 +11,8 @@ import trio
 
 from tectonic_py.cli import mount as fs_cli
 from tectonic_py.core import errors
-from tectonic_py.mount import operations as fs
+from tectonic_py.mount import errno_map as fs
+from tectonic_py.mount import operations as ops
 from tectonic_py.mount.inode_cache import InodeCache
 
 
@@ -66,7 +67,7 @@ def test_a_new_subclass_inherits_its_parents_errno():
 class _Ops:
     """Just enough of an Operations object for the handler wrapper."""
 
-    @fs._fuse_op
+    @fs.fuse_op
     async def boom(self, exc):
         raise exc
 
@@ -81,7 +82,7 @@ class _Ops:
     ],
 )
 async def test_handlers_raise_only_fuse_errors(exc, code, level, caplog):
-    caplog.set_level(logging.DEBUG, logger="tectonic_py.mount.operations")
+    caplog.set_level(logging.DEBUG, logger="tectonic_py.mount")
     with pytest.raises(pyfuse3.FUSEError) as info:
         await _Ops().boom(exc)
     assert info.value.errno == code
@@ -95,7 +96,7 @@ async def test_handlers_raise_only_fuse_errors(exc, code, level, caplog):
 
 
 class _Sleeper:
-    @fs._fuse_op
+    @fs.fuse_op
     async def nap(self):
         await trio.sleep_forever()
 
@@ -108,13 +109,13 @@ async def test_cancellation_is_not_swallowed():
 
 
 def test_names():
-    assert fs._name(b"rank_0.pt") == "rank_0.pt"
-    assert fs._name("ünïcode".encode()) == "ünïcode"
+    assert ops._name(b"rank_0.pt") == "rank_0.pt"
+    assert ops._name("ünïcode".encode()) == "ünïcode"
     with pytest.raises(pyfuse3.FUSEError) as info:
-        fs._name(b"x" * 256)
+        ops._name(b"x" * 256)
     assert info.value.errno == errno.ENAMETOOLONG
     with pytest.raises(errors.InvalidName):
-        fs._name(b"\xff\xfe")
+        ops._name(b"\xff\xfe")
 
 
 def test_lookup_counts():

@@ -2,11 +2,9 @@
 
 All logic of reads and writes lives in the client library (``tectonic_py.client``, as in
 Tectonic); this module only translates kernel requests into client calls and keeps the
-per-mount bookkeeping the kernel needs (``tectonic_py.mount.inode_cache``). It is also the
-ONE place where domain errors become errno (``errno_of``): pyfuse3 ends the whole mount when
-a handler raises anything but ``FUSEError``, so every handler goes through ``_fuse_op``,
-which maps ``TectonicError`` to its errno and turns a bug into EIO plus a traceback in the
-log instead of a dead mount.
+per-mount bookkeeping the kernel needs (``tectonic_py.mount.inode_cache``). Every handler goes
+through ``tectonic_py.mount.errno_map.fuse_op``, the one place where domain errors become
+errno.
 
 Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 
@@ -44,49 +42,28 @@ Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
 import trio
 
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
-    AuthError,
-    BadCapability,
-    Busy,
-    ChecksumMismatch,
-    ChunkConflict,
-    ChunkCorrupt,
-    ChunkNotFound,
-    ConfigError,
-    DirectoryNotEmpty,
-    DiskFull,
     FileExists,
     FileNotFound,
     FileSealed,
     InvalidArgument,
     InvalidName,
-    IsADirectory,
-    NoSpace,
-    NotADirectory,
-    ProtocolError,
-    QuorumLost,
-    ShardUnavailable,
     StaleWriterToken,
     TectonicError,
-    Timeout,
-    Unavailable,
-    UnknownOp,
-    WriterLost,
-    WrongShard,
     XattrNotFound,
 )
 from tectonic_py.core.records import UNSEALED, WRITING, Attrs, DirEntry
+from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
 
 if TYPE_CHECKING:
@@ -95,125 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-# --- errors: the one place domain errors become errno -------------------------------------
-
-ERRNO: dict[type[TectonicError], int] = {
-    FileNotFound: errno.ENOENT,
-    FileExists: errno.EEXIST,
-    NotADirectory: errno.ENOTDIR,
-    IsADirectory: errno.EISDIR,
-    DirectoryNotEmpty: errno.ENOTEMPTY,
-    InvalidName: errno.EINVAL,
-    InvalidArgument: errno.EINVAL,
-    NoSpace: errno.ENOSPC,
-    DiskFull: errno.ENOSPC,
-    # Another writer (another mount, or a recovery) took the file: this handle is fenced
-    # off for good, which is what "stale file handle" tells a program.
-    StaleWriterToken: errno.ESTALE,
-    # Appending to a sealed file without reopening it for writing: not permitted.
-    FileSealed: errno.EPERM,
-    XattrNotFound: pyfuse3.ENOATTR,
-    Timeout: errno.ETIMEDOUT,
-    # Data or the service is unreachable or damaged. Programs handle EIO as "this call
-    # failed"; EAGAIN would make a blocking write look spuriously non-blocking, and EACCES
-    # for an auth failure would send the user hunting for file permissions.
-    QuorumLost: errno.EIO,
-    ShardUnavailable: errno.EIO,
-    Unavailable: errno.EIO,
-    WriterLost: errno.EIO,
-    Busy: errno.EIO,
-    WrongShard: errno.EIO,
-    ChunkNotFound: errno.EIO,
-    ChunkCorrupt: errno.EIO,
-    ChunkConflict: errno.EIO,
-    ChecksumMismatch: errno.EIO,
-    BadCapability: errno.EIO,
-    AuthError: errno.EIO,
-    ProtocolError: errno.EIO,
-    UnknownOp: errno.EIO,
-    ConfigError: errno.EIO,
-    TectonicError: errno.EIO,
-}
-
-# Errors that are a normal answer (existence checks, O_EXCL races, rmdir of a full
-# directory): logged at debug. Everything else is a failure of the system and is logged as
-# one clear error line.
-_ANSWERS = frozenset(
-    {
-        errno.ENOENT,
-        errno.EEXIST,
-        errno.ENOTDIR,
-        errno.EISDIR,
-        errno.ENOTEMPTY,
-        errno.EINVAL,
-        errno.ENAMETOOLONG,
-        errno.ENODATA,
-        errno.EOPNOTSUPP,
-        errno.EPERM,
-    }
-)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        out: list[BaseException] = []
-        for inner in exc.exceptions:
-            out.extend(_leaves(inner))
-        return out
-    return [exc]
-
-
-def errno_of(exc: BaseException) -> int:
-    """The errno a handler answers for ``exc``.
-
-    ``FUSEError`` keeps its errno; a domain error maps by class (the nearest mapped base
-    class wins, so a new subclass inherits its parent's errno); an exception group (a client
-    nursery) answers for its first domain error; anything else is a bug and answers EIO.
-    """
-    if isinstance(exc, pyfuse3.FUSEError):
-        return exc.errno
-    if isinstance(exc, BaseExceptionGroup):
-        leaves = _leaves(exc)
-        for leaf in leaves:
-            if isinstance(leaf, (TectonicError, pyfuse3.FUSEError)):
-                return errno_of(leaf)
-        return errno.EIO
-    if isinstance(exc, TectonicError):
-        for cls in type(exc).__mro__:
-            if cls in ERRNO:
-                return ERRNO[cls]  # type: ignore[index]
-        return errno.EIO
-    return errno.EIO
-
-
-def _fuse_op(fn: F) -> F:
-    """Wrap a handler so that nothing but ``FUSEError`` ever leaves it."""
-    op = fn.__name__
-
-    @functools.wraps(fn)
-    async def handler(self: Operations, *args: Any) -> Any:
-        try:
-            return await fn(self, *args)
-        except pyfuse3.FUSEError:
-            raise
-        except Exception as e:
-            code = errno_of(e)
-            domain = isinstance(e, TectonicError) or (
-                isinstance(e, ExceptionGroup)
-                and any(isinstance(x, (TectonicError, pyfuse3.FUSEError)) for x in _leaves(e))
-            )
-            name = errno.errorcode.get(code, str(code))
-            if not domain:
-                log.exception("%s%r: internal error -> %s", op, args[:2], name)
-            elif code in _ANSWERS:
-                log.debug("%s%r: %s -> %s", op, args[:2], e, name)
-            else:
-                log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)
-            raise pyfuse3.FUSEError(code) from None
-
-    return cast(F, handler)
 
 
 def _name(raw: bytes) -> str:
@@ -305,7 +163,7 @@ class Operations(pyfuse3.Operations):
             return ofile.attrs
         return await self.meta.getattr(inode)
 
-    @_fuse_op
+    @fuse_op
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -317,16 +175,16 @@ class Operations(pyfuse3.Operations):
         self.cache.remember(attrs.id)
         return entry
 
-    @_fuse_op
+    @fuse_op
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, count in inode_list:
             self.cache.forget(inode, count)
 
-    @_fuse_op
+    @fuse_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self._entry(await self._attrs(inode))
 
-    @_fuse_op
+    @fuse_op
     async def setattr(
         self,
         inode: int,
@@ -390,7 +248,7 @@ class Operations(pyfuse3.Operations):
 
     # --- files ----------------------------------------------------------------------------
 
-    @_fuse_op
+    @fuse_op
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -421,7 +279,7 @@ class Operations(pyfuse3.Operations):
         self.cache.remember(attrs.id)
         return pyfuse3.FileInfo(fh=handle.fh), entry
 
-    @_fuse_op
+    @fuse_op
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         acc = flags & os.O_ACCMODE
         writable = acc in (os.O_WRONLY, os.O_RDWR)
@@ -478,7 +336,7 @@ class Operations(pyfuse3.Operations):
                 )
             raise
 
-    @_fuse_op
+    @fuse_op
     async def read(  # type: ignore[override]  # pyfuse3 takes any buffer, not only bytes
         self, fh: int, off: int, size: int
     ) -> bytes | bytearray | memoryview:
@@ -497,7 +355,7 @@ class Operations(pyfuse3.Operations):
                     handle.reader = await self.client.open_reader(ofile.inode)
         return await handle.reader.pread_view(off, size)
 
-    @_fuse_op
+    @fuse_op
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
         ofile = handle.ofile
@@ -534,17 +392,17 @@ class Operations(pyfuse3.Operations):
         if ofile.times:
             ofile.attrs = await self.meta.setattr(ofile.inode, **ofile.times)
 
-    @_fuse_op
+    @fuse_op
     async def flush(self, fh: int) -> None:
         handle = self._handle(fh)
         if handle.writable:
             await self._sync(handle, always=False)
 
-    @_fuse_op
+    @fuse_op
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self._sync(self._handle(fh), always=True)
 
-    @_fuse_op
+    @fuse_op
     async def release(self, fh: int) -> None:
         handle, last_writer, _ = self.cache.remove_handle(fh)
         ofile = handle.ofile
@@ -603,7 +461,7 @@ class Operations(pyfuse3.Operations):
 
     # --- namespace ------------------------------------------------------------------------
 
-    @_fuse_op
+    @fuse_op
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -614,17 +472,17 @@ class Operations(pyfuse3.Operations):
         self.cache.remember(attrs.id)
         return entry
 
-    @_fuse_op
+    @fuse_op
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.meta.rmdir(parent_inode, _name(name))
 
-    @_fuse_op
+    @fuse_op
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         # Open handles keep their FileReader/FileWriter, so the data stays readable until
         # the last release; the metadata service collects the blocks after a grace period.
         await self.meta.unlink(parent_inode, _name(name))
 
-    @_fuse_op
+    @fuse_op
     async def rename(
         self,
         parent_inode_old: int,
@@ -648,11 +506,11 @@ class Operations(pyfuse3.Operations):
                 raise FileExists(f"{new!r} exists")
         await self.meta.rename(parent_inode_old, old, parent_inode_new, new)
 
-    @_fuse_op
+    @fuse_op
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         return self.cache.open_dir(inode).fh
 
-    @_fuse_op
+    @fuse_op
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         try:
             dh = self.cache.dir_handle(fh)
@@ -700,11 +558,11 @@ class Operations(pyfuse3.Operations):
                 nursery.start_soon(one, entry)
         return out
 
-    @_fuse_op
+    @fuse_op
     async def releasedir(self, fh: int) -> None:
         self.cache.close_dir(fh)
 
-    @_fuse_op
+    @fuse_op
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Real capacity from the node registry, as usable bytes under the cluster's
         default EC policy (raw bytes * k / n), so that df shows what fits."""
@@ -727,7 +585,7 @@ class Operations(pyfuse3.Operations):
 
     # --- extended attributes --------------------------------------------------------------
 
-    @_fuse_op
+    @fuse_op
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         # Hot path: security.capability before every write. No round trip for it.
         if not name.startswith(b"user."):
@@ -747,7 +605,7 @@ class Operations(pyfuse3.Operations):
             raise XattrNotFound(f"a directory has no {DURABILITY_XATTR}")
         return attrs.seal_state
 
-    @_fuse_op
+    @fuse_op
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
@@ -770,13 +628,13 @@ class Operations(pyfuse3.Operations):
             return
         await self.meta.setxattr(inode, key, value)
 
-    @_fuse_op
+    @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         names = await self.meta.listxattr(inode)
         ours = [EC_XATTR] if (await self._attrs(inode)).is_dir else [EC_XATTR, DURABILITY_XATTR]
         return [n.encode() for n in ours + [n for n in names if n not in ours]]
 
-    @_fuse_op
+    @fuse_op
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if not name.startswith(b"user."):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)

@@ -1,0 +1,169 @@
+"""The one place where domain errors become errno, for every FUSE handler.
+
+pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, so every
+handler of ``tectonic_py.mount.operations`` goes through ``fuse_op``: it maps
+``TectonicError`` to its errno by class and turns a bug into EIO plus a traceback in the log
+instead of a dead mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import pyfuse3
+
+from tectonic_py.core.errors import (
+    AuthError,
+    BadCapability,
+    Busy,
+    ChecksumMismatch,
+    ChunkConflict,
+    ChunkCorrupt,
+    ChunkNotFound,
+    ConfigError,
+    DirectoryNotEmpty,
+    DiskFull,
+    FileExists,
+    FileNotFound,
+    FileSealed,
+    InvalidArgument,
+    InvalidName,
+    IsADirectory,
+    NoSpace,
+    NotADirectory,
+    ProtocolError,
+    QuorumLost,
+    ShardUnavailable,
+    StaleWriterToken,
+    TectonicError,
+    Timeout,
+    Unavailable,
+    UnknownOp,
+    WriterLost,
+    WrongShard,
+    XattrNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+ERRNO: dict[type[TectonicError], int] = {
+    FileNotFound: errno.ENOENT,
+    FileExists: errno.EEXIST,
+    NotADirectory: errno.ENOTDIR,
+    IsADirectory: errno.EISDIR,
+    DirectoryNotEmpty: errno.ENOTEMPTY,
+    InvalidName: errno.EINVAL,
+    InvalidArgument: errno.EINVAL,
+    NoSpace: errno.ENOSPC,
+    DiskFull: errno.ENOSPC,
+    # Another writer (another mount, or a recovery) took the file: this handle is fenced
+    # off for good, which is what "stale file handle" tells a program.
+    StaleWriterToken: errno.ESTALE,
+    # Appending to a sealed file without reopening it for writing: not permitted.
+    FileSealed: errno.EPERM,
+    XattrNotFound: pyfuse3.ENOATTR,
+    Timeout: errno.ETIMEDOUT,
+    # Data or the service is unreachable or damaged. Programs handle EIO as "this call
+    # failed"; EAGAIN would make a blocking write look spuriously non-blocking, and EACCES
+    # for an auth failure would send the user hunting for file permissions.
+    QuorumLost: errno.EIO,
+    ShardUnavailable: errno.EIO,
+    Unavailable: errno.EIO,
+    WriterLost: errno.EIO,
+    Busy: errno.EIO,
+    WrongShard: errno.EIO,
+    ChunkNotFound: errno.EIO,
+    ChunkCorrupt: errno.EIO,
+    ChunkConflict: errno.EIO,
+    ChecksumMismatch: errno.EIO,
+    BadCapability: errno.EIO,
+    AuthError: errno.EIO,
+    ProtocolError: errno.EIO,
+    UnknownOp: errno.EIO,
+    ConfigError: errno.EIO,
+    TectonicError: errno.EIO,
+}
+
+# Errors that are a normal answer (existence checks, O_EXCL races, rmdir of a full
+# directory): logged at debug. Everything else is a failure of the system and is logged as
+# one clear error line.
+_ANSWERS = frozenset(
+    {
+        errno.ENOENT,
+        errno.EEXIST,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENOTEMPTY,
+        errno.EINVAL,
+        errno.ENAMETOOLONG,
+        errno.ENODATA,
+        errno.EOPNOTSUPP,
+        errno.EPERM,
+    }
+)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(_leaves(inner))
+        return out
+    return [exc]
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a handler answers for ``exc``.
+
+    ``FUSEError`` keeps its errno; a domain error maps by class (the nearest mapped base
+    class wins, so a new subclass inherits its parent's errno); an exception group (a client
+    nursery) answers for its first domain error; anything else is a bug and answers EIO.
+    """
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = _leaves(exc)
+        for leaf in leaves:
+            if isinstance(leaf, (TectonicError, pyfuse3.FUSEError)):
+                return errno_of(leaf)
+        return errno.EIO
+    if isinstance(exc, TectonicError):
+        for cls in type(exc).__mro__:
+            if cls in ERRNO:
+                return ERRNO[cls]  # type: ignore[index]
+        return errno.EIO
+    return errno.EIO
+
+
+def fuse_op(fn: F) -> F:
+    """Wrap a handler so that nothing but ``FUSEError`` ever leaves it."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self: Any, *args: Any) -> Any:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as e:
+            code = errno_of(e)
+            domain = isinstance(e, TectonicError) or (
+                isinstance(e, ExceptionGroup)
+                and any(isinstance(x, (TectonicError, pyfuse3.FUSEError)) for x in _leaves(e))
+            )
+            name = errno.errorcode.get(code, str(code))
+            if not domain:
+                log.exception("%s%r: internal error -> %s", op, args[:2], name)
+            elif code in _ANSWERS:
+                log.debug("%s%r: %s -> %s", op, args[:2], e, name)
+            else:
+                log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)
+            raise pyfuse3.FUSEError(code) from None
+
+    return cast(F, handler)
