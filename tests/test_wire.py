@@ -543,3 +543,30 @@ def test_spare_buffers_make_room_for_a_new_size():
     assert spares.reused == before + 4 and {id(b) for b in again} == {id(b) for b in small}
     assert spares._bytes <= spares.keep
     assert any(b.closed for b in big)
+
+
+async def test_concurrent_drains_each_feed_their_own_bytes():
+    """Two connections refused at once drain their payloads side by side; each tag check must
+    see that connection's bytes (a scratch buffer shared between drains failed honest tags)."""
+    pairs = [trio.socket.socketpair() for _ in range(2)]
+    size = 3 * framing.DRAIN_PIECE + 123
+    seen: list[bytearray] = [bytearray(), bytearray()]
+
+    async def drain_one(i: int) -> None:
+        await framing.drain(pairs[i][1], size, lambda piece: seen[i].extend(piece))
+
+    async def trickle(i: int) -> None:
+        data = bytes([i + 1]) * size
+        for off in range(0, size, 4096):  # small sends, so the drains interleave
+            await pairs[i][0].send(data[off : off + 4096])
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as n:
+        for i in range(2):
+            n.start_soon(drain_one, i)
+            n.start_soon(trickle, i)
+    for i in range(2):
+        assert bytes(seen[i]) == bytes([i + 1]) * size
+    for a, b in pairs:
+        a.close()
+        b.close()

@@ -166,19 +166,25 @@ async def recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
 
 # Drained bytes are thrown away, so every drain in the process shares this one buffer (all
 # receives run on the event loop thread): a burst of refused puts costs no memory per request.
-_DRAIN_SCRATCH = memoryview(bytearray(MiB))
+DRAIN_PIECE = 256 * 1024
 
 
 async def drain(
     sock: trio.socket.SocketType, n: int, feed: Callable[[memoryview], None] | None = None
 ) -> None:
     """Read and discard ``n`` bytes (a payload nobody will use), keeping framing intact;
-    ``feed`` sees each piece before it is thrown away (the frame's tag covers it)."""
+    ``feed`` sees each piece before it is thrown away (the frame's tag covers it).
+
+    The scratch buffer is this call's own: ``recv_exactly`` waits between its reads, and a
+    buffer shared by connections would let another drain overwrite bytes before ``feed``
+    sees them, failing an honest frame's tag.
+    """
+    scratch = memoryview(bytearray(min(n, DRAIN_PIECE)))
     while n > 0:
-        k = min(n, len(_DRAIN_SCRATCH))
-        await recv_exactly(sock, _DRAIN_SCRATCH[:k])
+        k = min(n, len(scratch))
+        await recv_exactly(sock, scratch[:k])
         if feed is not None:
-            feed(_DRAIN_SCRATCH[:k])
+            feed(scratch[:k])
         n -= k
 
 
