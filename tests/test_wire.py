@@ -559,7 +559,7 @@ async def test_concurrent_drains_each_feed_their_own_bytes():
         data = bytes([i + 1]) * size
         for off in range(0, size, 4096):  # small sends, so the drains interleave
             await pairs[i][0].send(data[off : off + 4096])
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as n:
         for i in range(2):
