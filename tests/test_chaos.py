@@ -343,6 +343,7 @@ async def test_chaos_write_read_cycle(cluster, caplog):
                     stop.set()
     finally:
         chaos.resume_all()
+    t1 = trio.current_time()
     for i in range(STORES):
         await trio.to_thread.run_sync(cluster.start_chunkstore, i)
     for i in range(2):
@@ -352,7 +353,7 @@ async def test_chaos_write_read_cycle(cluster, caplog):
         f" and {len(acked.read_failures)} reads failed (e.g. {acked.write_failures[:3]},"
         f" {acked.read_failures[:3]}); chaos: {chaos.events}"
     )
-    print(summary)
+    print(f"{summary}\nevery daemon up again in {trio.current_time() - t1:.1f}s")
     assert len(acked.files) * FILE_SIZE >= total, summary
     await _check_after_chaos(cluster, acked, summary)
 
@@ -366,13 +367,20 @@ async def _check_after_chaos(cluster: LocalCluster, acked: Acked, summary: str) 
     t1 = trio.current_time()
     repair = await _settle(cluster)
     print(f"read back in {t1 - t0:.1f}s, repair settled in {trio.current_time() - t1:.1f}s")
+    t2 = trio.current_time()
     async with open_client(cluster.cluster_file, **TUNING) as client:
         truth = await _chunk_truth(client, acked.files)
+        t3 = trio.current_time()
         out = await _tectonic("status", str(cluster.cluster_file), "--json")
         status = json.loads(out.stdout)
+        t4 = trio.current_time()
         for path in sorted(acked.files):
             assert await _read_check(client, path, acked), path
         assert client.stats.degraded_reads == 0, client.stats.bad_chunks
+    print(
+        f"every chunk checked in {t3 - t2:.1f}s, status in {t4 - t3:.1f}s,"
+        f" read again in {trio.current_time() - t4:.1f}s"
+    )
     context = f"{summary}\nrepair: {repair}\nstatus: {status}\nchunks: {truth[:20]}"
     assert status["degraded_blocks"] == [], context
     assert repair["degraded"] == 0 and repair["lost"] == 0, context
