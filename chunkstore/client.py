@@ -131,21 +131,18 @@ class ChunkClient:
         length: int | None = None,
         *,
         into: bytearray | memoryview | None = None,
-        verify: bool = False,
         expected: int | None = None,
     ) -> memoryview:
         """Verified bytes of a chunk (``length`` None: to its end); a view of ``into`` when a
         buffer large enough is given. ChunkCorrupt if the store's copy is damaged, or holds
-        fewer bytes than ``length``.
+        fewer bytes than ``length``; ChecksumMismatch if they were damaged on the way.
 
-        ``verify``: ask the store to check the bytes before sending them (it checks every
-        get). ``expected``: the CRC the bytes must have, checked instead of the store's;
+        The store checks every get against the chunk's CRCs before sending it.
+        ``expected``: the CRC the bytes must have, checked instead of the store's;
         ChunkCorrupt when the store's own record of the chunk disagrees with it."""
         fields: dict[str, object] = {"chunk_id": chunk_id, "offset": offset}
         if length is not None:
             fields["length"] = length
-        if verify:
-            fields["verify"] = True
         resp = await self.call("get", fields, into=into)
         data = resp.payload if resp.payload is not None else memoryview(b"")
         if length is not None and data.nbytes != length:

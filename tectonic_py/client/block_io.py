@@ -208,19 +208,19 @@ class BlockIO:
         store's CRC of that range. ``limit`` is only for callers with a whole-block read to
         fall back on (a range read); whole-block fetches hedge instead of timing out.
 
-        Bytes damaged on the way are asked for once more, checked by the store; if they fail
-        again the copy is taken for corrupt (ChunkCorrupt), as is one the store itself finds
-        damaged or that differs from the Block layer's record."""
+        Bytes damaged on the way are asked for once more (the store checks every get before
+        sending it); if they fail again the copy is taken for corrupt (ChunkCorrupt), as is
+        one the store itself finds damaged or that differs from the Block layer's record."""
         address = await self._address(pl)
         cid = chunk_id(info.block_id, pl.index)
         whole = offset == 0 and into.nbytes == info.chunk_len
         expected = pl.checksum if whole else None
         with trio.move_on_after(limit) as scope:
             try:
-                await self._get(address, cid, offset, into, expected, verify=False)
+                await self._get(address, cid, offset, into, expected)
             except ChecksumMismatch:
                 try:
-                    await self._get(address, cid, offset, into, expected, verify=True)
+                    await self._get(address, cid, offset, into, expected)
                 except ChecksumMismatch as e:
                     raise ChunkCorrupt(
                         f"{cid} on {pl.node_id} fails its checksum on a verified re-read ({e})"
@@ -235,11 +235,9 @@ class BlockIO:
         offset: int,
         into: memoryview,
         expected: int | None,
-        *,
-        verify: bool,
     ) -> None:
         client = await self.pool.client(address)
-        await client.get(cid, offset, into.nbytes, into=into, verify=verify, expected=expected)
+        await client.get(cid, offset, into.nbytes, into=into, expected=expected)
 
     # --- read side ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ else for domain failures. Each class carries a stable wire ``code``: the RPC ser
 encodes an error to its code in exactly one place (``rpc_server.error_to_header``), and the
 client raises the same class again from the code (``error_from_code``), so a caller
 three hops away catches ``ChunkCorrupt`` as if it had happened locally. The FUSE layer
-maps classes to errno in exactly one place (``tectonic_py.mount.operations``).
+maps classes to errno in exactly one place (``tectonic_py.mount.errno_map``).
 
 ``retryable`` tells a caller whether the same request may succeed later unchanged
 (busy, a node that is restarting); callers never retry anything else.
@@ -88,13 +88,6 @@ class Unavailable(TectonicError):
 
     code = "unavailable"
     retryable = True
-
-
-class WriterLost(Unavailable):
-    """A chunk store's writer process died during the put or delete; whether it happened is
-    unknown (puts and deletes are idempotent: retry)."""
-
-    code = "writer_lost"
 
 
 class Timeout(TectonicError):

@@ -336,11 +336,6 @@ class RpcServer:
         # Connections in the handshake, oldest first: their cancel scopes, to drop them.
         self._unauthenticated: dict[int, trio.CancelScope] = {}
 
-    @property
-    def buffers(self) -> SpareBuffers:
-        """The pool large request payloads are received into (a handler may share it)."""
-        return self._spares
-
     async def serve(
         self,
         host: str,

@@ -43,7 +43,6 @@ from tectonic_py.core.errors import (
     Timeout,
     Unavailable,
     UnknownOp,
-    WriterLost,
     WrongShard,
     XattrNotFound,
 )
@@ -75,7 +74,6 @@ ERRNO: dict[type[TectonicError], int] = {
     QuorumLost: errno.EIO,
     ShardUnavailable: errno.EIO,
     Unavailable: errno.EIO,
-    WriterLost: errno.EIO,
     Busy: errno.EIO,
     WrongShard: errno.EIO,
     ChunkNotFound: errno.EIO,
