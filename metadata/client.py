@@ -33,11 +33,14 @@ Directory policies (EC scheme and chunk size that new files inherit) are cached 
 ``DIR_POLICY_TTL_S``: a policy change reaches other clients' new files within that time.
 
 Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and replaced when
-broken. Requests that are safe to repeat (reads) are retried on a lost connection; mutations
-are retried only when the request never left (connect failed), because a mutation whose reply
-was lost may have committed. ``Busy`` (admission control, a pinned rename) is retried with
-backoff a bounded number of times (both through ``tectonic_py.core.retry``). A server that
-cannot be reached is ``ShardUnavailable``.
+broken. A server that is restarting (kill -9, then its supervisor starts it again) refuses
+connections for a few seconds, so a connection failure is retried with backoff until
+``reconnect_deadline`` (``RECONNECT_DEADLINE_S`` by default) has passed: for requests that are
+safe to repeat (reads) always, for mutations only when the request never left (connect
+failed), because a mutation whose reply was lost may have committed. ``Busy`` (admission
+control, a pinned rename) is retried with backoff a bounded number of times (both through
+``tectonic_py.core.retry``). A server still unreachable at the deadline is
+``ShardUnavailable``.
 """
 
 from __future__ import annotations
@@ -88,9 +91,19 @@ DIR_POLICY_TTL_S = 2.0
 # Busy (admission control, a pinned rename): 50 retries, pauses growing from 5 ms to 200 ms,
 # about 6 s of pauses in all before the caller sees it.
 BUSY_POLICY = RetryPolicy(attempts=51, first_delay=0.005, multiplier=1.15, max_delay=0.2)
-# A lost connection or a server that is restarting: three tries, about 50 ms and 100 ms
-# apart.
-CONNECT_POLICY = RetryPolicy(attempts=3, first_delay=0.05, multiplier=2.0, max_delay=0.1)
+# A lost connection or a server that is restarting: tries until the deadline, pauses growing
+# from 20 ms to 500 ms, so a server back after a second is found within a pause of it.
+RECONNECT_DEADLINE_S = 10.0
+
+
+def reconnect_policy(deadline: float) -> RetryPolicy:
+    """How connection failures are retried: until ``deadline`` seconds after the first try
+    (0: the first try only)."""
+    return RetryPolicy(
+        attempts=None, deadline=deadline, first_delay=0.02, multiplier=2.0, max_delay=0.5
+    )
+
+
 CALL_TIMEOUT_S = 120.0
 RENAME_DEADLINE_S = 30.0
 _READ_OPS = frozenset(
@@ -120,8 +133,18 @@ def _is_busy(e: TectonicError) -> bool:
 class MetadataClient:
     """One per process; owns pooled connections to every metadata server."""
 
-    def __init__(self, config: ClusterConfig, *, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        nursery: trio.Nursery,
+        reconnect_deadline: float = RECONNECT_DEADLINE_S,
+    ) -> None:
+        """``reconnect_deadline``: how long a call waits for a server that cannot be reached
+        (a restart) before it is ``ShardUnavailable``; a tool that reports down servers
+        rather than waiting for them passes 0."""
         self.config = config
+        self._reconnect = reconnect_policy(reconnect_deadline)
         self._nursery = nursery
         self._secret = config.secret()
         self._shard_addr = {
@@ -169,7 +192,7 @@ class MetadataClient:
 
     async def _call(self, address: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         """One request, ``Busy`` retried under ``BUSY_POLICY`` and a lost connection under
-        ``CONNECT_POLICY``: a read always, a mutation only if it never left this process."""
+        the reconnect policy: a read always, a mutation only if it never left this process."""
         idempotent = op in _READ_OPS
         sent = False
 
@@ -189,7 +212,7 @@ class MetadataClient:
 
         busy_retried = functools.partial(retry, once, policy=BUSY_POLICY, when=_is_busy)
         try:
-            return await retry(busy_retried, policy=CONNECT_POLICY, when=may_repeat)
+            return await retry(busy_retried, policy=self._reconnect, when=may_repeat)
         except Unavailable as e:
             raise ShardUnavailable(
                 f"metadata server {address} unavailable during {op}: {e.message}"

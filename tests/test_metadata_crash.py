@@ -1,5 +1,6 @@
 """kill -9 a metadata server during a stream of creates: nothing acknowledged is lost, nothing
-half-done is visible, and the orphans a crash leaves are collected."""
+half-done is visible, and the orphans a crash leaves are collected. A server restarted within
+the client's reconnect deadline is waited for: calls made meanwhile succeed."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ async def test_kill9_during_creates_loses_nothing_acknowledged(tmp_path, secret_
         created: dict[str, int] = {}
         sealed: dict[str, int] = {}
         async with open_service_nursery() as nursery:
-            client = MetadataClient(config, nursery=nursery)
+            # A short reconnect deadline: calls to the dead server fail while it is down.
+            client = MetadataClient(config, nursery=nursery, reconnect_deadline=0.2)
             d = await client.mkdir(ROOT_ID, "step_100")
             enough = trio.Event()
 
@@ -163,6 +165,67 @@ async def test_kill9_during_creates_loses_nothing_acknowledged(tmp_path, secret_
             assert await list_all(client, d.id) == listed
             for fid in listed.values():
                 await client.getattr(fid)
+            await client.aclose()
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+async def test_calls_ride_out_a_metadata_server_restart(tmp_path, secret_file):
+    """kill -9, restart 1.5 s later on the same address: a client that keeps reading across
+    the restart, and mutations started while the server is down, all succeed once it is
+    back, none fails while it is away."""
+    data, ready = tmp_path / "meta", tmp_path / "ready.json"
+    proc = spawn(data, secret_file, ready, "127.0.0.1:0")
+    try:
+        address = await wait_ready(proc, ready)
+        config = ClusterConfig(
+            "restart", secret_file, SHARDS, [MetadataServer(address, list(range(SHARDS)))]
+        )
+        async with open_service_nursery() as nursery:
+            # A deadline above the default: a loaded test machine starts a server slowly.
+            client = MetadataClient(config, nursery=nursery, reconnect_deadline=30.0)
+            d = await client.mkdir(ROOT_ID, "ckpt")
+            reads = 0
+            back = trio.Event()
+
+            async def keep_reading() -> None:
+                nonlocal reads
+                while not back.is_set():
+                    assert (await client.getattr(d.id)).id == d.id
+                    reads += 1
+                    await trio.sleep(0.02)
+
+            async def mutate(rank: int) -> tuple[int, int]:
+                f, token = await client.create(d.id, f"rank_{rank}")
+                await client.seal(f.id, token, rank)
+                return f.id, rank
+
+            done: dict[int, tuple[int, int]] = {}
+
+            async def mutate_into(rank: int) -> None:
+                done[rank] = await mutate(rank)
+
+            async with trio.open_nursery() as callers:
+                callers.start_soon(keep_reading)
+                await trio.sleep(0.2)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                killed_at = trio.current_time()
+                await trio.sleep(0.2)  # the pooled connections see the close
+                for rank in range(8):  # none of these can leave until the server is back
+                    callers.start_soon(mutate_into, rank)
+                await trio.sleep(1.3)
+                proc = spawn(data, secret_file, ready, address)
+                assert await wait_ready(proc, ready) == address
+                while len(done) < 8:
+                    await trio.sleep(0.02)
+                back.set()
+            assert trio.current_time() - killed_at >= 1.5
+            assert reads > 0
+            for rank, (fid, size) in done.items():
+                attrs = await client.lookup(d.id, f"rank_{rank}")
+                assert attrs.id == fid and attrs.sealed and attrs.size == size
             await client.aclose()
     finally:
         stop(proc)

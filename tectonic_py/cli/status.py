@@ -126,7 +126,8 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
         raise Unavailable(f"cannot reach the node registry (metadata server {registry})")
 
     async with open_service_nursery() as nursery:
-        client = MetadataClient(config, nursery=nursery)
+        # A server the probe found down is reported as such, not waited for.
+        client = MetadataClient(config, nursery=nursery, reconnect_deadline=0)
         m = Maintenance(config, MaintenanceSettings(), client, nursery)
         try:
             nodes = sorted(await client.nodes(), key=lambda n: n.node_id)
