@@ -19,10 +19,6 @@ from tectonic_py.core.retry import RetryPolicy, is_retryable, retry, retrying
 EXACT = {"jitter": 0.0}
 
 
-class NodeGone(Unavailable):
-    """A subclass without a wire code of its own, as a caller might define one."""
-
-
 class Flaky:
     """Fails with the given errors in order, then returns the count of calls."""
 
@@ -40,7 +36,6 @@ class Flaky:
 def test_is_retryable_comes_from_the_error_class() -> None:
     assert is_retryable(Busy())
     assert is_retryable(Unavailable())
-    assert is_retryable(NodeGone())  # a subclass inherits it
     assert is_retryable(ShardUnavailable())
     assert not is_retryable(ChunkNotFound())
     assert not is_retryable(TectonicError())
@@ -115,8 +110,8 @@ async def test_when_narrows_what_is_retried(autojump_clock) -> None:
     def not_unavailable(e: TectonicError) -> bool:
         return not isinstance(e, Unavailable)
 
-    fn = Flaky(Busy(), NodeGone("try another node"))
-    with pytest.raises(NodeGone):
+    fn = Flaky(Busy(), Unavailable("try another node"))
+    with pytest.raises(Unavailable):
         await retry(fn, policy=RetryPolicy(attempts=10), when=not_unavailable)
     assert len(fn.calls) == 2
 
