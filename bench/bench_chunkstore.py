@@ -131,19 +131,7 @@ async def run_case(
     count = max(total // chunk, 1)
     data = os.urandom(chunk)
     crc = checksum(data)
-    block = ids.new_id()
-    cap = capability.issue(key, block, [NODE])
-    # One block per chunk would need a token each; indexes 0..255 of a few blocks keep the
-    # ids realistic (one block's chunks) while covering many chunks.
-    chunk_ids = []
-    caps = {}
-    for i in range(count):
-        if i % 256 == 0:
-            block = ids.new_id()
-            cap = capability.issue(key, block, [NODE])
-        cid = ids.chunk_id(block, i % 256)
-        chunk_ids.append(cid)
-        caps[cid] = cap
+    chunk_ids, caps = _chunk_ids(key, count)
     results = []
     async with rpc_client.open_connection("127.0.0.1", port, secret) as conn:
         client = ChunkClient(conn)
@@ -193,12 +181,33 @@ async def run_case(
         files = files_read_direct(chunk_files, inflight)
         results[-1]["files_mbps"] = files["mbps"]
         results[-1]["files_ratio"] = results[-1]["mbps"] / files["mbps"]
-        async with trio.open_nursery() as n:
-            for cid in chunk_ids:
-                block_id, index = ids.parse_chunk_id(cid)
-                dcap = capability.issue(key, block_id, [NODE], op="delete", index=index)
-                n.start_soon(client.delete, cid, dcap)
+        await _delete_all(client, key, chunk_ids)
     return results
+
+
+def _chunk_ids(key: bytes, count: int) -> tuple[list[str], dict[str, bytes]]:
+    """``count`` chunk ids with their put capabilities. One block per chunk would need a token
+    each; indexes 0..255 of a few blocks keep the ids realistic (one block's chunks) while
+    covering many chunks."""
+    chunk_ids: list[str] = []
+    caps: dict[str, bytes] = {}
+    for i in range(count):
+        if i % 256 == 0:
+            block = ids.new_id()
+            cap = capability.issue(key, block, [NODE])
+        cid = ids.chunk_id(block, i % 256)
+        chunk_ids.append(cid)
+        caps[cid] = cap
+    return chunk_ids, caps
+
+
+async def _delete_all(client: ChunkClient, key: bytes, chunk_ids: list[str]) -> None:
+    """Empty the store for the next case, each delete with its own capability."""
+    async with trio.open_nursery() as n:
+        for cid in chunk_ids:
+            block_id, index = ids.parse_chunk_id(cid)
+            dcap = capability.issue(key, block_id, [NODE], op="delete", index=index)
+            n.start_soon(client.delete, cid, dcap)
 
 
 def _ceilings(raw_dir: Path, total: int) -> dict[str, dict[str, float]]:
@@ -216,7 +225,7 @@ def _ceilings(raw_dir: Path, total: int) -> dict[str, dict[str, float]]:
     }
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
     parser.add_argument("--dir", type=Path, help="scratch directory on the disk to measure")
@@ -235,46 +244,42 @@ def main() -> int:
         help="chunk sizes in MiB, comma-separated (the cases of a round, in order, on one store)",
     )
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
-    args = parser.parse_args()
-    total = (8 if args.smoke else args.total_mib) * MiB
+    return parser.parse_args()
+
+
+def _key_file(path: Path) -> bytes:
+    """A fresh random key written 0600 (the daemons refuse key files others can read)."""
+    key = secrets.token_hex(32).encode()
+    path.write_bytes(key)
+    path.chmod(0o600)
+    return key
+
+
+def _measure(args: argparse.Namespace, scratch: Path, total: int) -> list[dict[str, Any]]:
+    """Every round of every case against one daemon, each case bracketed by ceilings.
+
+    The machine is shared and its disk's speed swings by 2-3x within minutes: each case is
+    bracketed by ceilings measured on the same disk just before and just after it, buffered
+    and O_DIRECT, and compared with the highest, so that a ceiling that dipped at the wrong
+    moment cannot flatter the ratio. One case's "after" is the next one's "before".
+    """
     sizes = [int(x) * MiB for x in args.sizes.split(",")]
-    scratch = Path(tempfile.mkdtemp(prefix="bench-chunkstore-", dir=args.dir))
+    secret = _key_file(scratch / "secret")
+    key = _key_file(scratch / "capability_key")  # the capability key: daemon and bench only
+    data_dir, raw_dir = scratch / "data", scratch / "raw"
+    raw_dir.mkdir()
     proc = None
     rows: list[dict[str, Any]] = []
     try:
-        secret = secrets.token_hex(32).encode()
-        secret_file = scratch / "secret"
-        secret_file.write_bytes(secret)
-        secret_file.chmod(0o600)
-        key = secrets.token_hex(32).encode()  # the capability key: daemon and bench only
-        key_file = scratch / "capability_key"
-        key_file.write_bytes(key)
-        key_file.chmod(0o600)
-        data_dir = scratch / "data"
-        raw_dir = scratch / "raw"
-        raw_dir.mkdir()
-        proc, port = start_daemon(data_dir, secret_file)
+        proc, port = start_daemon(data_dir, scratch / "secret")
         disk_write(raw_dir, min(total, 64 * MiB))  # warm-up: first writes pay page-cache setup
-        # The machine is shared and its disk's speed swings by 2-3x within minutes: each case
-        # is bracketed by ceilings measured on the same disk just before and just after it,
-        # buffered and O_DIRECT, and compared with the highest, so that a ceiling that dipped
-        # at the wrong moment cannot flatter the ratio. One case's "after" is the next one's
-        # "before".
         before = _ceilings(raw_dir, total)
         for rnd in range(args.repeat):
             for size in sizes:
                 case = trio.run(
-                    run_case,
-                    port,
-                    secret,
-                    key,
-                    proc.pid,
-                    data_dir,
-                    raw_dir,
-                    size,
-                    max(total, size),
-                    args.inflight,
-                )
+                    run_case, port, secret, key, proc.pid, data_dir, raw_dir, size,
+                    max(total, size), args.inflight,
+                )  # fmt: skip
                 after = _ceilings(raw_dir, total)
                 for r in case:
                     r["round"] = rnd
@@ -290,7 +295,10 @@ def main() -> int:
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(30)
-        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def _print_rows(args: argparse.Namespace, total: int, rows: list[dict[str, Any]]) -> None:
     print(
         f"chunk store over loopback, {args.inflight} requests in flight,"
         f" {total // MiB} MiB per case{' (smoke)' if args.smoke else ''};"
@@ -318,6 +326,8 @@ def main() -> int:
             )
         )
 
+
+def _print_medians(sizes: list[int], rows: list[dict[str, Any]]) -> None:
     def median(key: str, op: str, size: int) -> float:
         return statistics.median(
             r[key] for r in rows if r["op"] == op and r["chunk_mib"] == size / MiB
@@ -333,6 +343,18 @@ def main() -> int:
     for op in ("put", "get"):
         for size in sizes:
             print(f"  {op} {size // MiB} MiB: {median('files_ratio', op, size):.2f}")
+
+
+def main() -> int:
+    args = _parse_args()
+    total = (8 if args.smoke else args.total_mib) * MiB
+    scratch = Path(tempfile.mkdtemp(prefix="bench-chunkstore-", dir=args.dir))
+    try:
+        rows = _measure(args, scratch, total)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _print_rows(args, total, rows)
+    _print_medians([int(x) * MiB for x in args.sizes.split(",")], rows)
     if args.json:
         print(json.dumps(rows))
     return 0
