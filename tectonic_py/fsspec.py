@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import posixpath
 import secrets
@@ -65,6 +66,8 @@ from tectonic_py.core.errors import (
 from tectonic_py.core.records import Attrs
 
 __all__ = ["TectonicFile", "TectonicFileSystem"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 1024 * 1024
@@ -470,14 +473,20 @@ class TectonicFile(AbstractBufferedFile):
                 pass
 
     def close(self) -> None:
+        # A reader holds nothing but its block list (no call to close it), so a file the
+        # garbage collector closes, maybe in the client's own thread, makes no call.
+        self._reader = None
+        super().close()
+
+    def __del__(self) -> None:
+        """A write left open is committed, as fsspec does, unless the collector runs in the
+        client's own thread, which cannot wait on itself: then it is lost, and said so."""
         if self.closed:
             return
         try:
-            super().close()
-        finally:
-            if self._reader is not None:
-                reader, self._reader = self._reader, None
-                self.fs._run(self.path, reader.aclose)
+            self.close()
+        except (OSError, RuntimeError) as e:
+            log.warning("%s was left open and could not be closed: %s", self.path, e)
 
     def read(self, length: int = -1) -> bytes:
         """Reads of at least ``blocksize`` skip fsspec's cache: its readahead would fetch a

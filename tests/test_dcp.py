@@ -1,0 +1,170 @@
+"""torch.distributed.checkpoint through TectonicWriter / TectonicReader on a real cluster.
+
+4 gloo ranks (spawned processes on 127.0.0.1) save a state dict of DTensors sharded over
+them, plus a replicated tensor and plain Python values, once with ``dcp.save`` and once with
+``dcp.async_save``; 2 ranks load both back, resharded, and compare them bit for bit. In this
+process: a checkpoint written here loads through DCP's own ``FileSystemReader`` once its
+files are copied to local disk (the layout is DCP's), and a reader that loads one small
+item of a checkpoint does not fetch the large one beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from tectonic_py.client.sync_client import BlockingClient
+from tectonic_py.dcp import TectonicReader, TectonicWriter, checkpoint_path
+from tectonic_py.local_cluster import LocalCluster
+
+# dcp.save and dcp.load in one process (no_dist=True) warn that they assume so.
+single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SAVE_RANKS = 4
+LOAD_RANKS = 2
+
+
+def _full_tensors(seed: int) -> dict[str, Any]:
+    """The global tensors of a step, the same in every process (a seeded generator)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w1": torch.randn(1024, 256, generator=g),  # 1 MiB: blocks of 384 KiB, shards of it
+        "w2": torch.randn(333, 17, generator=g).to(torch.bfloat16),  # rows not divisible
+        "emb": torch.randint(0, 1 << 40, (96, 130), generator=g),  # int64, sharded on dim 1
+        "bias": torch.randn(1000, generator=g),  # replicated
+    }
+
+
+def _state_dict(mesh: Any, seed: int, *, empty: bool = False) -> dict[str, Any]:
+    full = _full_tensors(seed)
+    if empty:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    return {
+        "model": {
+            "w1": distribute_tensor(full["w1"], mesh, [Shard(0)]),
+            "w2": distribute_tensor(full["w2"], mesh, [Shard(0)]),
+            "emb": distribute_tensor(full["emb"], mesh, [Shard(1)]),
+            "bias": distribute_tensor(full["bias"], mesh, [Replicate()]),
+        },
+        "extra": {"step": 0 if empty else seed, "note": "" if empty else f"step {seed}"},
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, cluster_file: str, phase: str) -> None:
+    """One rank: save steps 1 (dcp.save) and 2 (dcp.async_save), or load and check both."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        if phase == "save":
+            dcp.save(
+                _state_dict(mesh, 1),
+                storage_writer=TectonicWriter("/ckpt/step_1", cluster=cluster_file),
+            )
+            future = dcp.async_save(
+                _state_dict(mesh, 2),
+                storage_writer=TectonicWriter("tectonic:///ckpt/step_2", cluster=cluster_file),
+            )
+            future.result()
+            return
+        for step in (1, 2):
+            sd = _state_dict(mesh, step, empty=True)
+            dcp.load(sd, storage_reader=TectonicReader(f"/ckpt/step_{step}", cluster=cluster_file))
+            want = _full_tensors(step)
+            for name, value in sd["model"].items():
+                assert isinstance(value, DTensor)
+                got = value.full_tensor()
+                assert got.dtype == want[name].dtype
+                assert torch.equal(got, want[name]), f"step {step}: {name} differs"
+            assert sd["extra"] == {"step": step, "note": f"step {step}"}
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(world: int, cluster_file: Path, phase: str) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _rank_main,
+        args=(world, _free_port(), str(cluster_file), phase),
+        nprocs=world,
+        join=True,
+        start_method="fork",
+    )
+
+
+@pytest.mark.slow
+def test_save_with_4_ranks_load_resharded_on_2(local_cluster: LocalCluster) -> None:
+    _spawn(SAVE_RANKS, local_cluster.cluster_file, "save")
+    with BlockingClient(local_cluster.cluster_file) as client:
+        names = sorted(e.name for e in client.listdir("/ckpt/step_1"))
+        assert ".metadata" in names
+        assert [n for n in names if n.endswith(".distcp")]  # DCP's own file names
+        assert not [n for n in names if n.endswith(".tmp")]
+        assert ".metadata" in {e.name for e in client.listdir("/ckpt/step_2")}
+    _spawn(LOAD_RANKS, local_cluster.cluster_file, "load")
+
+
+def _download(client: BlockingClient, remote: str, local: Path) -> None:
+    local.mkdir(parents=True)
+    for entry in client.listdir(remote):
+        with client.open(f"{remote}/{entry.name}") as src:
+            (local / entry.name).write_bytes(src.read())
+
+
+@single_process
+def test_a_checkpoint_loads_through_dcps_own_reader(
+    local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {"a": torch.arange(100_000, dtype=torch.float64), "meta": {"epoch": 3}}
+    with BlockingClient(local_cluster.cluster_file) as client:
+        dcp.save(saved, storage_writer=TectonicWriter("/ck", client=client), no_dist=True)
+        _download(client, "/ck", tmp_path / "local")
+    loaded = {"a": torch.zeros(100_000, dtype=torch.float64), "meta": {"epoch": 0}}
+    dcp.load(loaded, storage_reader=FileSystemReader(tmp_path / "local"), no_dist=True)
+    assert torch.equal(loaded["a"], saved["a"])
+    assert loaded["meta"] == {"epoch": 3}
+
+
+@single_process
+def test_a_reader_fetches_only_what_its_plan_needs(local_cluster: LocalCluster) -> None:
+    big = torch.randn(1 << 20)  # 4 MiB: about 11 blocks of 384 KiB
+    small = torch.arange(1000, dtype=torch.int32)
+    with BlockingClient(local_cluster.cluster_file) as client:
+        writer = TectonicWriter("/partial", client=client, thread_count=1)
+        dcp.save({"big": big, "small": small}, storage_writer=writer, no_dist=True)
+    # A fresh client: no block of the save is in its cache.
+    with BlockingClient(local_cluster.cluster_file) as client:
+        target = {"small": torch.zeros(1000, dtype=torch.int32)}
+        dcp.load(target, storage_reader=TectonicReader("/partial", client=client), no_dist=True)
+        stats = client.client.statistics()
+        assert torch.equal(target["small"], small)
+        assert stats.bytes_read < big.nbytes // 4, stats
+
+
+def test_checkpoint_ids() -> None:
+    assert checkpoint_path("tectonic:///ckpt/step_1/") == "/ckpt/step_1"
+    assert checkpoint_path("tectonic://ckpt//step_1") == "/ckpt/step_1"
+    assert checkpoint_path(Path("/ckpt/step_1")) == "/ckpt/step_1"
+    assert TectonicWriter.validate_checkpoint_id("tectonic:///ckpt")
+    assert not TectonicReader.validate_checkpoint_id("/local/dir")
