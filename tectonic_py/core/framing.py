@@ -164,9 +164,9 @@ async def recv_exactly(sock: trio.socket.SocketType, view: memoryview) -> None:
         view = view[n:]
 
 
-# Drained bytes are thrown away, so every drain in the process shares this one buffer (all
-# receives run on the event loop thread): a burst of refused puts costs no memory per request.
-DRAIN_PIECE = 256 * 1024
+# A drain's scratch buffer is small: every connection draining a refused payload at once
+# holds one (a burst refused Busy is a thousand of them), and a drain's speed does not matter.
+DRAIN_PIECE = 16 * 1024
 
 
 async def drain(
@@ -175,9 +175,9 @@ async def drain(
     """Read and discard ``n`` bytes (a payload nobody will use), keeping framing intact;
     ``feed`` sees each piece before it is thrown away (the frame's tag covers it).
 
-    The scratch buffer is this call's own: ``recv_exactly`` waits between its reads, and a
-    buffer shared by connections would let another drain overwrite bytes before ``feed``
-    sees them, failing an honest frame's tag.
+    The scratch buffer is this call's own: a receive reaches a schedule point after its bytes
+    land, and a buffer shared by connections would let another drain overwrite them before
+    ``feed`` sees them, failing an honest frame's tag.
     """
     scratch = memoryview(bytearray(min(n, DRAIN_PIECE)))
     while n > 0:
