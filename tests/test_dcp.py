@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint through TectonicWriter / TectonicReader on a real cluster.
 
-4 gloo ranks (spawned processes on 127.0.0.1) save a state dict of DTensors sharded over
+4 gloo ranks (processes forked from this one, which has torch imported already, on
+127.0.0.1) save a state dict of DTensors sharded over
 them, plus a replicated tensor and plain Python values, once with ``dcp.save`` and once with
 ``dcp.async_save``; 2 ranks load both back, resharded, and compare them bit for bit. In this
 process: a checkpoint written here loads through DCP's own ``FileSystemReader`` once its
@@ -99,7 +100,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(world: int, cluster_file: Path, phase: str) -> None:
+def _run_ranks(world: int, cluster_file: Path, phase: str) -> None:
     import torch.multiprocessing as mp
 
     mp.start_processes(
@@ -113,14 +114,14 @@ def _spawn(world: int, cluster_file: Path, phase: str) -> None:
 
 @pytest.mark.slow
 def test_save_with_4_ranks_load_resharded_on_2(local_cluster: LocalCluster) -> None:
-    _spawn(SAVE_RANKS, local_cluster.cluster_file, "save")
+    _run_ranks(SAVE_RANKS, local_cluster.cluster_file, "save")
     with BlockingClient(local_cluster.cluster_file) as client:
         names = sorted(e.name for e in client.listdir("/ckpt/step_1"))
         assert ".metadata" in names
         assert [n for n in names if n.endswith(".distcp")]  # DCP's own file names
         assert not [n for n in names if n.endswith(".tmp")]
         assert ".metadata" in {e.name for e in client.listdir("/ckpt/step_2")}
-    _spawn(LOAD_RANKS, local_cluster.cluster_file, "load")
+    _run_ranks(LOAD_RANKS, local_cluster.cluster_file, "load")
 
 
 def _download(client: BlockingClient, remote: str, local: Path) -> None:
