@@ -1,9 +1,8 @@
 """torch.distributed.checkpoint through TectonicWriter / TectonicReader on a real cluster.
 
 4 gloo ranks (processes forked from this one, which has torch imported already, on
-127.0.0.1) save a state dict of DTensors sharded over
-them, plus a replicated tensor and plain Python values, once with ``dcp.save`` and once with
-``dcp.async_save``; 2 ranks load both back, resharded, and compare them bit for bit. In this
+127.0.0.1) save a state dict of DTensors sharded over them, plus a replicated tensor and
+plain Python values, once with ``dcp.save`` and once with ``dcp.async_save``; 2 ranks load both back, resharded, and compare them bit for bit. In this
 process: a checkpoint written here loads through DCP's own ``FileSystemReader`` once its
 files are copied to local disk (the layout is DCP's), and a reader that loads one small
 item of a checkpoint does not fetch the large one beside it.
