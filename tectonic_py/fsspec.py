@@ -48,20 +48,11 @@ from tectonic_py.client.reader import FileReader
 from tectonic_py.client.sync_client import BlockingClient, shared_client
 from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.client.writer import FileWriter
+from tectonic_py.core.errnos import errno_for
 from tectonic_py.core.errors import (
-    DirectoryNotEmpty,
-    DiskFull,
-    FileExists,
     FileNotFound,
-    FileSealed,
-    InvalidArgument,
-    InvalidName,
     IsADirectory,
-    NoSpace,
-    NotADirectory,
-    StaleWriterToken,
     TectonicError,
-    Timeout,
 )
 from tectonic_py.core.records import Attrs
 
@@ -77,21 +68,6 @@ PROTOCOL = "tectonic"
 # round trips rather than one per entry.
 LIST_CONCURRENCY = 64
 
-_ERRNO: dict[type[TectonicError], int] = {
-    FileNotFound: errno.ENOENT,
-    FileExists: errno.EEXIST,
-    NotADirectory: errno.ENOTDIR,
-    IsADirectory: errno.EISDIR,
-    DirectoryNotEmpty: errno.ENOTEMPTY,
-    InvalidName: errno.EINVAL,
-    InvalidArgument: errno.EINVAL,
-    NoSpace: errno.ENOSPC,
-    DiskFull: errno.ENOSPC,
-    StaleWriterToken: errno.ESTALE,
-    FileSealed: errno.EPERM,
-    Timeout: errno.ETIMEDOUT,
-}
-
 
 @contextmanager
 def _os_errors(path: str) -> Iterator[None]:
@@ -101,8 +77,7 @@ def _os_errors(path: str) -> Iterator[None]:
     try:
         yield
     except TectonicError as e:
-        code = next((n for cls, n in _ERRNO.items() if isinstance(e, cls)), errno.EIO)
-        raise OSError(code, e.message, path) from e
+        raise OSError(errno_for(e), e.message, path) from e
 
 
 def _info(path: str, attrs: Attrs) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The one place where domain errors become errno, for every FUSE handler.
+"""Where domain errors become errno for every FUSE handler (the table is
+``tectonic_py.core.errnos``, shared with the fsspec filesystem).
 
 pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, so every
 handler of ``tectonic_py.mount.operations`` goes through ``fuse_op``: it maps
@@ -16,77 +17,14 @@ from typing import Any, TypeVar, cast
 
 import pyfuse3
 
-from tectonic_py.core.errors import (
-    AuthError,
-    BadCapability,
-    Busy,
-    ChecksumMismatch,
-    ChunkConflict,
-    ChunkCorrupt,
-    ChunkNotFound,
-    ConfigError,
-    DirectoryNotEmpty,
-    DiskFull,
-    FileExists,
-    FileNotFound,
-    FileSealed,
-    InvalidArgument,
-    InvalidName,
-    IsADirectory,
-    NoSpace,
-    NotADirectory,
-    ProtocolError,
-    QuorumLost,
-    ShardUnavailable,
-    StaleWriterToken,
-    TectonicError,
-    Timeout,
-    Unavailable,
-    UnknownOp,
-    WrongShard,
-    XattrNotFound,
-)
+from tectonic_py.core.errnos import ERRNO, errno_for
+from tectonic_py.core.errors import TectonicError
+
+__all__ = ["ERRNO", "errno_of", "fuse_op"]
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-ERRNO: dict[type[TectonicError], int] = {
-    FileNotFound: errno.ENOENT,
-    FileExists: errno.EEXIST,
-    NotADirectory: errno.ENOTDIR,
-    IsADirectory: errno.EISDIR,
-    DirectoryNotEmpty: errno.ENOTEMPTY,
-    InvalidName: errno.EINVAL,
-    InvalidArgument: errno.EINVAL,
-    NoSpace: errno.ENOSPC,
-    DiskFull: errno.ENOSPC,
-    # Another writer (another mount, or a recovery) took the file: this handle is fenced
-    # off for good, which is what "stale file handle" tells a program.
-    StaleWriterToken: errno.ESTALE,
-    # Appending to a sealed file without reopening it for writing: not permitted.
-    FileSealed: errno.EPERM,
-    XattrNotFound: pyfuse3.ENOATTR,
-    Timeout: errno.ETIMEDOUT,
-    # Data or the service is unreachable or damaged. Programs handle EIO as "this call
-    # failed"; EAGAIN would make a blocking write look spuriously non-blocking, and EACCES
-    # for an auth failure would send the user hunting for file permissions.
-    QuorumLost: errno.EIO,
-    ShardUnavailable: errno.EIO,
-    Unavailable: errno.EIO,
-    Busy: errno.EIO,
-    WrongShard: errno.EIO,
-    ChunkNotFound: errno.EIO,
-    ChunkCorrupt: errno.EIO,
-    ChunkConflict: errno.EIO,
-    ChecksumMismatch: errno.EIO,
-    BadCapability: errno.EIO,
-    AuthError: errno.EIO,
-    ProtocolError: errno.EIO,
-    UnknownOp: errno.EIO,
-    ConfigError: errno.EIO,
-    TectonicError: errno.EIO,
-}
 
 # Errors that are a normal answer (existence checks, O_EXCL races, rmdir of a full
 # directory): logged at debug. Everything else is a failure of the system and is logged as
@@ -132,10 +70,7 @@ def errno_of(exc: BaseException) -> int:
                 return errno_of(leaf)
         return errno.EIO
     if isinstance(exc, TectonicError):
-        for cls in type(exc).__mro__:
-            if cls in ERRNO:
-                return ERRNO[cls]  # type: ignore[index]
-        return errno.EIO
+        return errno_for(exc)
     return errno.EIO
 
 
