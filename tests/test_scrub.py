@@ -139,7 +139,11 @@ async def test_status_counts_blocks_the_scrub_found_bad(tmp_path):
         async def seen():  # type: ignore[no-untyped-def]
             st = await status_cli.gather(config)
             got = {b["block_id"]: b for b in st["degraded_blocks"]}
-            return st if set(got) == {blocks[0].block_id, blocks[1].block_id} else None
+            if set(got) != {blocks[0].block_id, blocks[1].block_id}:
+                return None
+            # The scrub finds the damaged chunks one by one: wait for all four.
+            found = (got[blocks[0].block_id]["live"], got[blocks[1].block_id]["live"])
+            return st if found == (3, 5) else None
 
         st = await wait_for("status to show the scrubbed blocks", seen)
         got = {b["block_id"]: b for b in st["degraded_blocks"]}
