@@ -40,7 +40,8 @@ safe to repeat (reads) always, for mutations only when the request never left (c
 failed), because a mutation whose reply was lost may have committed. ``Busy`` (admission
 control, a pinned rename) is retried with backoff a bounded number of times (both through
 ``tectonic_py.core.retry``). A server still unreachable at the deadline is
-``ShardUnavailable``.
+``ShardUnavailable``. Until some server has answered the client, only a few quick tries are
+made: nothing is known to be restarting, and a wrong cluster file should be said at once.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ BUSY_POLICY = RetryPolicy(attempts=51, first_delay=0.005, multiplier=1.15, max_d
 RECONNECT_DEADLINE_S = 10.0
 
 
+# Before any server has answered, nothing is known to be restarting: a cluster file that names
+# the wrong addresses, or a cluster that is down, is said within a moment, not after the
+# reconnect deadline.
+FIRST_CONTACT_POLICY = RetryPolicy(attempts=3, first_delay=0.05, multiplier=2.0, max_delay=0.1)
+
+
 def reconnect_policy(deadline: float) -> RetryPolicy:
     """How connection failures are retried: until ``deadline`` seconds after the first try
     (0: the first try only)."""
@@ -141,10 +148,12 @@ class MetadataClient:
         reconnect_deadline: float = RECONNECT_DEADLINE_S,
     ) -> None:
         """``reconnect_deadline``: how long a call waits for a server that cannot be reached
-        (a restart) before it is ``ShardUnavailable``; a tool that reports down servers
-        rather than waiting for them passes 0."""
+        (a restart) before it is ``ShardUnavailable``, once some server has answered this
+        client (before that, a few quick tries); a tool that reports down servers rather than
+        waiting for them passes 0."""
         self.config = config
         self._reconnect = reconnect_policy(reconnect_deadline)
+        self._reached = False  # some metadata server has answered this client
         self._nursery = nursery
         self._secret = config.secret()
         self._shard_addr = {
@@ -187,6 +196,7 @@ class MetadataClient:
             conn = await rpc_client.Connection.connect(
                 host, port, self._secret, nursery=self._nursery
             )
+            self._reached = True
             pool[slot] = conn
             return conn
 
@@ -212,7 +222,8 @@ class MetadataClient:
 
         busy_retried = functools.partial(retry, once, policy=BUSY_POLICY, when=_is_busy)
         try:
-            return await retry(busy_retried, policy=self._reconnect, when=may_repeat)
+            policy = self._reconnect if self._reached else FIRST_CONTACT_POLICY
+            return await retry(busy_retried, policy=policy, when=may_repeat)
         except Unavailable as e:
             raise ShardUnavailable(
                 f"metadata server {address} unavailable during {op}: {e.message}"
