@@ -132,3 +132,8 @@ async def total_used(m: Maintenance) -> int:
         if node.state == "up":
             total += int((await m.node_call(node, "node_stats"))["used"])
     return total
+
+
+def node_index(node_id: str) -> int:
+    """The local cluster's store number of a node id (``cs3`` -> 3): its data directory."""
+    return int(node_id.removeprefix("cs"))

@@ -17,6 +17,7 @@ from maintenance_helpers import (
     block_health,
     data_of,
     make_cluster,
+    node_index,
     open_fresh_client,
     open_inspector,
     put,
@@ -37,12 +38,10 @@ from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
 
-def _index(node_id: str) -> int:
-    return int(node_id.removeprefix("cs"))
-
-
 def _chunk_file(cluster: LocalCluster, block_id: int, c: ChunkPlacement) -> Path:
-    return layout.chunk_path(cluster.chunkstore_dir(_index(c.node_id)), chunk_id(block_id, c.index))
+    return layout.chunk_path(
+        cluster.chunkstore_dir(node_index(c.node_id)), chunk_id(block_id, c.index)
+    )
 
 
 async def _status(cluster: LocalCluster) -> dict[str, Any]:
@@ -101,7 +100,7 @@ async def test_missing_and_replaced_chunks_are_found_shown_and_repaired(tmp_path
 
             await shown()
             # A restart of a store forgets nothing: the record is the Block layer's.
-            node = _index(replaced.node_id)
+            node = node_index(replaced.node_id)
             cluster.stop_chunkstore(node)
             cluster.start_chunkstore(node)
 

@@ -16,6 +16,7 @@ from maintenance_helpers import (
     block_health,
     data_of,
     make_cluster,
+    node_index,
     open_fresh_client,
     open_inspector,
     put,
@@ -26,10 +27,6 @@ from maintenance_helpers import (
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.maintenance.repair import assess
 from tectonic_py.maintenance.runtime import TokenBucket
-
-
-def _index(node_id: str) -> int:
-    return int(node_id.removeprefix("cs"))
 
 
 async def _full(m):  # type: ignore[no-untyped-def]
@@ -50,7 +47,7 @@ async def test_killed_store_is_repaired_then_m_more_can_go(tmp_path):
             victim_node = (
                 (await client.meta.block_list((await client.stat("/f0")).id))[0].chunks[0].node_id
             )
-        victim = _index(victim_node)
+        victim = node_index(victim_node)
         async with open_inspector(cluster) as m:
             before = await block_health(m)
             assert before["degraded"] == 0 and before["blocks"] >= 10

@@ -11,6 +11,7 @@ from maintenance_helpers import (
     block_health,
     data_of,
     make_cluster,
+    node_index,
     open_fresh_client,
     open_inspector,
     put,
@@ -89,7 +90,7 @@ async def test_flipped_bytes_are_scrubbed_and_repaired(tmp_path):
             (blocks[2].block_id, blocks[2].chunks[4]),
         ]
         for block_id, c in victims:
-            node = int(c.node_id.removeprefix("cs"))
+            node = node_index(c.node_id)
             _flip(layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(block_id, c.index)), 7)
         async with open_fresh_client(cluster) as client:
             assert await read(client, "/s") == data  # degraded, still exact
@@ -106,7 +107,7 @@ async def test_flipped_bytes_are_scrubbed_and_repaired(tmp_path):
 
             await wait_for("scrub + repair of the flipped chunks", repaired)
         for block_id, c in victims:  # the bad copies are gone from their nodes
-            node = int(c.node_id.removeprefix("cs"))
+            node = node_index(c.node_id)
             assert not layout.chunk_path(
                 cluster.chunkstore_dir(node), chunk_id(block_id, c.index)
             ).exists()
@@ -132,7 +133,7 @@ async def test_status_counts_blocks_the_scrub_found_bad(tmp_path):
         victims = [(blocks[0].block_id, c) for c in blocks[0].chunks[:3]]
         victims.append((blocks[1].block_id, blocks[1].chunks[4]))
         for block_id, c in victims:
-            node = int(c.node_id.removeprefix("cs"))
+            node = node_index(c.node_id)
             _flip(layout.chunk_path(cluster.chunkstore_dir(node), chunk_id(block_id, c.index)), 7)
         config = cluster_file.load(cluster.cluster_file)
 
