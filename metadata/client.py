@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -771,6 +772,17 @@ class MetadataClient:
             "nodes_up": len(up),
             "files": sum(int(s["files"]) for s in stats),
         }
+
+    async def backup(self, dest: str) -> list[dict[str, Any]]:
+        """Every metadata server snapshots its shards into ``dest``/server-N on its own host
+        (one directory per server, so servers sharing a host never collide)."""
+
+        def job(i: int, address: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+            where = os.path.join(dest, f"server-{i}")
+            return lambda: self._call(address, "server.backup", {"dest": where})
+
+        servers = self.config.metadata_servers
+        return await self._gather([job(i, s.address) for i, s in enumerate(servers)])
 
     # --- Garbage collection support (for the GC service) -----------------------------------
 

@@ -1,16 +1,26 @@
-"""``tectonic metadata``: run one metadata server process (a set of logical shards)."""
+"""``tectonic metadata``: run one metadata server process (a set of logical shards);
+``tectonic metadata backup`` / ``restore``: the embedded engine's safety net (metadata/backup.py).
+
+The daemon's flags stay on ``tectonic metadata`` itself (service units call it that way); the
+two admin commands are its optional subcommands, so the daemon's required flags are checked
+here rather than by argparse.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
+from pathlib import Path
+from typing import Any
 
 import trio
 
+from metadata import backup
+from metadata.client import MetadataClient
 from metadata.server import MetadataServer, parse_shard_list
-from tectonic_py.core import capability
-from tectonic_py.core.aio import _single
+from tectonic_py.core import capability, cluster_file
+from tectonic_py.core.aio import _single, open_service_nursery
 from tectonic_py.core.auth import load_secret
 from tectonic_py.core.errors import ConfigError, TectonicError
 from tectonic_py.core.sockets import parse_address
@@ -19,12 +29,15 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("metadata", help="run a metadata server (Name/File/Block shards)")
-    p.add_argument("--data-dir", required=True, help="directory of the shards' SQLite files")
+    p = subparsers.add_parser(
+        "metadata",
+        help="run a metadata server (Name/File/Block shards); backup and restore its shards",
+    )
+    p.add_argument("--data-dir", help="directory of the shards' SQLite files (required)")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
-    p.add_argument("--shards", required=True, help="logical shards hosted here, e.g. 0-31 or 0,2")
-    p.add_argument("--total-shards", type=int, required=True, help="S, fixed at cluster creation")
-    p.add_argument("--secret-file", required=True)
+    p.add_argument("--shards", help="logical shards hosted here, e.g. 0-31 or 0,2 (required)")
+    p.add_argument("--total-shards", type=int, help="S, fixed at cluster creation (required)")
+    p.add_argument("--secret-file", help="the cluster's shared secret (required)")
     p.add_argument(
         "--capability-key-file",
         help="the key that signs capabilities (metadata servers and chunk stores only; required)",
@@ -43,10 +56,70 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="seconds a writer token stays live without renew_lease",
     )
     # a service log shows start, ready and shutdown without -v
-    p.set_defaults(func=run, daemon_loggers=["metadata"])
+    p.set_defaults(func=run, daemon_loggers=["metadata"], metadata_parser=p)
+    admin = p.add_subparsers(dest="metadata_command", metavar="{backup,restore}")
+    b = admin.add_parser(
+        "backup",
+        help="online snapshot of every shard, into DEST/server-N on each server's host",
+    )
+    b.add_argument(
+        "cluster_file", metavar="CLUSTER_FILE", type=Path, help="the cluster file (cluster.toml)"
+    )
+    b.add_argument("dest", type=Path, help="a new or empty directory (absolute path)")
+    b.set_defaults(func=run_backup)
+    r = admin.add_parser(
+        "restore", help="put one server's backup into its data directory (server stopped)"
+    )
+    r.add_argument("backup", type=Path, help="a backup's server-N directory")
+    r.add_argument("--data-dir", dest="restore_data_dir", type=Path, required=True)
+    r.add_argument("--force", action="store_true", help="move the shard files already there aside")
+    r.add_argument("--verify-only", action="store_true", help="check the backup, change nothing")
+    r.set_defaults(func=run_restore)
+
+
+def run_backup(args: argparse.Namespace) -> int:
+    dest = args.dest.absolute()
+
+    async def go() -> list[dict[str, Any]]:
+        async with open_service_nursery() as nursery:
+            meta = MetadataClient(cluster_file.load(args.cluster_file), nursery=nursery)
+            try:
+                return await meta.backup(str(dest))
+            finally:
+                await meta.aclose()
+
+    for m in trio.run(go):
+        took = (m["finished_ns"] - m["started_ns"]) / 1e9
+        print(f"{m['server']}: {len(m['shards'])} shards in {took:.2f} s")
+    print(f"backup complete: {dest}")
+    return 0
+
+
+def run_restore(args: argparse.Namespace) -> int:
+    if args.verify_only:
+        m = backup.verify(args.backup)
+        print(f"{args.backup}: {len(m['shards'])} shards verified (from {m['server']})")
+        return 0
+    m = backup.restore(args.backup, args.restore_data_dir, force=args.force)
+    print(f"restored {len(m['shards'])} shards of {m['server']} into {m['data_dir']}")
+    if m["moved_aside"]:
+        print(f"the shard files that were there are in {m['moved_aside']}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = [
+        flag
+        for flag, value in [
+            ("--data-dir", args.data_dir),
+            ("--shards", args.shards),
+            ("--total-shards", args.total_shards),
+            ("--secret-file", args.secret_file),
+        ]
+        if value is None
+    ]
+    if missing:
+        args.metadata_parser.error(f"the following arguments are required: {', '.join(missing)}")
     host, port = parse_address(args.listen)
     server = MetadataServer(
         args.data_dir,

@@ -72,7 +72,7 @@ from typing import Any
 
 import trio
 
-from metadata import block_layer, file_layer, name_layer
+from metadata import backup, block_layer, file_layer, name_layer
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
@@ -644,6 +644,18 @@ class MetadataServer(MaintenanceOps):
                 "largest_batch": store.stats.largest_batch,
             }
         return {"files": files, "shards": shards}
+
+    async def op_server__backup(self, req: Request) -> dict[str, Any]:
+        """An online snapshot of every hosted shard into ``dest`` on this server's host."""
+        dest = Path(req.str("dest"))
+        return await trio.to_thread.run_sync(
+            backup.backup_shards,
+            self.data_dir,
+            sorted(self.stores),
+            self.total_shards,
+            dest,
+            self.address,
+        )
 
     # --- recovery of cross-shard renames ------------------------------------------------------
 
