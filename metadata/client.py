@@ -756,6 +756,17 @@ class MetadataClient:
         self._node_cache = {n.node_id: n for n in nodes}
         return nodes
 
+    async def server_stats(self) -> dict[str, dict[str, Any]]:
+        """Every metadata server's ``server.stats`` (files and, per shard, the group
+        commit's batches, mutations and largest batch), by server address."""
+        addresses = [s.address for s in self.config.metadata_servers]
+
+        def job(address: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+            return lambda: self._call(address, "server.stats", {})
+
+        stats = await self._gather([job(a) for a in addresses])
+        return dict(zip(addresses, stats, strict=True))
+
     async def statfs(self) -> dict[str, Any]:
         """Cluster capacity: {"capacity", "free", "files"...} from the registry."""
         nodes = await self.nodes()

@@ -70,6 +70,49 @@ async def test_client_burst_every_byte_verified(local_cluster):
     assert _no_workers_left()
 
 
+async def test_local_daemons_counted_and_the_burst_beside_one_stream(local_cluster):
+    """With no --watch-pids the local cluster's daemons are found (ready files, listening
+    ports) and their CPU counted by role; --baseline-stream writes the same bytes as one file
+    in the same run, so the per-file cost and the pause/stream ratio are reported; the
+    metadata shards' group-commit deltas come from server.stats; every rank of a worker
+    shares one connection per chunk store."""
+    cfg = LoadtestConfig(
+        cluster_file=str(local_cluster.cluster_file),
+        ranks=24,
+        processes=2,
+        shard_size=200 * KiB,
+        run_dir="/per-file",
+        max_seconds=240,
+        baseline_stream=True,
+    )
+    result = await run_loadtest(cfg)
+    assert result["errors"] == 0, result["error_samples"]
+    daemons = result["daemons"]
+    assert daemons["missing"] == []
+    assert len(daemons["pids"]["metadata"]) == 2 and len(daemons["pids"]["chunkstore"]) == 9
+    assert set(daemons["pids"]["metadata"] + daemons["pids"]["chunkstore"]) <= set(
+        local_cluster.pids()
+    )
+    roles = result["cpu_s_by_role_write"]
+    assert roles["workers"] > 0 and roles["chunkstore"] > 0 and roles["metadata"] > 0
+    assert result["cpu_s_write"] == pytest.approx(sum(roles.values()))
+    stream = result["baseline_stream"]
+    assert stream["bytes"] == 24 * 200 * KiB and stream["seconds"] > 0 and stream["errors"] == 0
+    assert result["files_written"] == 24
+    per_byte = stream["cpu_s"] / stream["bytes"]
+    expected = 1000 * (result["cpu_s_write"] - per_byte * result["bytes_written"]) / 24
+    assert result["cpu_ms_per_file"] == pytest.approx(expected)
+    assert result["cpu_ms_per_file_gross"] == pytest.approx(1000 * result["cpu_s_write"] / 24)
+    assert result["pause_over_stream"] == pytest.approx(result["pause_s"] / stream["seconds"])
+    batches = result["metadata_batches"]
+    assert batches["batches"] > 0 and batches["mutations"] >= batches["batches"]
+    assert batches["largest_batch"] >= 1
+    assert result["max_conns_per_store"] == 1
+    async with open_client(local_cluster.cluster_file) as client:
+        names = [e.name for e in await client.listdir("/")]
+    assert "per-file" not in names  # the stream's file went with the rest
+
+
 async def test_mount_mode_layout_and_cleanup(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()

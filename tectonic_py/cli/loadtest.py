@@ -2,7 +2,8 @@
 measures is described there).
 
 Output: a live progress bar (stderr, on a terminal), a summary table, ``--json`` (one object
-on stdout with at least errors, ranks, write_gbps, read_gbps, pause_s, bytes_verified), and
+on stdout with at least errors, ranks, write_gbps, read_gbps, pause_s, bytes_verified,
+creates_per_s, cpu_ms_per_file, metadata_batches and baseline_stream), and
 ``loadtest-<mode>-<ranks>.json`` in ``--results-dir``, with a ``.png`` of throughput over time
 and the completion-time CDF when matplotlib (the ``bench`` extra) is installed. Exit code 3
 when any rank saw an error.
@@ -87,7 +88,23 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="write nothing: restore and verify step --steps of the run in --dir (kept earlier)",
     )
-    p.add_argument("--watch-pids", type=_pids, default=[], help="PIDs whose CPU/RSS to count")
+    p.add_argument(
+        "--watch-pids",
+        type=_pids,
+        default=[],
+        help="more PIDs whose CPU/RSS to count (a local cluster's own daemons are found)",
+    )
+    p.add_argument(
+        "--no-daemon-cpu",
+        action="store_true",
+        help="do not look for the local cluster's daemons (their CPU is then not counted)",
+    )
+    p.add_argument(
+        "--baseline-stream",
+        action="store_true",
+        help="also write the burst's bytes as one file (as `tectonic put` does) and report "
+        "the burst's pause and per-file CPU beside it",
+    )
     p.add_argument(
         "--client-opt",
         action="append",
@@ -125,6 +142,8 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         verify_only=args.verify_only,
         client_options=client_options(args.client_opt),
         watch_pids=list(args.watch_pids),
+        daemon_cpu=not args.no_daemon_cpu,
+        baseline_stream=args.baseline_stream,
     )
 
 

@@ -19,7 +19,10 @@ The rooms:
 * ``worker``: a worker process, many trio tasks, one per rank.
 * ``coordinator``: the workers, the barrier before each burst, the steps, the restore, the
   time bound and the cleanup.
-* ``metrics``: the figures (a new one is one line there); ``report``: progress bar, summary
+* ``daemons``: the local cluster's metadata servers and chunk stores, found from the cluster
+  file, the node registry and their listening ports, so their CPU is counted too.
+* ``metrics``: the figures (a new one is one line there; ``docs/loadtest.md`` defines
+  them, ``cpu_ms_per_file`` among them); ``report``: progress bar, summary
   table and the optional plot. The command itself is ``tectonic_py.cli.loadtest``.
 """
 

@@ -46,6 +46,8 @@ class LoadtestConfig:
     verify_only: bool = False  # read and verify step ``steps`` of an existing run (its .metadata)
     client_options: dict[str, Any] = field(default_factory=dict)  # open_client(**tuning)
     watch_pids: list[int] = field(default_factory=list)
+    daemon_cpu: bool = True  # find the local cluster's daemons and count their CPU
+    baseline_stream: bool = False  # also write the same bytes as one file (loadtest.baseline)
 
     def validate(self) -> None:
         """ConfigError (one line naming the flag) for anything a run cannot do."""
@@ -74,6 +76,8 @@ class LoadtestConfig:
     def _validate_target(self) -> None:
         if (self.cluster_file is None) == (self.through_mount is None):
             raise ConfigError("give a CLUSTER_FILE or --through-mount MOUNTPOINT (one of them)")
+        if self.baseline_stream and self.through_mount is not None:
+            raise ConfigError("--baseline-stream writes through the client library, not a mount")
         if self.through_mount is not None and not os.path.isdir(self.through_mount):
             raise ConfigError(f"--through-mount {self.through_mount!r} is not a directory")
         if self.cluster_file is not None and not os.path.exists(self.cluster_file):

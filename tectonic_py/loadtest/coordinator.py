@@ -11,6 +11,14 @@ A barrier starts each phase: the coordinator sends every worker a start time a l
 future (wall clock, one machine), so all ranks begin together and a worker that is late is
 charged to the pause, as a slow node would be.
 
+With ``baseline_stream``, after the last write burst one more worker writes the same total
+bytes as one file (``tectonic put``'s path through the client library), measured as a phase
+of its own: the burst's per-file cost and its pause are reported beside that stream.
+
+CPU: each phase samples the local cluster's daemons (``loadtest.daemons``) and the watched
+PIDs by role, before and after; a write phase also samples the metadata shards' group-commit
+counters (``server.stats``).
+
 Bounded: ``max_seconds`` stops the run (workers killed by PID, the run reported as failed)
 if the storage hangs, and what was written is removed unless ``keep`` (also after a stop).
 """
@@ -20,7 +28,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import trio
@@ -35,8 +43,15 @@ from tectonic_py.loadtest.config import (
     shard_size,
     step_dir,
 )
+from tectonic_py.loadtest.daemons import Daemons, find_daemons
 from tectonic_py.loadtest.lines import JsonLines, encode
-from tectonic_py.loadtest.metrics import CpuMeter, Recorder, phase_figures
+from tectonic_py.loadtest.metrics import (
+    CpuMeter,
+    Recorder,
+    phase_figures,
+    shard_delta,
+    shard_totals,
+)
 from tectonic_py.loadtest.report import ProgressBar
 
 CLEANUP_TIMEOUT_S = 120
@@ -75,22 +90,36 @@ async def run_loadtest(cfg: LoadtestConfig, *, progress: bool = False) -> dict[s
 
     assert cfg.cluster_file is not None
     async with open_client(cfg.cluster_file) as client:
-        return await _Run(cfg, ClientBackend(client), progress).run()
+        daemons = await find_daemons(client, cfg.cluster_file) if cfg.daemon_cpu else Daemons()
+        return await _Run(cfg, ClientBackend(client), progress, daemons, client.meta).run()
 
 
 class _Run:
     """One run: its workers, what it measured, and the backend for the coordinator's own
     metadata work (directories, the ``.metadata`` index, deletes)."""
 
-    def __init__(self, cfg: LoadtestConfig, backend: Any, show_progress: bool) -> None:
+    def __init__(
+        self,
+        cfg: LoadtestConfig,
+        backend: Any,
+        show_progress: bool,
+        daemons: Daemons | None = None,
+        meta: Any = None,
+    ) -> None:
         self.cfg = cfg
         self.backend = backend
+        self.meta = meta  # the metadata client, for ``server.stats`` (None through a mount)
         n = cfg.worker_count()
         self.assignment = [list(range(i, cfg.ranks, n)) for i in range(n)]
         self.shard_bytes = sum(shard_size(cfg, r) for r in range(cfg.ranks))
         self.workers: list[_Worker] = []
         self.rec = Recorder(cfg)
-        self.watch = CpuMeter(cfg.watch_pids)
+        daemons = daemons or Daemons()
+        self.rec.daemons = daemons.describe()
+        self.store_addresses = set(daemons.addresses.get("chunkstore", []))
+        own = set(daemons.all_pids())
+        self.meters = {role: CpuMeter(pids) for role, pids in daemons.pids.items()}
+        self.meters["watched"] = CpuMeter(p for p in cfg.watch_pids if p not in own)
         self.bar = ProgressBar(show_progress)
 
     async def run(self) -> dict[str, Any]:
@@ -111,7 +140,7 @@ class _Run:
         return self.rec.result(
             processes=len(self.assignment),
             worker_max_rss=max((w.max_rss for w in self.workers), default=0),
-            watched_max_rss=self.watch.max_rss(),
+            watched_max_rss=max(m.max_rss() for m in self.meters.values()),
         )
 
     async def _body(self) -> None:
@@ -124,6 +153,8 @@ class _Run:
         else:
             for step in range(1, cfg.steps + 1):
                 index = await self._write_step(step)
+            if cfg.baseline_stream:
+                await self._baseline_stream()
         if cfg.restore or cfg.verify_only:
             files = index.get("files", {})
             expected = {int(r): [f["size"], f["crc32c"]] for r, f in files.items()}
@@ -169,25 +200,92 @@ class _Run:
         self, phase: str, step: int, expected: dict[int, list[int]] | None = None
     ) -> None:
         """Send the phase to every worker with one start time, collect every rank's result."""
+        stats0 = await self._shard_stats() if phase == "write" else None
+        figures, results = await self._measured(self.workers, phase, step, expected)
+        if stats0 is not None:
+            stats1 = await self._shard_stats()
+            if stats1 is not None:
+                delta = shard_delta(stats0, stats1)
+                figures["shard_stats"] = delta
+                self.rec.shard_stats.append({"step": step, **delta})
+        self.rec.add_phase(figures, results)
+
+    async def _measured(
+        self,
+        workers: list[_Worker],
+        phase: str,
+        step: int,
+        expected: dict[int, list[int]] | None = None,
+    ) -> tuple[dict[str, Any], list[RankResult]]:
+        """One phase on ``workers``: its figures (CPU of every process by role included)."""
         t0 = time.time() + START_DELAY
-        watch_cpu0 = self.watch.sample()
-        self.bar.start(f"{phase} step {step}", self.shard_bytes)
-        for w in self.workers:
+        cpu0 = {role: m.sample() for role, m in self.meters.items()}
+        own0 = time.process_time()
+        self.bar.start(f"{phase} step {step}", sum(sum(map(self._size, w.ranks)) for w in workers))
+        for w in workers:
             w.bytes_done = 0
             cmd: dict[str, Any] = {"cmd": phase, "step": step, "t0": t0}
             if phase == "read":
                 wanted = expected or {}
                 cmd["expected"] = {str(r): wanted[r] for r in w.ranks if r in wanted}
             await w.send(cmd)
-        done = await self._collect(f"{phase}:{step}")
+        done = await self._collect(workers, f"{phase}:{step}")
         self.bar.stop()
+        cpu = {role: m.sample() - cpu0[role] for role, m in self.meters.items()}
+        cpu["coordinator"] = time.process_time() - own0
         results = [RankResult(**r) for m in done for r in m["ranks"]]
-        for w, m in zip(self.workers, done, strict=True):
+        for w, m in zip(workers, done, strict=True):
             w.max_rss = max(w.max_rss, int(m["rss"]))
-        watched = self.watch.sample() - watch_cpu0
-        self.rec.add_phase(phase_figures(phase, step, t0, results, done, watched), results)
+            for address, n in m.get("conns", {}).items():
+                if address in self.store_addresses:
+                    self.rec.store_conns[address] = max(self.rec.store_conns.get(address, 0), n)
+        return phase_figures(phase, step, t0, results, done, cpu), results
 
-    async def _collect(self, label: str) -> list[dict[str, Any]]:
+    def _size(self, rank: int) -> int:
+        return shard_size(self.cfg, rank)
+
+    async def _shard_stats(self) -> dict[str, int] | None:
+        """The metadata shards' group-commit counters summed (None if unavailable)."""
+        if self.meta is None:
+            return None
+        try:
+            return shard_totals(await self.meta.server_stats())
+        except TectonicError as e:
+            self.rec.errors.append(f"server.stats failed: {e}")
+            return None
+
+    async def _baseline_stream(self) -> None:
+        """The same bytes as the last burst, written as one file by one more worker, in a
+        phase of its own (so its CPU is counted as the burst's is), then removed."""
+        cfg = replace(
+            self.cfg,
+            ranks=1,
+            size_dist="fixed",
+            shard_size=self.shard_bytes,
+            run_dir=f"{self.cfg.run_dir}/baseline-stream",
+        )
+        await self._metadata(self.backend.makedirs, step_dir(cfg, 1))
+        worker = await self._spawn(cfg, len(self.workers), [0])
+        await self._ready([worker])
+        try:
+            figures, results = await self._measured([worker], "write", 1)
+            await self._stop([worker])
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._kill([worker])
+        errors = [r.error for r in results if r.error]
+        self.rec.errors.extend(f"baseline stream: {e}" for e in errors)
+        self.rec.baseline = {
+            "bytes": figures["bytes"],
+            "seconds": figures["seconds"],
+            "gbps": figures["gbps"],
+            "cpu_s": figures["cpu_s"],
+            "cpu_s_by_role": figures["cpu_s_by_role"],
+            "errors": len(errors),
+        }
+        await self.backend.remove_tree(cfg.run_dir)
+
+    async def _collect(self, workers: list[_Worker], label: str) -> list[dict[str, Any]]:
         """Every worker's ``done`` message (in worker order), recording progress meanwhile."""
         done: dict[int, dict[str, Any]] = {}
 
@@ -198,7 +296,7 @@ class _Run:
                     raise ConfigError(f"loadtest worker {w.index} (pid {w.pid}) died")
                 if msg["ev"] == "progress":
                     w.bytes_done = int(msg["bytes"])
-                    agg = sum(x.bytes_done for x in self.workers)
+                    agg = sum(x.bytes_done for x in workers)
                     self.rec.timeline.append((float(msg["t"]), label, agg))
                     self.bar.update(agg)
                 elif msg["ev"] == "done":
@@ -208,43 +306,55 @@ class _Run:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sample_watched)
             async with trio.open_nursery() as listeners:
-                for w in self.workers:
+                for w in workers:
                     listeners.start_soon(listen, w)
             nursery.cancel_scope.cancel()
-        return [done[w.index] for w in self.workers]
+        return [done[w.index] for w in workers]
 
     async def _sample_watched(self) -> None:
         """Keep the watched processes' peak RSS current during a phase."""
         while True:
-            self.watch.sample()
+            for meter in self.meters.values():
+                meter.sample()
             await trio.sleep(0.5)
 
     # --- workers -----------------------------------------------------------------------------
 
     async def _start_workers(self) -> None:
-        spec_cfg = asdict(self.cfg)
-        spec_cfg["watch_pids"] = []
         for i, ranks in enumerate(self.assignment):
-            spec = json.dumps({"cfg": spec_cfg, "ranks": ranks})
-            proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "tectonic_py.loadtest", "--worker", spec],
-                stdin=-1,
-                stdout=-1,
-                env=child_env(),
-            )
-            assert proc.stdout is not None and proc.stdin is not None
-            self.workers.append(_Worker(i, ranks, proc, JsonLines(proc.stdout)))
-        for w in self.workers:
+            self.workers.append(await self._spawn(self.cfg, i, ranks))
+        await self._ready(self.workers)
+
+    async def _spawn(self, cfg: LoadtestConfig, index: int, ranks: list[int]) -> _Worker:
+        spec_cfg = asdict(cfg)
+        spec_cfg["watch_pids"] = []
+        spec = json.dumps({"cfg": spec_cfg, "ranks": ranks})
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tectonic_py.loadtest", "--worker", spec],
+            stdin=-1,
+            stdout=-1,
+            env=child_env(),
+        )
+        assert proc.stdout is not None and proc.stdin is not None
+        return _Worker(index, ranks, proc, JsonLines(proc.stdout))
+
+    @staticmethod
+    async def _ready(workers: list[_Worker]) -> None:
+        for w in workers:
             msg = await w.lines.next()
             if msg is None or msg.get("ev") != "ready":
                 raise ConfigError(f"loadtest worker {w.index} failed to start (see its stderr)")
             w.pid = int(msg["pid"])
 
     async def _stop_workers(self) -> None:
+        await self._stop(self.workers)
+
+    @staticmethod
+    async def _stop(workers: list[_Worker]) -> None:
         """Ask every worker to exit; keep its own CPU and peak RSS report."""
-        for w in self.workers:
+        for w in workers:
             await w.send({"cmd": "exit"})
-        for w in self.workers:
+        for w in workers:
             msg = await w.expect("bye")
             if msg is not None:
                 w.cpu_s = float(msg["cpu_s"])
@@ -252,7 +362,11 @@ class _Run:
             await w.proc.wait()
 
     async def _kill_workers(self) -> None:
-        for w in self.workers:
+        await self._kill(self.workers)
+
+    @staticmethod
+    async def _kill(workers: list[_Worker]) -> None:
+        for w in workers:
             if w.proc.returncode is None:
                 w.proc.kill()  # only our own worker, by its PID
                 await w.proc.wait()

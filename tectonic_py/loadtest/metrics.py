@@ -5,9 +5,17 @@ collects the phases, errors and metadata timings of the whole run and ``Recorder
 makes the run's figures (the ``--json`` object). A new figure is one entry in either dict:
 the per-rank raw data (``RankResult``) and the workers' ``done`` messages are all here.
 
-CPU-seconds are counted for all processes together: the workers (their own rusage), the
-coordinator, and any watched PIDs (the cluster's daemons, or a peer filesystem's), per GiB
-written and read. Peak RSS of workers and watched processes shows memory stays bounded.
+CPU-seconds are counted for all processes together, by role: the workers (their own
+rusage), the coordinator, the local cluster's metadata servers and chunk stores (found by
+``loadtest.daemons``) and any other watched PIDs (``--watch-pids``: a mount, a peer
+filesystem's daemons), per GiB written and read. Peak RSS of workers and watched processes
+shows memory stays bounded.
+
+The cost of a file (``cpu_ms_per_file``) is what the burst cost beyond its bytes: the CPU of
+all processes during the write bursts, less what the same number of bytes costs when written
+as one stream (``baseline``: CPU-s per byte of one file of the same total size, measured in
+the same run), divided by the files closed. Without ``--baseline-stream`` only the gross
+figure (all CPU over files) is known.
 """
 
 from __future__ import annotations
@@ -77,15 +85,21 @@ def gbps(phases: list[dict[str, Any]]) -> float:
     return sum(p["bytes"] for p in phases) / seconds / 1e9 if seconds > 0 else 0.0
 
 
+CPU_ROLES = ("workers", "metadata", "chunkstore", "watched", "coordinator")
+
+
 def phase_figures(
     phase: str,
     step: int,
     t0: float,
     results: list[RankResult],
     done: list[dict[str, Any]],
-    watched_cpu_s: float,
+    cpu: dict[str, float],
 ) -> dict[str, Any]:
-    """One burst's figures from its ranks' results and its workers' ``done`` messages."""
+    """One burst's figures from its ranks' results, its workers' ``done`` messages and the
+    CPU-s the other processes spent meanwhile (``cpu``: by role, see ``CPU_ROLES``)."""
+    by_role = {role: float(cpu.get(role, 0.0)) for role in CPU_ROLES}
+    by_role["workers"] = sum(float(m["cpu_s"]) for m in done)
     times = [r.t_done for r in results]
     opens = [r.t_open for r in results if not r.error]
     moved = sum(r.size for r in results if not r.error)
@@ -105,8 +119,11 @@ def phase_figures(
         "open_p50": percentile(opens, 0.5),
         "open_max": max(opens, default=0.0),
         "opens_per_s": len(opens) / max(opens) if opens and max(opens) > 0 else 0.0,
-        "worker_cpu_s": sum(float(m["cpu_s"]) for m in done),
-        "watched_cpu_s": watched_cpu_s,
+        "worker_cpu_s": by_role["workers"],
+        "watched_cpu_s": by_role["metadata"] + by_role["chunkstore"] + by_role["watched"],
+        "cpu_s": sum(by_role.values()),
+        "cpu_s_by_role": by_role,
+        "files": sum(1 for r in results if not r.error),
         "errors": sum(1 for r in results if r.error),
         "verified": sum(r.verified for r in results),
     }
@@ -128,6 +145,10 @@ class Recorder:
         self.deleted_steps: list[int] = []
         self.delete_seconds = 0.0
         self.timed_out = False
+        self.baseline: dict[str, Any] | None = None  # the one-stream write (``--baseline-stream``)
+        self.shard_stats: list[dict[str, Any]] = []  # each write burst's group-commit deltas
+        self.daemons: dict[str, Any] | None = None  # what ``loadtest.daemons`` found
+        self.store_conns: dict[str, int] = {}  # most connections one worker had to each store
 
     def add_phase(self, figures: dict[str, Any], results: list[RankResult]) -> None:
         self.phases.append(figures)
@@ -135,6 +156,9 @@ class Recorder:
         for r in results:
             if r.error:
                 self.errors.append(f"step {r.step} rank {r.rank} {r.phase}: {r.error}")
+
+    def _per_file(self, writes: list[dict[str, Any]]) -> dict[str, Any]:
+        return _per_file_figures(writes, self.baseline)
 
     def written(self, step: int) -> dict[str, dict[str, int]]:
         """The step's index entries: size and crc32c of every rank written without error."""
@@ -154,8 +178,8 @@ class Recorder:
         write_times = [r.t_done for r in self.rank_results if r.phase == "write"]
         creates = sum(p["ranks"] for p in writes)
         create_seconds = sum(p["open_max"] for p in writes)
-        write_cpu = sum(p["worker_cpu_s"] + p["watched_cpu_s"] for p in writes)
-        read_cpu = sum(p["worker_cpu_s"] + p["watched_cpu_s"] for p in reads)
+        write_cpu = sum(p["cpu_s"] for p in writes)
+        read_cpu = sum(p["cpu_s"] for p in reads)
         return {
             "mode": "mount" if cfg.through_mount else "client",
             "target": cfg.through_mount or cfg.cluster_file,
@@ -187,6 +211,11 @@ class Recorder:
             "cpu_s_read": read_cpu,
             "cpu_s_per_gib_write": write_cpu / (written / GiB) if written else None,
             "cpu_s_per_gib_read": read_cpu / (read / GiB) if read else None,
+            "cpu_s_by_role_write": _sum_roles(writes),
+            **self._per_file(writes),
+            "metadata_batches": _batch_totals(self.shard_stats),
+            "daemons": self.daemons,
+            "max_conns_per_store": max(self.store_conns.values(), default=None),
             "coordinator_cpu_s": time.process_time() - self.own_cpu0,
             "worker_max_rss": worker_max_rss,
             "watched_max_rss": watched_max_rss,
@@ -198,3 +227,74 @@ class Recorder:
                 "read": sorted(r.t_done for r in self.rank_results if r.phase == "read"),
             },
         }
+
+
+def _sum_roles(phases: list[dict[str, Any]]) -> dict[str, float]:
+    return {role: sum(p["cpu_s_by_role"][role] for p in phases) for role in CPU_ROLES}
+
+
+def _per_file_figures(
+    writes: list[dict[str, Any]], baseline: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The cost of a file beyond its bytes (module docstring), and the pause beside the
+    time the same bytes take as one stream."""
+    files = sum(p["files"] for p in writes)
+    cpu = sum(p["cpu_s"] for p in writes)
+    moved = sum(p["bytes"] for p in writes)
+    out: dict[str, Any] = {
+        "files_written": files,
+        "cpu_ms_per_file_gross": 1000 * cpu / files if files else None,
+        "cpu_ms_per_file": None,
+        "baseline_stream": baseline,
+        "pause_over_stream": None,
+    }
+    if baseline and files and baseline.get("bytes"):
+        per_byte = baseline["cpu_s"] / baseline["bytes"]
+        out["cpu_ms_per_file"] = 1000 * (cpu - per_byte * moved) / files
+        pause = max((p["seconds"] for p in writes), default=0.0)
+        if baseline.get("seconds"):
+            out["pause_over_stream"] = pause / baseline["seconds"]
+    return out
+
+
+def shard_totals(stats: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Every metadata server's ``server.stats`` summed over its shards: group commits
+    (batches), the mutations they held and the largest batch any shard committed."""
+    shards = [sh for server in stats.values() for sh in server.get("shards", {}).values()]
+    return {
+        "batches": sum(int(sh.get("batches", 0)) for sh in shards),
+        "mutations": sum(int(sh.get("mutations", 0)) for sh in shards),
+        "largest_batch": max((int(sh.get("largest_batch", 0)) for sh in shards), default=0),
+    }
+
+
+def shard_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """What one burst added to the shards' group-commit counters. ``largest_batch`` is the
+    servers' running maximum (since they started): it says a burst's batch was at most that
+    large, and exactly that when it grew during the burst."""
+    batches = after["batches"] - before["batches"]
+    mutations = after["mutations"] - before["mutations"]
+    return {
+        "batches": batches,
+        "mutations": mutations,
+        "mean_batch": mutations / batches if batches else None,
+        "largest_batch": after["largest_batch"],
+        "largest_batch_grew": after["largest_batch"] > before["largest_batch"],
+        "before": before,
+        "after": after,
+    }
+
+
+def _batch_totals(deltas: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The write bursts' group-commit deltas together (None: no ``server.stats``)."""
+    if not deltas:
+        return None
+    batches = sum(d["batches"] for d in deltas)
+    mutations = sum(d["mutations"] for d in deltas)
+    return {
+        "batches": batches,
+        "mutations": mutations,
+        "mean_batch": mutations / batches if batches else None,
+        "largest_batch": max(d["largest_batch"] for d in deltas),
+        "per_step": deltas,
+    }

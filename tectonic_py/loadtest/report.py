@@ -91,6 +91,33 @@ def summary_table(result: dict[str, Any]) -> Any:
     for key in ("cpu_s_per_gib_write", "cpu_s_per_gib_read"):
         v = result[key]
         row(key.replace("_", " "), "-" if v is None else f"{v:.2f}")
+    roles = result.get("cpu_s_by_role_write") or {}
+    row("write CPU-s by role", ", ".join(f"{k} {v:.1f}" for k, v in roles.items()))
+    for key, label in (
+        ("cpu_ms_per_file", "CPU ms per file (less one stream's)"),
+        ("cpu_ms_per_file_gross", "CPU ms per file (gross)"),
+    ):
+        v = result.get(key)
+        row(label, "-" if v is None else f"{v:.2f}")
+    stream = result.get("baseline_stream")
+    if stream:
+        ratio = result.get("pause_over_stream")
+        row(
+            "one stream of the same bytes: s / CPU-s",
+            f"{stream['seconds']:.3f} / {stream['cpu_s']:.2f}",
+        )
+        row("pause / stream time", "-" if ratio is None else f"{ratio:.2f}")
+    batches = result.get("metadata_batches")
+    if batches:
+        mean = batches["mean_batch"]
+        row(
+            "metadata group commits: batches / mean / largest",
+            f"{batches['batches']} / {'-' if mean is None else f'{mean:.1f}'}"
+            f" / {batches['largest_batch']}",
+        )
+    conns = result.get("max_conns_per_store")
+    if conns is not None:
+        row("connections per store per worker (max)", str(conns))
     row(
         "peak RSS worker / watched",
         f"{format_size(result['worker_max_rss'])} / {format_size(result['watched_max_rss'])}",

@@ -55,6 +55,24 @@ class _Out:
             await self.stream.send_all(data)
 
 
+def _connections() -> dict[str, int]:
+    """Established TCP connections of this process, counted by remote ``host:port``: the
+    coordinator checks that every rank of a worker shares one connection per chunk store."""
+    import psutil
+
+    counts: dict[str, int] = {}
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return counts
+    for c in conns:
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr:
+            host = f"[{c.raddr.ip}]" if ":" in c.raddr.ip else c.raddr.ip
+            key = f"{host}:{c.raddr.port}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _usage() -> tuple[float, int]:
     """CPU-seconds (user + system) and peak RSS in bytes of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -93,6 +111,7 @@ class _Phase:
                 "step": self.step,
                 "cpu_s": time.process_time() - cpu0,
                 "rss": rss,
+                "conns": _connections(),
                 "ranks": [asdict(r) for r in self.results],
             }
         )
