@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from metadata.checkpoint_client import CheckpointCalls
 from tectonic_py.core import rpc_client, sockets
 from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
@@ -127,6 +128,7 @@ _READ_OPS = frozenset(
         "file.gc_blocks",
         "block.locate",
         "block.by_node",
+        "block.durability",
         "node.list",
         "node.place",
         "server.stats",
@@ -138,8 +140,10 @@ def _is_busy(e: TectonicError) -> bool:
     return isinstance(e, Busy)
 
 
-class MetadataClient:
-    """One per process; owns pooled connections to every metadata server."""
+class MetadataClient(CheckpointCalls):
+    """One per process; owns pooled connections to every metadata server. The calls of
+    checkpoints (durability, the atomic commit of a step) come from ``CheckpointCalls``
+    (metadata/checkpoint_client.py)."""
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ from typing import Any
 import trio
 
 from metadata import backup, block_layer, file_layer, name_layer
+from metadata.checkpoint_ops import CheckpointOps
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
@@ -131,11 +132,12 @@ def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
     os.replace(tmp, path)
 
 
-class MetadataServer(MaintenanceOps):
+class MetadataServer(MaintenanceOps, CheckpointOps):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
     The ops of the background services come from ``MaintenanceOps``
-    (metadata/maintenance_ops.py)."""
+    (metadata/maintenance_ops.py), those of checkpoints (durability, the atomic commit of a
+    step) from ``CheckpointOps`` (metadata/checkpoint_ops.py)."""
 
     def __init__(
         self,

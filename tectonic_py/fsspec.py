@@ -153,12 +153,23 @@ class TectonicFileSystem(AbstractFileSystem):
     # --- namespace -------------------------------------------------------------------------
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """``_info``'s fields, and for a file its ``durability`` (``quorum``, ``full``,
+        ``degraded``...: tectonic_py/core/durability.py), which ``ls`` leaves out: it costs a
+        call per block shard of the file."""
         path = self._strip_protocol(path)
-        return _info(path, self._run(path, self._tc.stat, path))
+        return self._run(path, self._info_with_durability, path)
+
+    async def _info_with_durability(self, path: str) -> dict[str, Any]:
+        attrs = await self._tc.stat(path)
+        out = _info(path, attrs)
+        if not attrs.is_dir:
+            out["durability"] = await self._tc.meta.durability(attrs.id, attrs)
+        return out
 
     def exists(self, path: str, **kwargs: Any) -> bool:
+        path = self._strip_protocol(path)
         try:
-            self.info(path)
+            self._run(path, self._tc.stat, path)
         except FileNotFoundError:
             return False
         except NotADirectoryError:

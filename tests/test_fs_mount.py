@@ -622,7 +622,7 @@ def test_unsealed_file_whose_writer_is_gone_is_marked(wdir: Path, shared_mount: 
     modes = {line.split()[-1]: line.split()[0] for line in listing.splitlines()[1:]}
     assert modes == {"sealed.pt": "-rw-r--r--", "unsealed.pt": "--w-------"}, listing
     assert os.getxattr(wdir / "unsealed.pt", "user.tectonic.durability") == b"unsealed"
-    assert os.getxattr(wdir / "sealed.pt", "user.tectonic.durability") == b"sealed"
+    assert os.getxattr(wdir / "sealed.pt", "user.tectonic.durability") == b"full"
     assert (wdir / "unsealed.pt").stat().st_size == len(data)
     if os.geteuid() == 0:
         assert (wdir / "unsealed.pt").read_bytes() == data  # what was committed, for root

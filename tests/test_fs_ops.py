@@ -290,7 +290,7 @@ async def test_unsealed_file_whose_writer_is_gone_says_so(
     assert await ops.getxattr(entry.st_ino, durability, CTX) == b"writing"
     await ops.write(fi.fh, 0, b"y" * 10)
     await ops.release(fi.fh)
-    assert await ops.getxattr(entry.st_ino, durability, CTX) == b"sealed"
+    assert await ops.getxattr(entry.st_ino, durability, CTX) == b"full"
     assert (await ops.getattr(entry.st_ino, CTX)).st_mode == stat.S_IFREG | 0o644
     assert await _errno(ops.getxattr(ROOT_ID, durability, CTX)) == pyfuse3.ENOATTR
     assert durability not in await ops.listxattr(ROOT_ID, CTX)

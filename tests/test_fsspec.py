@@ -163,9 +163,10 @@ def test_a_file_is_sealed_at_close_and_written_into_new_directories(
 ) -> None:
     with tfs.open(f"{home}/deep/er/f", "wb") as f:
         f.write(b"x" * 100)
-        assert tfs.info(f"{home}/deep/er/f")["seal_state"] == "writing"
+        assert tfs.info(f"{home}/deep/er/f")["durability"] == "writing"
     info = tfs.info(f"{home}/deep/er/f")
-    assert info["seal_state"] == "sealed"
+    assert (info["seal_state"], info["durability"]) == ("sealed", "full")
+    assert "durability" not in tfs.info(f"{home}/deep/er")
     assert info["size"] == 100
     assert info["type"] == "file"
     assert tfs.isdir(f"{home}/deep/er")

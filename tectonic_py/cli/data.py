@@ -13,7 +13,9 @@ hides it).
 A file that is not sealed is still copied (exit 0: its committed bytes may be all a user
 has), with a one-line warning on stderr: "still being written" while a writer holds its
 token, "unsealed, writer gone" when none does, as after a writer that died or lost its
-mount; such a file may lack its tail for good. ``stat`` and ``ls -l`` show the same state.
+mount; such a file may lack its tail for good. ``stat`` and ``ls -l`` show the same state;
+``stat`` also shows a file's ``durability`` (``quorum``, ``full``, ``degraded``...: see
+tectonic_py/core/durability.py).
 
 ``rm -r`` refuses the root directory before it deletes anything (as rm(1) does without
 ``--no-preserve-root``), checks every operand before it deletes any, and walks a tree by
@@ -342,7 +344,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
         attrs = await client.stat(_remote(args.path))
         if attrs.is_dir:
             return attrs.to_wire()
-        return {**attrs.to_wire(), "state": STATE_TEXT.get(attrs.seal_state, attrs.seal_state)}
+        return {
+            **attrs.to_wire(),
+            "state": STATE_TEXT.get(attrs.seal_state, attrs.seal_state),
+            "durability": await client.meta.durability(attrs.id, attrs),
+        }
 
     print(json.dumps(trio.run(_run, args.cluster_file, go), indent=2))
     return 0

@@ -28,8 +28,9 @@ Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 * **getxattr is cheap.** The kernel asks for ``security.capability`` before every write once
   getxattr exists; only ``user.*`` names ever reach the metadata service. The EC policy of a
   file or directory is the xattr ``user.tectonic.ec`` (settable on directories: new files
-  inherit it); a file's seal state is ``user.tectonic.durability`` (read-only): ``sealed``,
-  ``writing`` (a writer holds its token) or ``unsealed`` (no writer and no seal).
+  inherit it); a file's durability is ``user.tectonic.durability`` (read-only):
+  ``writing`` (a writer holds its token), ``unsealed`` (no writer and no seal), and for a
+  sealed file ``quorum``, ``full`` or ``degraded`` (tectonic_py/core/durability.py).
 * **An unsealed file whose writer is gone shows no read bits.** Its writer died or lost its
   mount before the seal, so its tail may be missing for good. ``ls -l`` shows it as
   ``--w-------`` rather than as a complete file, a program run by an ordinary user gets
@@ -603,7 +604,10 @@ class Operations(pyfuse3.Operations):
         attrs = await self._attrs(inode)
         if attrs.is_dir:
             raise XattrNotFound(f"a directory has no {DURABILITY_XATTR}")
-        return attrs.seal_state
+        if not attrs.sealed:
+            return attrs.seal_state
+        # Asked afresh each time: a store going down changes it while the file does not.
+        return await self.meta.durability(inode, attrs)
 
     @fuse_op
     async def setxattr(
