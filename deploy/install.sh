@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc)
+# etcd-server: the etcd metadata engine's store (the local cluster starts its own members).
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc etcd-server)
 need=()
 for p in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
@@ -21,6 +22,10 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "installing apt packages: ${need[*]}" >&2
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+    # Debian's package enables a default etcd on localhost:2379; tectonic-py never uses it.
+    if [[ " ${need[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+    fi
 fi
 
 PYTHON="${PYTHON:-python3}"
