@@ -76,6 +76,7 @@ from tectonic_py.core.ids import ROOT_ID, shard_of
 from tectonic_py.core.records import (
     KIND_DIR,
     KIND_FILE,
+    KIND_SYMLINK,
     Attrs,
     BlockGrant,
     BlockInfo,
@@ -124,6 +125,7 @@ _READ_OPS = frozenset(
         "file.blocks",
         "file.getxattr",
         "file.listxattr",
+        "file.readlink",
         "file.orphans",
         "file.gc_blocks",
         "block.locate",
@@ -382,6 +384,70 @@ class MetadataClient(CheckpointCalls):
                 if exclusive:
                     raise
         raise FileExists(f"{name!r} keeps appearing and disappearing; giving up")
+
+    async def symlink(
+        self, dir_id: int, name: str, target: bytes, *, uid: int = 0, gid: int = 0
+    ) -> Attrs:
+        """A symbolic link ``name`` in ``dir_id`` pointing at ``target`` (bytes, kept as
+        given: the kernel resolves it, never the metadata service). One transaction in the
+        directory's shard; FileExists if the name is taken."""
+        return await self.mknod(dir_id, name, KIND_SYMLINK, target=target, uid=uid, gid=gid)
+
+    async def mknod(
+        self,
+        dir_id: int,
+        name: str,
+        kind: str,
+        *,
+        mode: int = 0o777,
+        rdev: int = 0,
+        target: bytes = b"",
+        uid: int = 0,
+        gid: int = 0,
+    ) -> Attrs:
+        """A metadata-only record (``NODE_KINDS``: a symlink, FIFO, socket or device) with
+        its name, made at once in the directory's shard."""
+        validate_name(name)
+        r = await self._shard(
+            self._of(dir_id),
+            "name.make_node",
+            dir=dir_id,
+            name=name,
+            kind=kind,
+            mode=mode,
+            uid=uid,
+            gid=gid,
+            target=bytes(target),
+            rdev=rdev,
+        )
+        return Attrs.from_wire(r["attrs"])
+
+    async def readlink(self, file_id: int) -> bytes:
+        """A symbolic link's target."""
+        r = await self._shard(self._of(file_id), "file.readlink", id=file_id)
+        return bytes(r["target"])
+
+    async def link(self, file_id: int, dir_id: int, name: str) -> Attrs:
+        """A hard link: ``name`` in ``dir_id`` also names ``file_id``. The link count goes
+        up first and the name second (a crash between leaves the file kept, not a name
+        that outlives its file); a name that is taken undoes the count."""
+        validate_name(name)
+        r = await self._shard(self._of(file_id), "file.add_link", id=file_id)
+        attrs = Attrs.from_wire(r["attrs"])
+        try:
+            await self._shard(
+                self._of(dir_id), "name.insert", dir=dir_id, name=name, id=file_id, kind=attrs.kind
+            )
+        except TectonicError:
+            with trio.CancelScope(shield=True):
+                await self._release(file_id, attrs.kind)
+            raise
+        return attrs
+
+    async def parent(self, dir_id: int) -> int:
+        """A directory's parent (exact: every rename of a directory refreshes it)."""
+        r = await self._shard(self._of(dir_id), "file.get", id=dir_id)
+        return int(r["parent"])
 
     async def readdir(
         self, dir_id: int, after: str = "", limit: int = 1000

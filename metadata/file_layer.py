@@ -18,9 +18,15 @@ record nobody can reach; ``orphans()`` lists unnamed records older than a grace 
 GC can check the hint against the Name layer and ``collect_orphan`` what is not named. Seal
 and rename mark a record named, so a file that was fully written is never collected.
 
-Unlinked files: ``unlink`` sets ``nlink = 0``. Without a live writer the record goes at once
-and its blocks are queued in ``gc_blocks``; with one (POSIX: an open file stays usable), the
-record stays until the writer seals, and is collected then.
+Unlinked files: ``unlink`` takes one from ``nlink`` (a file has one per name: hard links add
+them, ``add_link``). At zero, without a live writer, the record goes at once and its blocks
+are queued in ``gc_blocks``; with one (POSIX: an open file stays usable), the record stays
+until the writer seals, and is collected then.
+
+Metadata-only records (symbolic links and mknod's special files, ``NODE_KINDS``) are born
+sealed with no writer token; a link's target is in ``symlinks``, a device number in
+``devices``, both dropped with the record. ``stored`` in a file's attrs counts the bytes its
+stored blocks cover (holes excluded), for st_blocks.
 """
 
 from __future__ import annotations
@@ -40,7 +46,17 @@ from tectonic_py.core.errors import (
     XattrNotFound,
 )
 from tectonic_py.core.ids import new_id, shard_of
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs
+from tectonic_py.core.records import (
+    ALL_KINDS,
+    KIND_BLK,
+    KIND_CHR,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    MAX_SYMLINK_TARGET,
+    NODE_KINDS,
+    Attrs,
+)
 
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
@@ -81,7 +97,29 @@ def _row(conn: sqlite3.Connection, file_id: int) -> tuple[Any, ...]:
 
 
 def get(conn: sqlite3.Connection, file_id: int, now_ns: int) -> Attrs:
-    return _row_to_attrs(_row(conn, file_id), now_ns)
+    row = _row(conn, file_id)
+    attrs = _row_to_attrs(row, now_ns)
+    if attrs.kind == KIND_FILE and attrs.size:
+        attrs.stored = _stored(conn, file_id, attrs.size, _bytes_per_block(row))
+    elif attrs.kind in (KIND_CHR, KIND_BLK):
+        dev = conn.execute("SELECT rdev FROM devices WHERE file_id = ?", (file_id,)).fetchone()
+        attrs.rdev = dev[0] if dev else 0
+    return attrs
+
+
+def _stored(conn: sqlite3.Connection, file_id: int, size: int, per_block: int) -> int:
+    """Bytes of ``[0, size)`` that stored blocks cover: holes (indexes without a block) are
+    not stored, and the last block covers only up to the size."""
+    count, last = conn.execute(
+        "SELECT count(*), max(idx) FROM file_blocks WHERE file_id = ?", (file_id,)
+    ).fetchone()
+    if not count:
+        return 0
+    stored = count * per_block
+    tail = (size - 1) // per_block
+    if last == tail:
+        stored -= per_block - (size - tail * per_block)
+    return max(0, min(stored, size))
 
 
 def parent_of(conn: sqlite3.Connection, file_id: int) -> int:
@@ -115,24 +153,30 @@ def create(
     """A new, not yet named record; a file also gets its writer token. ``file_id`` is given
     only for the root directory (fixed id)."""
     kind = spec["kind"]
-    if kind not in (KIND_FILE, KIND_DIR):
+    if kind not in ALL_KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}")
     ECPolicy.parse(spec["ec"])
+    target = bytes(spec.get("target", b""))
+    if kind == KIND_SYMLINK and not 0 < len(target) <= MAX_SYMLINK_TARGET:
+        raise InvalidArgument(f"a symlink target is 1..{MAX_SYMLINK_TARGET} bytes")
     fid = file_id or draw_id(conn, shard, total_shards)
     token = new_id() if kind == KIND_FILE else 0
+    node = kind in NODE_KINDS
     conn.execute(
         "INSERT INTO files (id, kind, size, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, sealed,"
         " ec, chunk_size, nlink, writer_token, lease_ns, named, parent_id, name, created_ns)"
-        " VALUES (?, ?, 0, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             fid,
             kind,
+            len(target),
             spec["mode"],
             spec["uid"],
             spec["gid"],
             now_ns,
             now_ns,
             now_ns,
+            1 if node else 0,
             spec["ec"],
             spec["chunk_size"],
             2 if kind == KIND_DIR else 1,
@@ -144,13 +188,32 @@ def create(
             now_ns,
         ),
     )
+    if kind == KIND_SYMLINK:
+        conn.execute("INSERT INTO symlinks (file_id, target) VALUES (?, ?)", (fid, target))
+    elif kind in (KIND_CHR, KIND_BLK):
+        conn.execute(
+            "INSERT INTO devices (file_id, rdev) VALUES (?, ?)", (fid, int(spec.get("rdev", 0)))
+        )
     return get(conn, fid, now_ns), token
+
+
+def readlink(conn: sqlite3.Connection, file_id: int) -> bytes:
+    """A symbolic link's target, as the bytes it was made with."""
+    row = _row(conn, file_id)
+    if row[1] != KIND_SYMLINK:
+        raise InvalidArgument(f"{file_id} is not a symbolic link")
+    target = conn.execute("SELECT target FROM symlinks WHERE file_id = ?", (file_id,)).fetchone()
+    if target is None:
+        raise FileNotFound(f"symbolic link {file_id} has no target")
+    return bytes(target[0])
 
 
 def _writable(conn: sqlite3.Connection, file_id: int, token: int) -> tuple[Any, ...]:
     row = _row(conn, file_id)
     if row[1] == KIND_DIR:
         raise IsADirectory(f"{file_id} is a directory")
+    if row[1] != KIND_FILE:
+        raise InvalidArgument(f"{file_id} is a {row[1]}, which holds no data")
     if token == 0 or row[13] != token:
         if row[9] and row[13] == 0:
             raise FileSealed(f"file {file_id} is sealed")
@@ -182,6 +245,8 @@ def _drop_blocks_from(
 def _delete_record(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
     _drop_blocks_from(conn, file_id, 0, now_ns)
     conn.execute("DELETE FROM xattrs WHERE file_id = ?", (file_id,))
+    conn.execute("DELETE FROM symlinks WHERE file_id = ?", (file_id,))
+    conn.execute("DELETE FROM devices WHERE file_id = ?", (file_id,))
     conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
 
 
@@ -192,6 +257,8 @@ def open_for_write(
     row = _row(conn, file_id)
     if row[1] == KIND_DIR:
         raise IsADirectory(f"{file_id} is a directory")
+    if row[1] != KIND_FILE:
+        raise InvalidArgument(f"{file_id} is a {row[1]}, which holds no data")
     token = new_id()
     if truncate:
         _drop_blocks_from(conn, file_id, 0, now_ns)
@@ -251,14 +318,22 @@ def set_size(conn: sqlite3.Connection, file_id: int, token: int, size: int, now_
 
 def seal(conn: sqlite3.Connection, file_id: int, token: int, size: int, now_ns: int) -> Attrs:
     """Final size, writer token released, sealed, and marked named (the create completed).
-    A file unlinked while it was being written is collected here."""
+    A file unlinked while it was being written is collected here.
+
+    The times stay as the last commit or size change stamped them: the seal changes no byte,
+    and a seal that stamped "now" would move the mtime a program saw at close(2), or undo one
+    it set right after (utime, shutil.copy2), since the seal may land after both."""
     row = _writable(conn, file_id, token)
     per_block = _bytes_per_block(row)
     _drop_blocks_from(conn, file_id, -(-size // per_block), now_ns)
+    if size != row[2]:
+        conn.execute(
+            "UPDATE files SET mtime_ns = ?, ctime_ns = ? WHERE id = ?", (now_ns, now_ns, file_id)
+        )
     conn.execute(
-        "UPDATE files SET size = ?, sealed = 1, writer_token = 0, lease_ns = 0, named = 1,"
-        " mtime_ns = ?, ctime_ns = ? WHERE id = ?",
-        (size, now_ns, now_ns, file_id),
+        "UPDATE files SET size = ?, sealed = 1, writer_token = 0, lease_ns = 0, named = 1"
+        " WHERE id = ?",
+        (size, file_id),
     )
     attrs = get(conn, file_id, now_ns)
     if row[12] == 0:
@@ -288,15 +363,33 @@ def link(conn: sqlite3.Connection, file_id: int, parent: int, name: str) -> None
     )
 
 
+def add_link(conn: sqlite3.Connection, file_id: int, now_ns: int) -> Attrs:
+    """One more name for a file (a hard link): taken before the name entry is made, so a
+    crash between the two leaves a count one too high (a file kept), never one too low."""
+    row = _row(conn, file_id)
+    if row[1] == KIND_DIR:
+        raise IsADirectory(f"{file_id} is a directory: no hard links to directories")
+    if row[12] == 0:
+        raise FileNotFound(f"file {file_id} has no name left")
+    conn.execute("UPDATE files SET nlink = nlink + 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id))
+    return get(conn, file_id, now_ns)
+
+
 def unlink(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
-    """The file lost its name: collect it now, or when its live writer seals."""
+    """The file lost a name: with names left, one fewer; else collect it now, or when its
+    live writer seals."""
     row = conn.execute(
-        "SELECT kind, writer_token, lease_ns FROM files WHERE id = ?", (file_id,)
+        "SELECT kind, writer_token, lease_ns, nlink FROM files WHERE id = ?", (file_id,)
     ).fetchone()
     if row is None:
         return
     if row[0] == KIND_DIR:
         raise IsADirectory(f"{file_id} is a directory")
+    if row[3] > 1:
+        conn.execute(
+            "UPDATE files SET nlink = nlink - 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id)
+        )
+        return
     if row[1] and row[2] > now_ns:
         conn.execute(
             "UPDATE files SET nlink = 0, named = 1, ctime_ns = ? WHERE id = ?", (now_ns, file_id)

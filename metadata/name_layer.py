@@ -27,13 +27,24 @@ Recovery (after a crash, or of an intent whose deadline passed): if the dst entr
 the child, finish; otherwise abort. Because step 2 is refused after the deadline and recovery
 only acts after it, a slow client and the recovery pass can never both decide.
 Same-shard renames (also across directories of one shard) are one transaction: atomic.
+
+A directory's own record changes with its entries, in the same transaction (the record is
+in this shard): every insert, remove and rename stamps the directory's mtime and ctime, and
+its ``nlink`` is 2 plus its subdirectories (their ``..``), as POSIX counts it. A directory
+made before counts were kept reads 2 whatever it holds; a count never drops below 2.
+
+Symbolic links and special files (``make_node``) are made in the shard of the directory
+that names them, record and entry in one transaction: they are never orphans, and another
+operation of this shard can make one inside its own transaction.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from typing import Any
 
+from metadata import file_layer
 from tectonic_py.core.errors import (
     Busy,
     DirectoryNotEmpty,
@@ -45,7 +56,7 @@ from tectonic_py.core.errors import (
     Timeout,
 )
 from tectonic_py.core.ids import new_id
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, DirEntry
+from tectonic_py.core.records import ALL_KINDS, KIND_DIR, KIND_FILE, NODE_KINDS, Attrs, DirEntry
 
 MAX_PAGE = 10_000
 
@@ -64,6 +75,17 @@ def _entry(conn: sqlite3.Connection, dir_id: int, name: str) -> tuple[int, str] 
         "SELECT child_id, kind FROM names WHERE dir_id = ? AND name = ?", (dir_id, name)
     ).fetchone()
     return None if row is None else (row[0], row[1])
+
+
+def _touch(conn: sqlite3.Connection, dir_id: int, subdirs: int = 0) -> None:
+    """The directory's entries changed: stamp mtime and ctime; ``subdirs`` more (or fewer)
+    subdirectories change its link count (never below 2)."""
+    now = time.time_ns()
+    conn.execute(
+        "UPDATE files SET mtime_ns = ?, ctime_ns = ?, nlink = MAX(2, nlink + ?)"
+        " WHERE id = ? AND kind = ? AND nlink > 0",
+        (now, now, subdirs, dir_id, KIND_DIR),
+    )
 
 
 def _pinned(conn: sqlite3.Connection, dir_id: int, name: str) -> None:
@@ -85,7 +107,7 @@ def insert(conn: sqlite3.Connection, dir_id: int, name: str, child_id: int, kind
     """New entry; FileExists if the name is taken (even by the same child: creates are
     exclusive, a retried create draws a fresh id)."""
     check_dir(conn, dir_id)
-    if kind not in (KIND_FILE, KIND_DIR):
+    if kind not in ALL_KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}")
     if _entry(conn, dir_id, name) is not None:
         raise FileExists(f"{name!r} exists in directory {dir_id}")
@@ -93,6 +115,35 @@ def insert(conn: sqlite3.Connection, dir_id: int, name: str, child_id: int, kind
         "INSERT INTO names (dir_id, name, child_id, kind) VALUES (?, ?, ?, ?)",
         (dir_id, name, child_id, kind),
     )
+    _touch(conn, dir_id, 1 if kind == KIND_DIR else 0)
+
+
+def make_node(
+    conn: sqlite3.Connection,
+    shard: int,
+    total_shards: int,
+    dir_id: int,
+    name: str,
+    spec: dict[str, Any],
+    now_ns: int,
+) -> Attrs:
+    """A symbolic link or special file named ``name`` in ``dir_id``, in one transaction of
+    the directory's shard (``shard``): the File record (its id drawn to hash here, named at
+    once) and the Name entry. ``spec`` as for ``file_layer.create``, with ``target`` (bytes)
+    for a symlink and ``rdev`` for a device. FileExists if the name is taken."""
+    if spec.get("kind") not in NODE_KINDS:
+        raise InvalidArgument(
+            f"make_node makes symlinks and special files, not {spec.get('kind')!r}"
+        )
+    check_dir(conn, dir_id)
+    if _entry(conn, dir_id, name) is not None:
+        raise FileExists(f"{name!r} exists in directory {dir_id}")
+    attrs, _ = file_layer.create(
+        conn, shard, total_shards, {**spec, "parent": dir_id, "name": name}, now_ns, 0
+    )
+    file_layer.link(conn, attrs.id, dir_id, name)
+    insert(conn, dir_id, name, attrs.id, attrs.kind)
+    return attrs
 
 
 def list_entries(
@@ -137,6 +188,7 @@ def remove(conn: sqlite3.Connection, dir_id: int, name: str, kind: str, expect_i
         raise FileNotFound(f"{name!r} no longer names {expect_id}")
     _pinned(conn, dir_id, name)
     conn.execute("DELETE FROM names WHERE dir_id = ? AND name = ?", (dir_id, name))
+    _touch(conn, dir_id, -1 if child_kind == KIND_DIR else 0)
     return child
 
 
@@ -185,6 +237,13 @@ def rename_local(
         "INSERT OR REPLACE INTO names (dir_id, name, child_id, kind) VALUES (?, ?, ?, ?)",
         (dst_dir, dst_name, child, kind),
     )
+    moved = 1 if kind == KIND_DIR else 0
+    lost = 1 if victim is not None and victim[1] == KIND_DIR else 0
+    if src_dir == dst_dir:
+        _touch(conn, src_dir, -lost)
+    else:
+        _touch(conn, src_dir, -moved)
+        _touch(conn, dst_dir, moved - lost)
     return {
         "id": child,
         "kind": kind,
@@ -244,23 +303,28 @@ def rename_apply(
         "INSERT OR REPLACE INTO names (dir_id, name, child_id, kind) VALUES (?, ?, ?, ?)",
         (dst_dir, dst_name, child, kind),
     )
+    lost = 1 if victim is not None and victim[1] == KIND_DIR else 0
+    _touch(conn, dst_dir, (1 if kind == KIND_DIR else 0) - lost)
     return {"victim_id": victim[0] if victim else 0, "victim_kind": victim[1] if victim else ""}
 
 
 def rename_finish(conn: sqlite3.Connection, intent: int, applied: bool) -> None:
     """Step 3 (``applied``) or abort: clear the intent, dropping the source entry if applied."""
     row = conn.execute(
-        "SELECT src_dir, src_name, child_id FROM rename_intents WHERE intent_id = ?", (intent,)
+        "SELECT src_dir, src_name, child_id, kind FROM rename_intents WHERE intent_id = ?",
+        (intent,),
     ).fetchone()
     if row is None:
         raise FileNotFound(f"no rename intent {intent}")
-    src_dir, src_name, child = row
+    src_dir, src_name, child, kind = row
     conn.execute("DELETE FROM rename_intents WHERE intent_id = ?", (intent,))
     if applied:
-        conn.execute(
+        cur = conn.execute(
             "DELETE FROM names WHERE dir_id = ? AND name = ? AND child_id = ?",
             (src_dir, src_name, child),
         )
+        if cur.rowcount:
+            _touch(conn, src_dir, -1 if kind == KIND_DIR else 0)
 
 
 def intents(conn: sqlite3.Connection, before_ns: int) -> list[dict[str, Any]]:

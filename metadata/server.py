@@ -14,6 +14,7 @@ op                   fields                                                reply
 ==================== ===================================================== =====================
 name.lookup          dir, name                                             id, kind, [attrs]
 name.insert          dir, name, id, kind                                   {}
+name.make_node       dir, name, kind, mode, uid, gid, target, rdev         attrs
 name.list            dir, after, limit                                     entries, next
 name.remove          dir, name, kind, expect_id                            id
 name.rename          src_dir, src_name, dst_dir, dst_name, replace_dir     id, kind, victim_*
@@ -31,6 +32,8 @@ file.seal            id, token, size                                       attrs
 file.set_size        id, token, size                                       attrs
 file.setattr         id, mode, uid, gid, atime_ns, mtime_ns, ec            attrs
 file.link            id, parent, name                                      {}
+file.add_link        id                                                    attrs
+file.readlink        id                                                    target
 file.unlink          id                                                    {}
 file.kill_dir        id                                                    {}
 file.revive_dir      id                                                    {}
@@ -89,7 +92,14 @@ from tectonic_py.core.errors import (
     WrongShard,
 )
 from tectonic_py.core.ids import MAX_ID, ROOT_ID, shard_of
-from tectonic_py.core.records import KIND_DIR, KIND_FILE, Attrs, validate_name
+from tectonic_py.core.records import (
+    ALL_KINDS,
+    KIND_DIR,
+    MAX_SYMLINK_TARGET,
+    NODE_KINDS,
+    Attrs,
+    validate_name,
+)
 from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
@@ -116,7 +126,7 @@ def _name(req: Request, field: str = "name") -> str:
 
 def _kind(req: Request) -> str:
     kind = req.str("kind", max_len=8)
-    if kind not in (KIND_FILE, KIND_DIR):
+    if kind not in ALL_KINDS:
         raise InvalidArgument(f"{req.op}: unknown kind {kind!r}")
     return kind
 
@@ -260,6 +270,36 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
         await store.write(
             name_layer.insert, _id(req, "dir"), _name(req), _id(req, "id"), _kind(req)
         )
+
+    async def op_name__make_node(self, req: Request) -> dict[str, Any]:
+        """A symlink or special file: record and entry in the directory's shard, at once."""
+        store = self._store(req)
+        dir_id = _id(req, "dir")
+        if shard_of(dir_id, self.total_shards) != store.shard:
+            raise InvalidArgument("name.make_node: the directory is not in this shard")
+        kind = _kind(req)
+        if kind not in NODE_KINDS:
+            raise InvalidArgument(f"name.make_node: {kind!r} is not a symlink or special file")
+        spec = {
+            "kind": kind,
+            "mode": req.int("mode", 0o777, hi=MAX_MODE),
+            "uid": req.int("uid", 0, hi=MAX_UGID),
+            "gid": req.int("gid", 0, hi=MAX_UGID),
+            "ec": DEFAULT_POLICY.name,
+            "chunk_size": DEFAULT_CHUNK_SIZE,
+            "target": req.bytes("target", b"", max_len=MAX_SYMLINK_TARGET),
+            "rdev": req.int("rdev", 0, hi=2**64 - 1),
+        }
+        attrs = await store.write(
+            name_layer.make_node,
+            store.shard,
+            self.total_shards,
+            dir_id,
+            _name(req),
+            spec,
+            now_ns(),
+        )
+        return {"attrs": _attrs(attrs)}
 
     async def op_name__list(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
@@ -439,6 +479,15 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
     async def op_file__link(self, req: Request) -> None:
         store = self._store(req)
         await store.write(file_layer.link, _id(req, "id"), _id(req, "parent"), _name(req))
+
+    async def op_file__add_link(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        attrs = await store.write(file_layer.add_link, _id(req, "id"), now_ns())
+        return {"attrs": _attrs(attrs)}
+
+    async def op_file__readlink(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        return {"target": store.read(file_layer.readlink, _id(req, "id"))}
 
     async def op_file__unlink(self, req: Request) -> None:
         store = self._store(req)

@@ -77,6 +77,11 @@ CREATE TABLE IF NOT EXISTS file_blocks (
 CREATE TABLE IF NOT EXISTS xattrs (
     file_id INTEGER NOT NULL, name TEXT NOT NULL, value BLOB NOT NULL,
     PRIMARY KEY (file_id, name)) WITHOUT ROWID;
+-- Metadata-only records (File layer, beside their files row): a symbolic link's target, a
+-- device file's number. Tables added later than the rest: CREATE ... IF NOT EXISTS adds them
+-- to shard files made before them.
+CREATE TABLE IF NOT EXISTS symlinks (file_id INTEGER PRIMARY KEY, target BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS devices (file_id INTEGER PRIMARY KEY, rdev INTEGER NOT NULL);
 -- Blocks of deleted/overwritten files, waiting for the GC service.
 CREATE TABLE IF NOT EXISTS gc_blocks (block_id INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL);
 

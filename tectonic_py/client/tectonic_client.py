@@ -246,6 +246,28 @@ class TectonicClient:
         dd = sd if dp == sp else await self.meta.resolve(dp)
         await self.meta.rename(sd.id, sn, dd.id, dn)
 
+    async def symlink(self, target: str | bytes, path: str) -> Attrs:
+        """``path`` becomes a symbolic link to ``target`` (as ``os.symlink(target, path)``);
+        the target is stored as given and never resolved here."""
+        parent, name = _split(_normpath(path))
+        d = await self.meta.resolve(parent)
+        raw = os.fsencode(target)
+        return await self.meta.symlink(d.id, name, raw)
+
+    async def readlink(self, path: str) -> str:
+        """The target of the symbolic link ``path`` (``os.readlink``)."""
+        attrs = await self.stat(path)
+        return os.fsdecode(await self.meta.readlink(attrs.id))
+
+    async def link(self, src: str, dst: str) -> Attrs:
+        """A hard link: ``dst`` names the file ``src`` names (``os.link``)."""
+        attrs = await self.stat(src)
+        if attrs.is_dir:
+            raise IsADirectory(f"{src!r} is a directory: no hard links to directories")
+        parent, name = _split(_normpath(dst))
+        d = await self.meta.resolve(parent)
+        return await self.meta.link(attrs.id, d.id, name)
+
     async def create(
         self, path: str, *, mode: int = 0o644, exclusive: bool = False, ec: str | None = None
     ) -> FileWriter:
@@ -293,6 +315,12 @@ class TectonicClient:
         if blocks:
             await self.node_view.refresh()  # rate limited: plan this file's reads around down nodes
         return FileReader(self, attrs, {b.file_index: b for b in blocks})
+
+    def reader_of(self, writer: FileWriter) -> FileReader:
+        """A reader of what a closed writer sealed, from the writer's own block map: no
+        round trip, and it works after the file lost its last name (an open file that was
+        unlinked stays readable)."""
+        return FileReader(self, writer.attrs, writer.committed_blocks())
 
     # --- write side: one block to chunk stores ----------------------------------------------
 

@@ -66,6 +66,7 @@ class FileWriter:
         self._inflight: dict[int, int] = {}
         self._idle = trio.lowlevel.ParkingLot()
         self._synced_size = self.size
+        self._stamped = False  # a commit since the last fsync stamped the file's mtime
         self._error: TectonicError | None = None
         self._aborted = False
         self._closed = False
@@ -106,6 +107,10 @@ class FileWriter:
         """fsync, then seal the file and release the writer token. Idempotent."""
         async with self._lock:
             return await self._close()
+
+    def committed_blocks(self) -> dict[int, BlockInfo]:
+        """The committed blocks by index (after ``close``: every block of the sealed file)."""
+        return dict(self._committed)
 
     async def abort(self) -> None:
         """Drop buffered bytes; the file keeps its last committed state."""
@@ -219,9 +224,15 @@ class FileWriter:
             self._dirty = False
         await self._drain()
         self._check()
-        if self.size != self._synced_size:
-            await self._meta_call(self.client.meta.set_size(self.file_id, self.token, self.size))
+        if self.size != self._synced_size or self._stamped:
+            # Also after commits at an unchanged size: its reply is the file's attrs as the
+            # last stamp left them, so ``attrs`` shows at fsync (and close) the mtime the
+            # file keeps (the seal stamps none).
+            self.attrs = await self._meta_call(
+                self.client.meta.set_size(self.file_id, self.token, self.size)
+            )
             self._synced_size = self.size
+            self._stamped = False
 
     async def _close(self) -> Attrs:
         if self._final is not None:
@@ -333,6 +344,7 @@ class FileWriter:
             if gen < self._committed_gen.get(index, 0):
                 return  # a newer version of this block is already committed
             await self.client.meta.commit_blocks(self.file_id, self.token, [info])
+            self._stamped = True
             self._committed_gen[index] = gen
             old = self._committed.get(index)
             if old is not None:

@@ -16,7 +16,18 @@ T = TypeVar("T")
 
 KIND_FILE = "file"
 KIND_DIR = "dir"
+# Metadata-only records: a symbolic link (its target kept in the File layer) and the special
+# files of mknod(2) (a FIFO, a socket, a character or block device: no data, a device number).
+KIND_SYMLINK = "symlink"
+KIND_FIFO = "fifo"
+KIND_SOCK = "sock"
+KIND_CHR = "chr"
+KIND_BLK = "blk"
+SPECIAL_KINDS = frozenset({KIND_FIFO, KIND_SOCK, KIND_CHR, KIND_BLK})
+NODE_KINDS = frozenset({KIND_SYMLINK}) | SPECIAL_KINDS
+ALL_KINDS = frozenset({KIND_FILE, KIND_DIR}) | NODE_KINDS
 MAX_NAME_BYTES = 255
+MAX_SYMLINK_TARGET = 4095  # PATH_MAX less its NUL
 
 # A file's seal state (``Attrs.seal_state``): sealed is complete; writing has a live writer
 # token, so more bytes may come; unsealed has neither, so it may lack its tail for good
@@ -56,7 +67,7 @@ class Attrs:
     """A file's or directory's attributes (File layer; directories live there too)."""
 
     id: int
-    kind: str  # KIND_FILE or KIND_DIR
+    kind: str  # KIND_FILE, KIND_DIR, KIND_SYMLINK or one of SPECIAL_KINDS
     size: int = 0
     mode: int = 0o644
     uid: int = 0
@@ -69,6 +80,10 @@ class Attrs:
     chunk_size: int = 4 * 1024 * 1024  # C: bytes per data chunk of a full block
     nlink: int = 1
     writer: bool = False  # a writer token is held (and its lease not expired)
+    # Bytes of the file's range that stored blocks cover (holes of a sparse file excluded):
+    # what st_blocks counts. A directory's or a special file's is 0.
+    stored: int = 0
+    rdev: int = 0  # device number of a KIND_CHR or KIND_BLK record
 
     @property
     def is_dir(self) -> bool:
