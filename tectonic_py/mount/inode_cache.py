@@ -91,7 +91,7 @@ class DirHandle:
     fh: int
     inode: int
     cursors: dict[int, str] = field(default_factory=dict)
-    next_offset: int = 1
+    next_offset: int = 3  # 1 and 2 are "." and ".."
 
 
 class InodeCache:

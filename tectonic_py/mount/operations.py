@@ -42,6 +42,7 @@ Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -63,9 +64,22 @@ from tectonic_py.core.errors import (
     TectonicError,
     XattrNotFound,
 )
-from tectonic_py.core.records import UNSEALED, WRITING, Attrs, DirEntry
+from tectonic_py.core.ids import ROOT_ID
+from tectonic_py.core.records import (
+    KIND_BLK,
+    KIND_CHR,
+    KIND_DIR,
+    KIND_FIFO,
+    KIND_FILE,
+    KIND_SOCK,
+    KIND_SYMLINK,
+    UNSEALED,
+    WRITING,
+    Attrs,
+    DirEntry,
+)
 from tectonic_py.mount.errno_map import fuse_op
-from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
+from tectonic_py.mount.inode_cache import DirHandle, Handle, InodeCache, OpenFile
 
 if TYPE_CHECKING:
     from tectonic_py.client.tectonic_client import TectonicClient
@@ -93,6 +107,17 @@ BLKSIZE = 128 * 1024
 FRSIZE = 4096
 EC_XATTR = "user.tectonic.ec"
 DURABILITY_XATTR = "user.tectonic.durability"
+_S_IFMT = {
+    KIND_FILE: stat.S_IFREG,
+    KIND_DIR: stat.S_IFDIR,
+    KIND_SYMLINK: stat.S_IFLNK,
+    KIND_FIFO: stat.S_IFIFO,
+    KIND_SOCK: stat.S_IFSOCK,
+    KIND_CHR: stat.S_IFCHR,
+    KIND_BLK: stat.S_IFBLK,
+}
+_KIND_OF_IFMT = {v: k for k, v in _S_IFMT.items()}
+DOTDOT_OFFSET = 2  # readdir offsets: 1 is ".", 2 is "..", entries from 3 (DirHandle)
 READDIR_PAGE = 64  # entries per metadata page; the kernel's buffer holds roughly this many
 ATTR_FETCH_LIMIT = 32  # concurrent getattr calls per readdir page
 
@@ -140,29 +165,50 @@ class Operations(pyfuse3.Operations):
         e.generation = 0
         e.entry_timeout = self.entry_timeout
         e.attr_timeout = self.attr_timeout
-        kind = stat.S_IFDIR if attrs.is_dir else stat.S_IFREG
         mode = attrs.mode & 0o7777
-        if ofile is None and attrs.seal_state == UNSEALED:
+        if ofile is None and attrs.kind == KIND_FILE and attrs.seal_state == UNSEALED:
             mode &= ~0o444  # see the module docstring: not shown as a complete file
-        e.st_mode = kind | mode
-        e.st_nlink = max(attrs.nlink, 1)
+        e.st_mode = _S_IFMT[attrs.kind] | mode
+        e.st_nlink = max(attrs.nlink, 2) if attrs.is_dir else attrs.nlink
         e.st_uid = attrs.uid
         e.st_gid = attrs.gid
-        e.st_rdev = 0
+        e.st_rdev = attrs.rdev
         e.st_size = size
         e.st_blksize = BLKSIZE
-        e.st_blocks = -(-size // 512)
+        # 512-byte units of the data stored: a sparse file's holes take none.
+        stored = size if ofile is not None else attrs.stored
+        e.st_blocks = -(-stored // 512)
         e.st_atime_ns = attrs.atime_ns
         e.st_mtime_ns = attrs.mtime_ns
         e.st_ctime_ns = attrs.ctime_ns
         return e
 
     async def _attrs(self, inode: int) -> Attrs:
-        """Attributes of an inode; a file this mount writes needs no round trip."""
+        """Attributes of an inode; a file this mount writes needs no round trip. A file
+        that lost its last name while open here keeps the attrs its handles hold (fstat of
+        an open, unlinked file), with no link left."""
         ofile = self.cache.writing(inode)
         if ofile is not None and ofile.attrs is not None:
             return ofile.attrs
-        return await self.meta.getattr(inode)
+        try:
+            return await self.meta.getattr(inode)
+        except FileNotFound:
+            held = self._held_attrs(inode)
+            if held is None:
+                raise
+            return held
+
+    def _held_attrs(self, inode: int) -> Attrs | None:
+        ofile = self.cache.open_files.get(inode)
+        if ofile is None:
+            return None
+        for fh in ofile.handles:
+            reader = self.cache.handles[fh].reader
+            if reader is not None:
+                return dataclasses.replace(reader.attrs, nlink=0)
+        if ofile.attrs is not None:
+            return dataclasses.replace(ofile.attrs, nlink=0)
+        return None
 
     @fuse_op
     async def lookup(
@@ -208,16 +254,26 @@ class Operations(pyfuse3.Operations):
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
         if changes:
+            attrs = await self._set_attrs(inode, changes)
+        else:
+            attrs = await self._attrs(inode)
+        return self._entry(attrs)
+
+    async def _set_attrs(self, inode: int, changes: dict[str, int]) -> Attrs:
+        """chmod, chown, utimes. With a writer open here the change is made under the
+        writer's lock, so it lands either before a flush or seal (which then puts the times
+        back) or after it, never in the middle where the flush's stamp would undo it."""
+        ofile = self.cache.open_files.get(inode)
+        if ofile is None or (ofile.writer is None and not ofile.lock.locked()):
+            return await self.meta.setattr(inode, **changes)
+        async with ofile.lock:
             attrs = await self.meta.setattr(inode, **changes)
-            ofile = self.cache.open_files.get(inode)
-            if ofile is not None and ofile.writer is not None:
+            if ofile.writer is not None:
                 ofile.attrs = attrs
                 ofile.times.update(
                     {k: v for k, v in changes.items() if k in ("atime_ns", "mtime_ns")}
                 )
-        else:
-            attrs = await self._attrs(inode)
-        return self._entry(attrs)
+        return attrs
 
     async def _truncate(self, inode: int, size: int) -> None:
         """ftruncate: grow sparse or cut. A file no handle writes gets a writer of its own
@@ -386,6 +442,7 @@ class Operations(pyfuse3.Operations):
             return
         await self._guard(ofile, writer.fsync())
         ofile.synced_seq = max(ofile.synced_seq, seq)
+        ofile.attrs = writer.attrs  # the times the durability point stamped
         await self._reapply_times(ofile)
 
     async def _reapply_times(self, ofile: OpenFile) -> None:
@@ -438,6 +495,7 @@ class Operations(pyfuse3.Operations):
             try:
                 with trio.CancelScope(shield=True):
                     ofile.attrs = await writer.close()
+                    self._hand_over(ofile, writer)
                     await self._reapply_times(ofile)
             except FileNotFound:
                 log.debug("inode %d was removed before its seal", ofile.inode)
@@ -454,6 +512,16 @@ class Operations(pyfuse3.Operations):
             ofile.error = None
             ofile.times.clear()
 
+    def _hand_over(self, ofile: OpenFile, writer: Any) -> None:
+        """Handles that read through the writer get readers of what it sealed, made from
+        its own block map: they keep reading after the file loses its last name, even one
+        that went before the seal (an open right after a writer's close(2), whose release
+        came later)."""
+        for fh in ofile.handles:
+            handle = self.cache.handles[fh]
+            if handle.readable and handle.reader is None:
+                handle.reader = self.client.reader_of(writer)
+
     def _handle(self, fh: int) -> Handle:
         try:
             return self.cache.handle(fh)
@@ -469,6 +537,66 @@ class Operations(pyfuse3.Operations):
         attrs = await self.meta.mkdir(
             parent_inode, _name(name), mode=mode & 0o7777, uid=ctx.uid, gid=ctx.gid
         )
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
+    @fuse_op
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        attrs = await self.meta.symlink(
+            parent_inode, _name(name), bytes(target), uid=ctx.uid, gid=ctx.gid
+        )
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
+    @fuse_op
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.meta.readlink(inode)
+
+    @fuse_op
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """Special files are metadata only (a FIFO or socket here is a name; the kernel
+        keeps the pipe); a regular file is created empty and sealed."""
+        kind = _KIND_OF_IFMT.get(stat.S_IFMT(mode) or stat.S_IFREG)
+        if kind is None or kind in (KIND_DIR, KIND_SYMLINK):
+            raise InvalidArgument(f"mknod of mode {mode:o}")
+        if kind == KIND_FILE:
+            writer = await self.client.create_in(
+                parent_inode,
+                _name(name),
+                mode=mode & 0o7777,
+                uid=ctx.uid,
+                gid=ctx.gid,
+                exclusive=True,
+            )
+            attrs = await writer.close()
+        else:
+            attrs = await self.meta.mknod(
+                parent_inode,
+                _name(name),
+                kind,
+                mode=mode & 0o7777,
+                rdev=rdev if kind in (KIND_CHR, KIND_BLK) else 0,
+                uid=ctx.uid,
+                gid=ctx.gid,
+            )
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
+    @fuse_op
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        attrs = await self.meta.link(inode, new_parent_inode, _name(new_name))
+        ofile = self.cache.writing(inode)
+        if ofile is not None and ofile.attrs is not None:
+            ofile.attrs.nlink = attrs.nlink
         entry = self._entry(attrs)
         self.cache.remember(attrs.id)
         return entry
@@ -517,7 +645,9 @@ class Operations(pyfuse3.Operations):
             dh = self.cache.dir_handle(fh)
         except KeyError:
             raise pyfuse3.FUSEError(errno.EBADF) from None
-        if start_id == 0:
+        if start_id < DOTDOT_OFFSET:
+            if not await self._reply_dots(dh, start_id, token):
+                return
             after: str | None = ""
         else:
             after = dh.cursors.get(start_id)
@@ -541,6 +671,16 @@ class Operations(pyfuse3.Operations):
             if cursor is None or not entries:
                 return
             after = cursor
+
+    async def _reply_dots(self, dh: DirHandle, start_id: int, token: pyfuse3.ReaddirToken) -> bool:
+        """``.`` and ``..`` first (offsets 1 and 2), as programs that count entries expect.
+        The kernel links neither into its cache and takes no reference for them, so only
+        their inode number and type matter (no attribute round trip)."""
+        if start_id == 0 and not pyfuse3.readdir_reply(token, b".", _dir_entry(dh.inode), 1):
+            return False
+        parent = dh.inode if dh.inode == ROOT_ID else await self.meta.parent(dh.inode)
+        dh.cursors[DOTDOT_OFFSET] = ""  # resuming after ".." starts at the first entry
+        return bool(pyfuse3.readdir_reply(token, b"..", _dir_entry(parent), DOTDOT_OFFSET))
 
     async def _attrs_of(self, entries: list[DirEntry]) -> dict[int, Attrs]:
         """Attributes of a readdir page, fetched concurrently; vanished entries are left out."""
@@ -626,6 +766,8 @@ class Operations(pyfuse3.Operations):
             policy = ECPolicy.parse(text)
             attrs = await self._attrs(inode)
             if not attrs.is_dir:
+                if ECPolicy.parse(attrs.ec).name == policy.name:
+                    return  # what a copy of the xattrs asks: nothing changes
                 # A file's blocks are already coded; only new files may choose a policy.
                 raise pyfuse3.FUSEError(errno.EPERM)
             await self.meta.setattr(inode, ec=policy.name)
@@ -635,7 +777,7 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         names = await self.meta.listxattr(inode)
-        ours = [EC_XATTR] if (await self._attrs(inode)).is_dir else [EC_XATTR, DURABILITY_XATTR]
+        ours = [EC_XATTR] if (await self._attrs(inode)).is_dir else []
         return [n.encode() for n in ours + [n for n in names if n not in ours]]
 
     @fuse_op
@@ -663,6 +805,13 @@ class Operations(pyfuse3.Operations):
                 if handle.reader is not None:
                     await _aclose_reader(handle.reader)
                     handle.reader = None
+
+
+def _dir_entry(inode: int) -> pyfuse3.EntryAttributes:
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = inode
+    e.st_mode = stat.S_IFDIR
+    return e
 
 
 async def _abort(writer: Any) -> None:
