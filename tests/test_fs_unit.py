@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+from pathlib import Path
 
 import pyfuse3
 import pytest
@@ -213,8 +215,24 @@ def test_cli_parses_mount_and_umount():
         True,
     )
     assert args.func is fs_cli.cmd_mount
+    args = cli.build_parser().parse_args(["mount", "c.toml", "/mnt/x"])
+    assert args.allow_other is None  # decided by who mounts: on for root
+    args = cli.build_parser().parse_args(["mount", "c.toml", "/mnt/x", "--no-allow-other"])
+    assert args.allow_other is False
     args = cli.build_parser().parse_args(["umount", "/mnt/x"])
     assert args.func is fs_cli.cmd_umount
+
+
+def test_allow_other_by_default_for_root_only(monkeypatch):
+    from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
+
+    config = ClusterConfig("c", Path("s"), 1, [MetadataServer("127.0.0.1:1", [0])])
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert {"allow_other", "default_permissions"} <= fs_cli.mount_options(config, allow_other=None)
+    assert "allow_other" not in fs_cli.mount_options(config, allow_other=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "allow_other" not in fs_cli.mount_options(config, allow_other=None)
+    assert "allow_other" in fs_cli.mount_options(config, allow_other=True)
 
 
 def test_mount_refuses_bad_mountpoints(tmp_path, capsys):

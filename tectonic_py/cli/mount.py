@@ -54,7 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_file(p)
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
-    p.add_argument("--allow-other", action="store_true", help="let users other than the mounter in")
+    p.add_argument(
+        "--allow-other",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let users other than the mounter in, with the kernel checking modes "
+        "(default: on when mounted by root, as a shared mount; off otherwise, where it needs "
+        "user_allow_other in /etc/fuse.conf)",
+    )
     p.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that has files in it"
     )
@@ -74,13 +81,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.set_defaults(func=cmd_umount)
 
 
-def mount_options(config: ClusterConfig, *, allow_other: bool) -> set[str]:
-    """pyfuse3's defaults (default_permissions: the kernel checks modes) plus our names.
-    Deliberately no direct_io and no writeback_cache (see tectonic_py.mount.operations)."""
+def mount_options(config: ClusterConfig, *, allow_other: bool | None) -> set[str]:
+    """pyfuse3's defaults (default_permissions: the kernel checks modes, so every user is
+    held to the files' modes and owners) plus our names. ``allow_other`` None: on for root,
+    whose mount is the node's shared one (a GPU node's jobs run as many users), off for
+    anyone else. Deliberately no direct_io and no writeback_cache (see
+    tectonic_py.mount.operations)."""
     options = set(pyfuse3.default_options)
     options.add(f"fsname=tectonic:{config.name}")
     options.add("subtype=tectonic")
-    if allow_other:
+    if os.geteuid() == 0 if allow_other is None else allow_other:
         options.add("allow_other")
     return options
 
