@@ -22,10 +22,23 @@ Writes: DCP's writer machinery (``FileSystemWriter``, which also makes this writ
 stager for ``dcp.async_save``) with its file operations on the client (``_TectonicFiles``):
 a rank's items are split over ``thread_count`` files written at once, and within each file
 the client encodes and sends several blocks concurrently inside its window. A file's close
-returns once it is durable and sealed, so there is no fsync. ``finish`` runs on the
-coordinator after every rank's ``write_data`` has returned (every data file sealed) and
-publishes the step: ``_publish`` writes the metadata under a temporary name and renames it
-into place, one metadata operation, so a half-written metadata file is never seen.
+returns once it is durable and sealed, so there is no fsync.
+
+Atomic commit (the default, ``commit=True``): every rank writes under a staging directory
+beside the step, ``<step>.staging-<id>``, whose name the coordinator draws in
+``prepare_global_plan`` and hands every rank in its plan (``_StagedPrefix``). ``finish``
+runs on the coordinator after every rank's ``write_data`` has returned (every data file
+sealed); ``_publish`` writes the ``.metadata`` file into the staging directory and commits
+it (``name.commit``: metadata/checkpoint_ops.py): the staging directory becomes the step
+and, with ``latest=NAME``, the symbolic link NAME beside it points at the step, in one
+metadata transaction, after a check that every file under it is sealed. A job killed at any
+moment (any rank, the coordinator, during the commit) leaves the step absent or whole,
+never partly visible, and the previous step and ``latest`` as they were; its staging
+directory is collected by the GC (tectonic_py/maintenance/gc.py). ``overwrite`` lets a
+commit replace an existing step (moved aside under a staging name), else the save is
+refused up front. With ``commit=False`` (or DCP's ``no_dist`` save without collectives)
+files are written in place and only the metadata file is published atomically (written
+under a temporary name and renamed into place).
 
 Reads: the rank's plan names, for each item, a file, an offset and a length; ``read_data``
 opens each file once and fetches just those ranges, many at once, in batches of at most
@@ -36,11 +49,13 @@ read as whole data chunks through the client's block cache, a smaller one as chu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
 import pickle
 import posixpath
+import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -53,9 +68,17 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemReader,
     FileSystemWriter,
+    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -69,6 +92,7 @@ MiB = 1024 * 1024
 
 URL_PREFIX = "tectonic://"
 METADATA_NAME = ".metadata"
+STAGING_MARK = ".staging-"  # the GC collects <step>.staging-<id> of a job that died
 # Data files per rank written at once: DCP splits a rank's items over them by size.
 DEFAULT_WRITE_THREADS = 4
 # Bytes of items fetched before they are deserialised: bounds a rank's read memory.
@@ -155,6 +179,27 @@ class _TectonicFiles(FileSystem):
         ]
 
 
+@dataclasses.dataclass
+class _StagedPrefix(_StoragePrefix):
+    """A rank's storage data in the global plan: its files' prefix, as DCP's, and the
+    staging directory the coordinator drew for this save."""
+
+    staging: str = ""
+
+
+async def _commit(
+    client: BlockingClient, staging: str, final: str, latest: str, replace: bool
+) -> dict[str, Any]:
+    parent = await client.client.stat(posixpath.dirname(final))
+    return await client.client.meta.commit_step(
+        parent.id,
+        posixpath.basename(staging),
+        posixpath.basename(final),
+        latest=latest,
+        replace=replace,
+    )
+
+
 def _client(
     cluster: str | os.PathLike[str] | None, client: BlockingClient | None
 ) -> BlockingClient:
@@ -167,7 +212,9 @@ class TectonicWriter(FileSystemWriter):
     ``path``: the checkpoint directory; ``cluster``: the cluster file (default
     ``$TECTONIC_CLUSTER``) or ``client``: an open ``BlockingClient``; ``thread_count``: data
     files per rank written at once; ``ec``: the EC policy of the checkpoint's files (default:
-    the directory's). The other arguments are ``FileSystemWriter``'s.
+    the directory's); ``commit``: write under a staging directory and commit the step
+    atomically at ``finish``; ``latest``: the name of a symbolic link beside the step that
+    the commit points at it. The other arguments are ``FileSystemWriter``'s.
     """
 
     def __init__(
@@ -182,6 +229,8 @@ class TectonicWriter(FileSystemWriter):
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
         ec: str | None = None,
+        commit: bool = True,
+        latest: str | None = None,
     ) -> None:
         super().__init__(
             checkpoint_path(path),
@@ -195,10 +244,52 @@ class TectonicWriter(FileSystemWriter):
         self.client = _client(cluster, client)
         self.fs = _TectonicFiles(self.client, ec)
         self.path = self.fs.init_path(path)
+        self.commit = commit
+        self.latest = latest or ""
+        self._staging = ""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _TectonicFiles.validate_checkpoint_id(checkpoint_id)
+
+    def _atomic(self) -> bool:
+        return self.commit and self.use_collectives
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Atomic: only the step's parent is made here (the step itself appears at the
+        commit), and an existing step is refused unless ``overwrite``."""
+        if not self._atomic():
+            return super().prepare_local_plan(plan)
+        self.fs.mkdir(posixpath.dirname(os.fspath(self.path)))
+        if not self.overwrite and self.fs.exists(self.path):
+            raise RuntimeError(f"Checkpoint already exists and {self.overwrite=}.")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: DCP's file prefixes, and this save's staging directory."""
+        plans = super().prepare_global_plan(plans)
+        if not self._atomic():
+            return plans
+        self._staging = f"{self.path}{STAGING_MARK}{uuid.uuid4().hex[:16]}"
+        return [
+            dataclasses.replace(
+                p, storage_data=_StagedPrefix(p.storage_data.prefix, staging=self._staging)
+            )
+            for p in plans
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's writer, aimed at the staging directory when the plan names one (the
+        write is done when this returns: the future is already set)."""
+        staged = plan.storage_data
+        if not isinstance(staged, _StagedPrefix) or not staged.staging:
+            return super().write_data(plan, planner)
+        self.fs.mkdir(staged.staging)
+        final, self.path = self.path, staged.staging
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            self.path = final
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Complete ``metadata`` as FileSystemWriter does (version, every item's storage
@@ -213,9 +304,16 @@ class TectonicWriter(FileSystemWriter):
         self._publish(name, pickle.dumps(metadata))
 
     def _publish(self, name: str, blob: bytes) -> None:
-        """Make the step loadable: the metadata file, written whole under a temporary name
-        and renamed over ``name`` (atomic in one directory, also over an older one). Every
-        data file the metadata names is sealed by now."""
+        """Make the step loadable. Atomic: the metadata file into the staging directory,
+        then the commit of the module docstring. Otherwise: the metadata file written whole
+        under a temporary name and renamed over ``name`` (atomic in one directory, also
+        over an older one). Every data file the metadata names is sealed by now."""
+        if self._staging:
+            with self.fs.create_stream(self.fs.concat_path(self._staging, name), "wb") as f:
+                f.write(blob)
+            staging, self._staging = self._staging, ""
+            self.client.run(_commit, self.client, staging, self.path, self.latest, self.overwrite)
+            return
         final = self.fs.concat_path(self.path, name)
         temp = f"{final}.tmp"
         with self.fs.create_stream(temp, "wb") as f:

@@ -71,11 +71,15 @@ def _rank_main(rank: int, world: int, port: int, cluster_file: str, phase: str) 
         if phase == "save":
             dcp.save(
                 _state_dict(mesh, 1),
-                storage_writer=TectonicWriter("/ckpt/step_1", cluster=cluster_file),
+                storage_writer=TectonicWriter(
+                    "/ckpt/step_1", cluster=cluster_file, latest="latest"
+                ),
             )
             future = dcp.async_save(
                 _state_dict(mesh, 2),
-                storage_writer=TectonicWriter("tectonic:///ckpt/step_2", cluster=cluster_file),
+                storage_writer=TectonicWriter(
+                    "tectonic:///ckpt/step_2", cluster=cluster_file, latest="latest"
+                ),
             )
             future.result()
             return
@@ -120,6 +124,9 @@ def test_save_with_4_ranks_load_resharded_on_2(local_cluster: LocalCluster) -> N
         assert [n for n in names if n.endswith(".distcp")]  # DCP's own file names
         assert not [n for n in names if n.endswith(".tmp")]
         assert ".metadata" in {e.name for e in client.listdir("/ckpt/step_2")}
+        # Committed: no staging directory left, latest moved to the second step.
+        assert sorted(e.name for e in client.listdir("/ckpt")) == ["latest", "step_1", "step_2"]
+        assert client.run(client.client.readlink, "/ckpt/latest") == "step_2"
     _run_ranks(LOAD_RANKS, local_cluster.cluster_file, "load")
 
 

@@ -32,6 +32,7 @@ _COMMAND_MODULES = [
     "metadata.main",  # tectonic metadata
     "tectonic_py.cli.cluster",  # tectonic cluster up/down
     "tectonic_py.cli.data",  # tectonic put/get/ls/rm/stat/mkdir/status
+    "tectonic_py.cli.commit",  # tectonic commit
     "tectonic_py.cli.mount",  # tectonic mount/umount
     "tectonic_py.cli.status",  # tectonic status
     "tectonic_py.cli.maintenance",  # tectonic maintenance / repair
