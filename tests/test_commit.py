@@ -75,6 +75,7 @@ def test_cli_commit(local_cluster: LocalCluster, tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             env=env,
+            check=False,
         )
 
     cf = str(local_cluster.cluster_file)
