@@ -44,6 +44,7 @@ from tectonic_py.core.errors import (
 from tectonic_py.core.records import KIND_DIR, Attrs, DirEntry, validate_name
 
 STAGING_MARK = ".staging-"  # <final>.staging-<id>: the GC knows such a directory by its name
+REMOVING = ".removing"  # a staging directory the GC is removing
 STATES_PAGE = 10_000
 LEVEL_WIDTH = 64  # directories of one level listed at once
 
@@ -90,6 +91,9 @@ class CheckpointCalls:
         raise NotImplementedError  # provided by MetadataClient
 
     async def rmdir(self, dir_id: int, name: str) -> None:
+        raise NotImplementedError  # provided by MetadataClient
+
+    async def rename(self, src_dir: int, src_name: str, dst_dir: int, dst_name: str) -> None:
         raise NotImplementedError  # provided by MetadataClient
 
     async def chunk_states(self, file_id: int) -> list[ChunkState]:
@@ -253,15 +257,21 @@ class CheckpointCalls:
 
     async def remove_tree(self, dir_id: int, name: str, expect_id: int) -> int:
         """Remove the directory ``name`` of ``dir_id`` and everything under it, if it is
-        still ``expect_id``; returns how many entries went."""
+        still ``expect_id``; returns how many entries went. It is first renamed aside (one
+        transaction, in its parent's shard), so a commit of it that comes after finds no
+        staging directory instead of committing a tree being emptied; the new name keeps
+        the staging mark, so a removal cut short is taken up by the next sweep."""
         try:
             attrs = await self.lookup(dir_id, name)
         except FileNotFound:
             return 0
         if attrs.id != expect_id or not attrs.is_dir:
             return 0
+        tomb = name if name.endswith(REMOVING) else f"{name}{REMOVING}"
+        if tomb != name:
+            await self.rename(dir_id, name, dir_id, tomb)
         removed = await self._empty_dir(attrs.id)
-        await self.rmdir(dir_id, name)
+        await self.rmdir(dir_id, tomb)
         return removed + 1
 
     async def _empty_dir(self, dir_id: int) -> int:

@@ -208,6 +208,36 @@ async def test_deleted_checkpoint_directory_gives_space_back(tmp_path):
         cluster.stop()
 
 
+async def test_stale_staging_directories_are_collected(tmp_path):
+    """A dead job's staging directory (every file sealed or left unsealed, nothing changed
+    for the grace) goes, tree and all; one a writer still holds stays, and so do committed
+    steps and directories that are not staging directories."""
+    cluster = make_cluster(tmp_path / "c", chunkstores=7, maintenance_args=GC_FAST)
+    try:
+        cluster.start()
+        async with open_fresh_client(cluster) as client:
+            await client.mkdir("/ck/step_1.staging-dead/sub", parents=True)
+            await client.mkdir("/ck/step_2.staging-live", parents=True)
+            await client.mkdir("/ck/step_0")
+            for path in ("step_1.staging-dead/r0", "step_1.staging-dead/sub/r1", "step_0/r0"):
+                await put(client, f"/ck/{path}", data_of(20_000, seed=len(path)))
+            live = await client.create("/ck/step_2.staging-live/r0")
+            await live.write(b"still writing")
+            await live.fsync()
+
+            async def dead_gone() -> bool:
+                return "step_1.staging-dead" not in {e.name for e in await client.listdir("/ck")}
+
+            await wait_for("the dead job's staging directory to go", dead_gone, timeout=60)
+            await trio.sleep(2)  # more sweeps: the live one must stay
+            names = {e.name for e in await client.listdir("/ck")}
+            assert names == {"step_0", "step_2.staging-live"}
+            assert await read(client, "/ck/step_0/r0") == data_of(20_000, seed=len("step_0/r0"))
+            await live.close()
+    finally:
+        cluster.stop()
+
+
 # --- the metadata ops of the services: every refusal is clear and changes nothing ------------
 
 

@@ -33,6 +33,13 @@ Each round, in this order:
    meanwhile gets none). This is also how a node that comes back after being down is
    reconciled with the Block layer.
 
+6. Every ``sweep_interval``, the **staging sweep**: staging directories of checkpoint steps
+   never committed (``<step>.staging-<id>``: a job that died before its commit, and steps
+   a commit replaced and moved aside) are found by name, one ``name.staging`` scan per
+   shard; one whose whole tree is untouched for ``grace`` (no record in it changed since)
+   and where no writer holds a live lease is removed, tree and all. A job still writing
+   into it keeps it: its writers renew their leases and every create stamps the directory.
+
 Nothing referenced is ever deleted: a chunk goes only if the Block layer says no committed
 block needs it there (and a chunk store deletes nothing without the metadata service's
 capability saying so), a block record only when unreferenced twice, ``grace`` apart.
@@ -63,6 +70,7 @@ class GarbageCollector:
         self.m = m
         self._suspects: dict[int, float] = {}  # block id -> monotonic time first seen
         self._last_sweep = 0.0
+        self.staging_removed = 0  # staging directories removed since this process started
 
     async def round(self) -> None:
         s = self.m.settings
@@ -73,6 +81,7 @@ class GarbageCollector:
         if self._last_sweep == 0.0 or now - self._last_sweep >= s.sweep_interval:
             await self.sweep_blocks()
             await self.sweep_chunks()
+            await self.sweep_staging()
             self._last_sweep = now
 
     # --- 1. lease recovery -------------------------------------------------------------------
@@ -259,3 +268,29 @@ class GarbageCollector:
         if deleted:
             log.info("chunk sweep: deleted %d unreferenced chunks on %s", deleted, node.node_id)
         return deleted
+
+    # --- 6. the staging sweep --------------------------------------------------------------
+
+    async def sweep_staging(self) -> int:
+        """Remove the staging directories of dead jobs (step 6 of the module docstring)."""
+        cutoff = time.time_ns() - int(self.m.settings.grace * 1e9)
+        meta = self.m.meta
+        removed = 0
+        for parent, name, dir_id in await meta.staging_dirs(self.m.config.shards):
+            try:
+                state = await meta.tree_state(dir_id, name)
+                if state.newest_ns >= cutoff or any(w == "writing" for _, w in state.unsealed):
+                    continue
+                gone = await meta.remove_tree(parent, name, dir_id)
+            except FileNotFound:
+                continue  # committed or removed meanwhile
+            if gone:
+                removed += 1
+                log.info(
+                    "removed stale staging directory %r (%d files, untouched for %.0fs)",
+                    name,
+                    state.files,
+                    (time.time_ns() - state.newest_ns) / 1e9,
+                )
+        self.staging_removed += removed
+        return removed
