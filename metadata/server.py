@@ -77,6 +77,7 @@ import trio
 
 from metadata import backup, block_layer, file_layer, name_layer
 from metadata.checkpoint_ops import CheckpointOps
+from metadata.etcd_shards import EtcdSettings, EtcdShards
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
@@ -160,7 +161,10 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
         node_timeout: float = 10.0,
         lease_ns: int = LEASE_NS,
         recovery_interval_s: float = RECOVERY_INTERVAL_S,
+        etcd: EtcdSettings | None = None,
     ) -> None:
+        """``etcd``: the etcd engine (metadata/etcd_shards.py): ``shards`` are then the ones
+        this server claims first, and it serves whatever it owns."""
         if total_shards < 1:
             raise InvalidArgument(f"total shards must be at least 1, not {total_shards}")
         if not shards:
@@ -182,12 +186,14 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
         self.capability_key = capability_key  # signs capabilities; clients never hold it
         self.lease_ns = lease_ns
         self.recovery_interval_s = recovery_interval_s
-        self.stores = {s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))}
-        self.registry = (
-            Registry(self.stores[REGISTRY_SHARD], node_timeout)
-            if REGISTRY_SHARD in self.stores
-            else None
-        )
+        self.node_timeout = node_timeout
+        self.etcd_shards = None if etcd is None else EtcdShards(self, etcd, sorted(set(shards)))
+        self.stores: dict[int, ShardStore] = {}
+        self.registry: Registry | None = None
+        if self.etcd_shards is None:
+            self.stores = {s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))}
+            if REGISTRY_SHARD in self.stores:
+                self.registry = Registry(self.stores[REGISTRY_SHARD], node_timeout)
         self.address = ""
         handlers: dict[str, Callable[[Request], Awaitable[Any]]] = {}
         for attr in dir(self):
@@ -213,6 +219,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
                 await self._ensure_root()
                 h, p = await nursery.start(self.rpc.serve, host, port)
                 self.address = f"{h}:{p}"
+                if self.etcd_shards is not None:
+                    await nursery.start(self.etcd_shards.run)
                 nursery.start_soon(self._recovery_loop)
                 if ready_file is not None:
                     write_ready_file(ready_file, self.address)
@@ -245,6 +253,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
 
     def _store(self, req: Request) -> ShardStore:
         shard = req.int("shard", hi=2**31)
+        if self.etcd_shards is not None:
+            return self.etcd_shards.check(shard)
         store = self.stores.get(shard)
         if store is None:
             raise WrongShard(f"shard {shard} is not hosted by {self.address or 'this server'}")
@@ -654,6 +664,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
     # --- Node registry ------------------------------------------------------------------------
 
     def _registry(self) -> Registry:
+        if self.etcd_shards is not None:
+            self.etcd_shards.check(REGISTRY_SHARD)
         if self.registry is None:
             raise WrongShard(f"the node registry lives with shard {REGISTRY_SHARD}, not here")
         return self.registry
@@ -707,6 +719,14 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
             dest,
             self.address,
         )
+
+    async def op_server__owners(self, req: Request) -> dict[str, Any]:
+        """Shard -> the address serving it (under etcd: every owned shard; else this
+        server's): where a client goes after ``WrongShard``."""
+        if self.etcd_shards is None:
+            return {"owners": {str(s): self.address for s in self.stores}}
+        owners = await self.etcd_shards.owners()
+        return {"owners": {str(s): a for s, a in owners.items()}}
 
     # --- recovery of cross-shard renames ------------------------------------------------------
 

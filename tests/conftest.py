@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["cluster_fixtures", "fuse_fixtures"]
+pytest_plugins = ["cluster_fixtures", "fuse_fixtures", "etcd_fixtures"]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 import trio
 
 from metadata.client import MetadataClient
+from metadata.etcd_shards import EtcdSettings
 from metadata.server import MetadataServer
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.cluster_file import MetadataServer as ServerEntry
@@ -35,9 +36,11 @@ async def open_meta_cluster(
     recovery_interval_s: float = 5.0,
     ports: list[int] | None = None,
     capability_key: bytes | None = None,
+    etcd: EtcdSettings | None = None,
 ) -> AsyncIterator[MetaCluster]:
     """``ports``: listen on these (a restart "on the same addresses"); default any free port.
-    ``capability_key``: default a fresh random one."""
+    ``capability_key``: default a fresh random one. ``etcd``: the etcd engine (each server
+    claims its share of the shards first)."""
     secret = secret_file.read_bytes().strip()
     key = capability_key if capability_key is not None else secrets.token_hex(32).encode()
     async with trio.open_nursery() as nursery:
@@ -53,11 +56,16 @@ async def open_meta_cluster(
                 capability_key=key,
                 node_timeout=node_timeout,
                 recovery_interval_s=recovery_interval_s,
+                etcd=etcd,
             )
             host, port = await nursery.start(server.serve, "127.0.0.1", ports[i] if ports else 0)
             entries.append(ServerEntry(f"{host}:{port}", hosted))
             objs.append(server)
         config = ClusterConfig("test", secret_file, shards, entries)
+        if etcd is not None:
+            config.metadata_engine = "etcd"
+            config.etcd_endpoints = list(etcd.endpoints)
+            config.etcd_prefix = etcd.prefix
         client = MetadataClient(config, nursery=nursery)
         try:
             yield MetaCluster(client, objs, config, key)

@@ -12,7 +12,14 @@ Example::
     address = "127.0.0.1:7100"
     shards = [0, 1, 2, 3]           # the logical shards this server hosts
 
-The server hosting shard 0 also keeps the node registry (chunk store membership).
+    [metadata_engine]               # optional; without it: kind = "sqlite"
+    kind = "etcd"
+    endpoints = ["http://127.0.0.1:2379", "http://127.0.0.1:22379"]
+    prefix = "/tectonic/local"
+
+The server hosting shard 0 also keeps the node registry (chunk store membership). Under the
+etcd engine a server's ``shards`` are the ones it claims first: when it dies another server
+takes them over, and clients ask any server (``server.owners``) where a shard went.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.sockets import parse_address
 
 REGISTRY_SHARD = 0
+ENGINES = ("sqlite", "etcd")
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 
 
@@ -47,6 +55,9 @@ class ClusterConfig:
     metadata_servers: list[MetadataServer]
     default_ec: str = "rs-6-3"
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    metadata_engine: str = "sqlite"
+    etcd_endpoints: list[str] = field(default_factory=list)
+    etcd_prefix: str = ""
     path: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +81,10 @@ class ClusterConfig:
         if missing:
             raise ConfigError(f"{len(missing)} shards have no server (e.g. {min(missing)})")
         ECPolicy.parse(self.default_ec)
+        if self.metadata_engine not in ENGINES:
+            raise ConfigError(f"metadata engine {self.metadata_engine!r} is not one of {ENGINES}")
+        if self.metadata_engine == "etcd" and not (self.etcd_endpoints and self.etcd_prefix):
+            raise ConfigError("the etcd metadata engine needs endpoints and a prefix")
         if not 4096 <= self.chunk_size <= 64 * 1024 * 1024 or self.chunk_size % 4096:
             raise ConfigError("chunk_size must be a multiple of 4096 between 4 KiB and 64 MiB")
 
@@ -104,6 +119,12 @@ class ClusterConfig:
                 {"address": s.address, "shards": list(s.shards)} for s in self.metadata_servers
             ],
         }
+        if self.metadata_engine != "sqlite":
+            doc["metadata_engine"] = {
+                "kind": self.metadata_engine,
+                "endpoints": list(self.etcd_endpoints),
+                "prefix": self.etcd_prefix,
+            }
         return "# tectonic-py cluster file\n" + tomli_w.dumps(doc)
 
     def write(self, path: str | os.PathLike[str]) -> None:
@@ -142,7 +163,11 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
             MetadataServer(str(s["address"]), [int(x) for x in s["shards"]])
             for s in doc["metadata_servers"]
         ]
+        engine = doc.get("metadata_engine", {"kind": "sqlite"})
         return ClusterConfig(
+            metadata_engine=str(engine["kind"]),
+            etcd_endpoints=[str(e) for e in engine.get("endpoints", [])],
+            etcd_prefix=str(engine.get("prefix", "")),
             name=str(doc.get("name", "tectonic")),
             secret_file=secret,
             shards=int(doc["shards"]),

@@ -1,0 +1,198 @@
+"""The shards one metadata server serves under the etcd engine: taken, loaded, given up.
+
+Under the sqlite engine a server's shards are fixed by its command line. Under etcd they are
+whatever it owns (metadata/ownership.py): it first claims the shards its command line names
+(its preferred ones), then, every ``poll_s``, any shard nobody owns (its server died and its
+lease lapsed). Taking a shard means claiming its owner key, loading its rows from etcd into
+a fresh SQLite copy and starting its committer; the shard is served only after that.
+
+Giving up: a batch refused by the fence (``ShardStore`` raises ``WrongShard``), or the lease
+lost, drops the shard from ``server.stores`` and cancels its committer; requests for it then
+get ``WrongShard`` and clients ask ``server.owners`` where it went.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from metadata.etcd_engine import ShardReplica
+from metadata.ownership import DEFAULT_TTL_S, Ownership
+from metadata.registry import Registry
+from metadata.shard import ShardStore
+from tectonic_py.core.cluster_file import REGISTRY_SHARD
+from tectonic_py.core.errors import TectonicError, WrongShard
+from tectonic_py.core.etcd_client import EtcdClient
+from tectonic_py.core.ids import ROOT_ID, shard_of
+
+if TYPE_CHECKING:
+    from metadata.server import MetadataServer
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    """Where a server's etcd engine keeps its keys."""
+
+    endpoints: list[str]
+    prefix: str = "/tectonic"
+    lease_ttl: int = DEFAULT_TTL_S
+    poll_s: float = POLL_S
+    # A shard preferred by another server is taken only after it was seen unowned this long,
+    # so that at cluster start every server gets its own shards.
+    takeover_delay_s: float = field(default=1.0)
+
+
+class EtcdShards:
+    def __init__(self, server: MetadataServer, settings: EtcdSettings, preferred: list[int]):
+        self.server = server
+        self.settings = settings
+        self.preferred = preferred
+        self.cache_dir = Path(server.data_dir) / "etcd-cache"
+        self.etcd = EtcdClient(settings.endpoints)
+        self.ownership: Ownership | None = None
+        self._scopes: dict[int, trio.CancelScope] = {}
+        self._unowned_since: dict[int, float] = {}
+        self._seen_owned: set[int] = set()
+        self._rng = random.Random()
+        self.takeovers = 0
+
+    def check(self, shard: int) -> ShardStore:
+        """The store of a shard this server may serve right now, or the error that says why
+        not: ``WrongShard`` (not executed: ask the owners, retry) also while this server's
+        lease is unconfirmed, since another server may own the shard by now."""
+        store = self.server.stores.get(shard)
+        if store is not None and store.lost:
+            self._nursery.start_soon(self.drop, shard)
+            store = None
+        if store is None:
+            raise WrongShard(f"shard {shard} is not owned by {self.server.address}")
+        if self.ownership is None or not self.ownership.valid():
+            raise WrongShard(f"{self.server.address}: etcd lease not confirmed")
+        return store
+
+    async def owners(self) -> dict[int, str]:
+        assert self.ownership is not None
+        return await self.ownership.owners()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.ownership = Ownership(
+                    self.etcd,
+                    self.settings.prefix,
+                    self.server.address,
+                    ttl=self.settings.lease_ttl,
+                    on_lost=self.drop_all,
+                )
+                await nursery.start(self.ownership.run)
+                self._nursery = nursery
+                for shard in self.preferred:
+                    await self._try_take(shard)
+                task_status.started()
+                while True:
+                    await trio.sleep(self.settings.poll_s)
+                    await self._poll()
+        finally:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + 2.0
+                if self.ownership is not None and self.ownership.lease:
+                    # a clean stop hands the shards over now, not after the lease's TTL
+                    try:
+                        await self.ownership.etcd.lease_revoke(self.ownership.lease)
+                    except TectonicError as e:
+                        log.warning("lease revoke at shutdown failed: %s", e)
+                await self.etcd.aclose()
+
+    async def _poll(self) -> None:
+        try:
+            owners = await self.owners()
+        except TectonicError as e:
+            log.warning("cannot read shard owners from etcd: %s", e)
+            return
+        now = trio.current_time()
+        for shard in list(self.server.stores):
+            if owners.get(shard) != self.server.address:
+                log.warning("shard %d: owner key gone; giving it up", shard)
+                await self.drop(shard)
+        for shard in range(self.server.total_shards):
+            if shard in owners:
+                self._unowned_since.pop(shard, None)
+                self._seen_owned.add(shard)
+                continue
+            since = self._unowned_since.setdefault(shard, now)
+            if shard in self.preferred:
+                delay = 0.0
+            elif shard in self._seen_owned:  # its owner died: take it now, a jitter apart
+                delay = self._rng.random() * self.settings.poll_s
+            else:  # never owned yet: leave it to the server that prefers it for a while
+                delay = self.settings.takeover_delay_s
+            if now - since >= delay:
+                await self._try_take(shard)
+
+    async def _try_take(self, shard: int) -> None:
+        assert self.ownership is not None
+        try:
+            revision = await self.ownership.acquire(shard)
+        except TectonicError as e:
+            log.warning("shard %d: claim failed: %s", shard, e)
+            return
+        if revision is None:
+            return
+        replica = ShardReplica(self.etcd, self.settings.prefix, shard, revision)
+        store = ShardStore(self.cache_dir, shard, self.server.total_shards, replica=replica)
+        try:
+            rows = await store.load_replica()
+        except BaseException:
+            store.close()
+            with trio.CancelScope(shield=True):
+                await self.ownership.release(shard)
+            raise
+        scope = trio.CancelScope()
+        self._scopes[shard] = scope
+        self._nursery.start_soon(self._run_store, store, scope)
+        self.server.stores[shard] = store
+        if shard == REGISTRY_SHARD:
+            self.server.registry = Registry(store, self.server.node_timeout)
+        if shard == shard_of(ROOT_ID, self.server.total_shards):
+            await self.server._ensure_root()
+        self._unowned_since.pop(shard, None)
+        if shard not in self.preferred:
+            self.takeovers += 1
+        log.info("shard %d: serving (%d rows from etcd)", shard, rows)
+
+    async def _run_store(self, store: ShardStore, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await store.run()
+            finally:
+                store.close()
+
+    async def drop(self, shard: int) -> None:
+        store = self.server.stores.pop(shard, None)
+        if shard == REGISTRY_SHARD:
+            self.server.registry = None
+        scope = self._scopes.pop(shard, None)
+        if scope is not None:
+            scope.cancel()
+        if store is not None and self.ownership is not None:
+            try:
+                await self.ownership.release(shard)
+            except TectonicError as e:
+                log.warning("shard %d: release failed (its lease will lapse): %s", shard, e)
+
+    async def drop_all(self) -> None:
+        for shard in list(self.server.stores):
+            await self.drop(shard)
+
+    async def aclose(self) -> None:
+        await self.etcd.aclose()
