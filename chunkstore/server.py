@@ -536,13 +536,26 @@ class ChunkStoreServer:
     async def _node_stats(self, req: Request) -> dict[str, Any]:
         return await self.node_stats()
 
+    def _filesystem(self) -> dict[str, Any]:
+        """The filesystem under the data directory, so that the registry's df counts stores
+        that share one (several stores on one disk, as a test cluster has) once: its id
+        (host and f_fsid) and its own size and free space."""
+        st = os.statvfs(self.data_dir)
+        return {
+            "fs_id": f"{socket.gethostname()}:{st.f_fsid:x}",
+            "fs_total": st.f_blocks * st.f_frsize,
+            "fs_free": st.f_bavail * st.f_frsize,
+        }
+
     async def node_stats(self) -> dict[str, Any]:
         capacity, free = await trio.to_thread.run_sync(self._disk)
+        fs = await trio.to_thread.run_sync(self._filesystem)
         return {
             "node_id": self.config.node_id,
             "failure_domain": self.config.failure_domain,
             "capacity": capacity,
             "free": free,
+            **fs,
             "used": self.used,
             "chunk_count": self.chunk_count,
             "queue_depth": self.queue_depth,
@@ -585,6 +598,9 @@ class ChunkStoreServer:
                                 "free": stats["free"],
                                 "chunk_count": stats["chunk_count"],
                                 "queue_depth": stats["queue_depth"],
+                                "fs_id": stats["fs_id"],
+                                "fs_total": stats["fs_total"],
+                                "fs_free": stats["fs_free"],
                             },
                         )
                 except (TectonicError, trio.TooSlowError) as e:

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # etcd-server: the etcd metadata engine's store (the local cluster starts its own members).
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc etcd-server)
+# rsync, attr: the mount's POSIX round-trip tests (rsync -aHX; getfattr/setfattr for users).
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc etcd-server rsync attr)
 need=()
 for p in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")

@@ -142,6 +142,28 @@ def _is_busy(e: TectonicError) -> bool:
     return isinstance(e, Busy)
 
 
+def capacity_of(nodes: Sequence[NodeInfo]) -> tuple[int, int]:
+    """(capacity, free) of these chunk stores, a shared filesystem counted once: each store
+    reports its whole disk, so stores on one disk would count it once per store. Within a
+    group that shares a filesystem, capacity and free are the stores' sums bounded by the
+    filesystem's own size and free space (stores with a configured capacity are quotas of
+    it)."""
+    groups: dict[str, list[NodeInfo]] = {}
+    for n in nodes:
+        groups.setdefault(n.fs_id or f"node:{n.node_id}", []).append(n)
+    capacity = free = 0
+    for members in groups.values():
+        cap = sum(n.capacity for n in members)
+        fr = sum(n.free for n in members)
+        sized = [n for n in members if n.fs_total]
+        if sized:
+            cap = min(cap, max(n.fs_total for n in sized))
+            fr = min(fr, min(n.fs_free for n in sized))
+        capacity += cap
+        free += fr
+    return capacity, free
+
+
 class MetadataClient(CheckpointCalls):
     """One per process; owns pooled connections to every metadata server. The calls of
     checkpoints (durability, the atomic commit of a step) come from ``CheckpointCalls``
@@ -846,9 +868,10 @@ class MetadataClient(CheckpointCalls):
             return lambda: self._call(address, "server.stats", {})
 
         stats = await self._gather([job(s.address) for s in self.config.metadata_servers])
+        capacity, free = capacity_of(up)
         return {
-            "capacity": sum(n.capacity for n in up),
-            "free": sum(n.free for n in up),
+            "capacity": capacity,
+            "free": free,
             "nodes": len(nodes),
             "nodes_up": len(up),
             "files": sum(int(s["files"]) for s in stats),

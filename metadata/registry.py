@@ -93,6 +93,9 @@ class Registry:
             free=fields["free"],
             chunk_count=fields["chunk_count"],
             queue_depth=fields["queue_depth"],
+            fs_id=fields.get("fs_id", ""),
+            fs_total=fields.get("fs_total", 0),
+            fs_free=fields.get("fs_free", 0),
             last_seen=time.time(),
         )
 

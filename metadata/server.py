@@ -681,6 +681,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
                 "free": req.int("free", 0, hi=2**63 - 1),
                 "chunk_count": req.int("chunk_count", 0, hi=2**63 - 1),
                 "queue_depth": req.int("queue_depth", 0, hi=2**31),
+                "fs_id": req.str("fs_id", "", max_len=300),
+                "fs_total": req.int("fs_total", 0, hi=2**63 - 1),
+                "fs_free": req.int("fs_free", 0, hi=2**63 - 1),
             }
         )
 

@@ -130,6 +130,11 @@ class NodeInfo:
     free: int = 0
     chunk_count: int = 0
     queue_depth: int = 0
+    # The filesystem under the store's data directory (id, size, free): stores that share
+    # one are counted once in the cluster's capacity. Empty for a store that did not say.
+    fs_id: str = ""
+    fs_total: int = 0
+    fs_free: int = 0
     last_seen: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
