@@ -776,9 +776,11 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        # Ours are read and set by name only: listed, cp --preserve=xattr and rsync -X
+        # would copy them (a status, a policy the destination's directory decides) and
+        # rsync would remove them from a copy whose source lacks them.
         names = await self.meta.listxattr(inode)
-        ours = [EC_XATTR] if (await self._attrs(inode)).is_dir else []
-        return [n.encode() for n in ours + [n for n in names if n not in ours]]
+        return [n.encode() for n in names if n not in (EC_XATTR, DURABILITY_XATTR)]
 
     @fuse_op
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
