@@ -44,6 +44,7 @@ from tectonic_py.core.errors import (
     ChecksumMismatch,
     ChunkCorrupt,
     ChunkNotFound,
+    DiskFull,
     QuorumLost,
     TectonicError,
     Timeout,
@@ -113,7 +114,8 @@ class BlockIO:
     ) -> BlockInfo:
         """Encode one block held in ``block`` (>= k * chunk_len bytes) and make its chunks
         durable on chunk stores; returns the record to commit. Raises QuorumLost when fewer
-        than the write quorum of chunks could be written."""
+        than the write quorum of chunks could be written, DiskFull when that was mostly for
+        want of space."""
         k = policy.k
         cl = max(1, chunk_len_for(data_len, k))
         padded = block[: k * cl]
@@ -136,6 +138,15 @@ class BlockIO:
         )
         results = await put.run()
         if len(results) < quorum:
+            full = put.refused_full
+            if full and 2 * full >= put.refused:
+                # Mostly full stores: the writer (and a mount's ENOSPC) should say "no space",
+                # not a lost quorum, which reads as failed nodes.
+                raise DiskFull(
+                    f"no space for block {grant.block_id:016x}: only {len(results)} of"
+                    f" {policy.n} chunks stored ({full} refused by full chunk stores);"
+                    f" the write quorum is {quorum}"
+                )
             raise QuorumLost(
                 f"only {len(results)} of {policy.n} chunks of block {grant.block_id:016x} could"
                 f" be written; the write quorum is {quorum}"

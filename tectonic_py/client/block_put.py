@@ -36,7 +36,7 @@ from tectonic_py.client.codec import EncodedBlock
 from tectonic_py.client.node_view import NodeView
 from tectonic_py.client.stats import ClientStats
 from tectonic_py.core.aio import open_service_nursery
-from tectonic_py.core.errors import TectonicError, Unavailable
+from tectonic_py.core.errors import DiskFull, TectonicError, Unavailable
 from tectonic_py.core.ids import chunk_id
 from tectonic_py.core.records import BlockGrant, ChunkPlacement, NodeInfo
 from tectonic_py.core.retry import RetryPolicy, retry
@@ -82,6 +82,10 @@ class BlockPut:
         self.write_hedge_s = write_hedge_s
         self.chunk_timeout = chunk_timeout
         self.results: dict[int, ChunkPlacement] = {}
+        # Chunk puts refused, and how many of them by a full store (counts: an exception
+        # kept would keep its frames, and the chunk buffers they hold, alive).
+        self.refused = 0
+        self.refused_full = 0
         self._spares: deque[Target] = deque((node, grant.capability) for node in grant.nodes[n:])
         self._tried: set[str] = {node.node_id for node in grant.nodes}
         self._more_lock = trio.Lock()
@@ -186,6 +190,8 @@ class BlockPut:
                     winner = node
             except TectonicError as e:
                 self.stats.chunk_write_failures += 1
+                self.refused += 1
+                self.refused_full += isinstance(e, DiskFull)
                 log.info(
                     "chunk %d of block %016x on %s failed (%s); re-sending elsewhere",
                     i,
