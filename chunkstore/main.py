@@ -31,7 +31,11 @@ def register(subparsers: Any) -> None:
         type=Path,
         help="the key that signs capabilities (metadata servers and chunk stores only; required)",
     )
-    p.add_argument("--registry", help="HOST:PORT of the metadata server hosting shard 0")
+    p.add_argument(
+        "--registry",
+        help="HOST:PORT of the metadata server hosting shard 0 (etcd engine: every metadata"
+        " server, comma-separated)",
+    )
     p.add_argument(
         "--capacity", type=size_arg, help="bytes this node may store, e.g. 2TiB (default: the disk)"
     )

@@ -122,8 +122,8 @@ class StoreConfig:
             raise ConfigError("max payload waiters must be >= 0")
         if min(self.spare_files, self.spare_bytes, self.spare_min) < 0:
             raise ConfigError("spare files, bytes and minimum must be >= 0")
-        if self.registry is not None:
-            sockets.parse_address(self.registry)
+        for registry in registries(self.registry):
+            sockets.parse_address(registry)
         self.limits = framing.Limits(
             max_payload=MAX_CHUNK,
             payload_budget=self.payload_budget,
@@ -266,7 +266,8 @@ class ChunkStoreServer:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
-                self.address = _advertised_address(host, port, self.config.registry)
+                first = next(iter(registries(self.config.registry)), None)
+                self.address = _advertised_address(host, port, first)
                 log.info(
                     "chunk store %s serving %s on %s",
                     self.config.node_id,
@@ -569,7 +570,8 @@ class ChunkStoreServer:
     async def _heartbeat_loop(self) -> None:
         """Heartbeat the registry forever; ready file after the first accepted heartbeat."""
         assert self.config.registry is not None
-        host, port = sockets.parse_address(self.config.registry)
+        candidates = registries(self.config.registry)
+        current = 0
         down_logged = False
         async with trio.open_nursery() as nursery:
             conn: rpc_client.Connection | None = None
@@ -579,6 +581,7 @@ class ChunkStoreServer:
                         if conn is not None:
                             await conn.aclose()
                         conn = None
+                        host, port = sockets.parse_address(candidates[current])
                         conn = await rpc_client.Connection.connect(
                             host,
                             port,
@@ -613,7 +616,10 @@ class ChunkStoreServer:
                             self.config.heartbeat_interval,
                         )
                         down_logged = True
-                    if isinstance(e, trio.TooSlowError) and conn is not None:
+                    if len(candidates) > 1:
+                        # The registry moves with its shard (etcd engine): try the next one.
+                        current = (current + 1) % len(candidates)
+                    if (isinstance(e, trio.TooSlowError) or len(candidates) > 1) and conn:
                         await conn.aclose()
                         conn = None
                 else:
@@ -628,6 +634,12 @@ class ChunkStoreServer:
                     if self.heartbeats_accepted == 1 and self.config.ready_file is not None:
                         await trio.to_thread.run_sync(self._write_ready_file)
                 await trio.sleep(self.config.heartbeat_interval)
+
+
+def registries(setting: str | None) -> list[str]:
+    """``--registry``: one metadata server, or (etcd engine) every metadata server,
+    comma-separated; heartbeats go to the one that answers as the registry."""
+    return [r.strip() for r in (setting or "").split(",") if r.strip()]
 
 
 def _advertised_address(host: str, port: int, registry: str | None) -> str:

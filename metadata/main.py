@@ -18,6 +18,7 @@ import trio
 
 from metadata import backup
 from metadata.client import MetadataClient
+from metadata.etcd_shards import EtcdSettings
 from metadata.server import MetadataServer, parse_shard_list
 from tectonic_py.core import capability, cluster_file
 from tectonic_py.core.aio import _single, open_service_nursery
@@ -54,6 +55,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=60.0,
         help="seconds a writer token stays live without renew_lease",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["sqlite", "etcd"],
+        default="sqlite",
+        help="where the shards live: SQLite files in --data-dir, or etcd (then --shards are"
+        " the ones this server claims first, and it takes over those of dead servers)",
+    )
+    p.add_argument("--etcd-endpoints", help="etcd members, comma-separated URLs (--engine etcd)")
+    p.add_argument("--etcd-prefix", help="key prefix of this cluster in etcd (--engine etcd)")
+    p.add_argument(
+        "--etcd-lease-ttl", type=int, default=3, help="seconds a dead server's shards stay its"
     )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(func=run, daemon_loggers=["metadata"], metadata_parser=p)
@@ -118,8 +131,18 @@ def run(args: argparse.Namespace) -> int:
         ]
         if value is None
     ]
+    if args.engine == "etcd":
+        missing += [f for f, v in [("--etcd-endpoints", args.etcd_endpoints)] if not v]
+        missing += [f for f, v in [("--etcd-prefix", args.etcd_prefix)] if not v]
     if missing:
         args.metadata_parser.error(f"the following arguments are required: {', '.join(missing)}")
+    etcd = None
+    if args.engine == "etcd":
+        etcd = EtcdSettings(
+            [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+            prefix=args.etcd_prefix,
+            lease_ttl=args.etcd_lease_ttl,
+        )
     host, port = parse_address(args.listen)
     server = MetadataServer(
         args.data_dir,
@@ -129,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         capability_key=capability.load_key(args.capability_key_file),
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
+        etcd=etcd,
     )
     log.info(
         "metadata server starting: shards %s of %d, data in %s, listening on %s",

@@ -10,10 +10,15 @@ Layout under ``root``::
     cluster.toml           the cluster file clients use (rewritten on every start)
     state.json             ports of every daemon, so a restart reuses them when free, the
                            chunk store count and the failure domains they were given
-    metadata/N/            data directory of metadata server N
+    metadata/N/            data directory of metadata server N (etcd engine: its shard copies)
+    etcd/                  the etcd members (``metadata_engine="etcd"``: tectonic_py/local_etcd.py)
     chunks/N/              data directory of chunk store N (node id ``csN``)
     logs/*.log             stdout and stderr of every daemon
     run/*.ready            ready files the daemons write once serving
+
+With ``metadata_engine="etcd"`` a 3-member etcd cluster starts first (on free loopback
+ports), the metadata servers keep their shards in it and take over each other's, and chunk
+stores heartbeat whichever server holds the registry.
 
 A cluster started with an ``ec`` other than RS(6,3) sets the root directory's policy once
 every daemon is up, so every file and directory created below inherits it.
@@ -43,14 +48,21 @@ from types import TracebackType
 from typing import Any, Self
 
 from tectonic_py.core import cluster_file
-from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, ClusterConfig, MetadataServer
+from tectonic_py.core.cluster_file import (
+    DEFAULT_CHUNK_SIZE,
+    ENGINES,
+    ClusterConfig,
+    MetadataServer,
+)
 from tectonic_py.core.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.core.errors import ConfigError, Timeout
 from tectonic_py.core.process_env import PROJECT_ROOT, child_env
+from tectonic_py.local_etcd import EtcdCluster
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+ETCD_PREFIX = "/tectonic/local"
 
 
 def _port_free(port: int) -> bool:
@@ -162,6 +174,8 @@ class LocalCluster:
         metadata_args: list[str] | None = None,
         maintenance: bool = False,
         maintenance_args: list[str] | None = None,
+        metadata_engine: str = "sqlite",
+        etcd_members: int = 3,
     ) -> None:
         if chunkstores < 1 or metadata_servers < 1 or not 1 <= shards <= 65536:
             raise ConfigError("need at least one chunk store and one metadata server")
@@ -188,6 +202,12 @@ class LocalCluster:
         self.maintenance = maintenance
         self.maintenance_args = list(maintenance_args or [])
         self._maint = self._daemon("maintenance")
+        if metadata_engine not in ENGINES:
+            raise ConfigError(f"metadata engine {metadata_engine!r} is not one of {ENGINES}")
+        self.metadata_engine = metadata_engine
+        self.etcd = (
+            EtcdCluster(self.root / "etcd", etcd_members) if metadata_engine == "etcd" else None
+        )
         self._meta: list[_Daemon] = []
         self._chunk: list[_Daemon] = []
         self._ports: dict[str, int] = {}
@@ -239,6 +259,8 @@ class LocalCluster:
             self._chunk = [self._daemon(f"chunkstore-{i}") for i in range(self.chunkstore_count)]
         try:
             deadline = time.monotonic() + self.start_timeout
+            if self.etcd is not None:
+                self.etcd.start()
             for i in range(self.metadata_count):
                 if not self._meta[i].running:
                     self._spawn_metadata(i)
@@ -270,6 +292,8 @@ class LocalCluster:
             if not d.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("%s ignored SIGTERM; killing it", d.name)
                 d.kill()
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def __enter__(self) -> Self:
         self.start()
@@ -285,7 +309,8 @@ class LocalCluster:
 
     def pids(self) -> list[int]:
         daemons = [*self._meta, *self._chunk, self._maint]
-        return [d.proc.pid for d in daemons if d.running and d.proc]
+        etcd = self.etcd.pids() if self.etcd is not None else []
+        return [d.proc.pid for d in daemons if d.running and d.proc] + etcd
 
     def start_maintenance(self) -> None:
         """(Re)start the ``tectonic maintenance`` process with ``maintenance_args``."""
@@ -410,9 +435,22 @@ class LocalCluster:
             str(d.ready_file),
             "--node-timeout",
             str(self.node_timeout),
+            *self._engine_args(),
             *self.metadata_args,
         ]
         d.spawn(argv)
+
+    def _engine_args(self) -> list[str]:
+        if self.etcd is None:
+            return []
+        endpoints = ",".join(self.etcd.endpoints)
+        return ["--engine", "etcd", "--etcd-endpoints", endpoints, "--etcd-prefix", ETCD_PREFIX]
+
+    def _registry_setting(self) -> str:
+        assert self.config is not None
+        if self.etcd is None:
+            return self.config.registry_address
+        return ",".join(s.address for s in self.config.metadata_servers)
 
     def _spawn_chunkstore(self, i: int) -> None:
         d = self._chunk[i]
@@ -434,7 +472,7 @@ class LocalCluster:
             "--capability-key-file",
             str(self.capability_key_file),
             "--registry",
-            self.config.registry_address,
+            self._registry_setting(),
             "--heartbeat-interval",
             str(self.heartbeat_interval),
             "--ready-file",
@@ -454,6 +492,9 @@ class LocalCluster:
             ],
             default_ec=self.ec,
             chunk_size=self.chunk_size,
+            metadata_engine=self.metadata_engine,
+            etcd_endpoints=self.etcd.endpoints if self.etcd else [],
+            etcd_prefix=ETCD_PREFIX if self.etcd else "",
             path=self.cluster_file,
         )
         self.config.write(self.cluster_file)

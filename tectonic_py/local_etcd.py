@@ -88,6 +88,9 @@ class EtcdCluster:
     def data_dir(self, i: int) -> Path:
         return self.root / self.name(i)
 
+    def pids(self) -> list[int]:
+        return [p for p in (self.pid(i) for i in range(self.size)) if p is not None]
+
     def pid(self, i: int) -> int | None:
         proc = self._procs.get(i)
         return proc.pid if proc is not None and proc.poll() is None else None
