@@ -509,6 +509,39 @@ async def test_real_disk_full_is_a_clear_error_and_the_store_stays_up(small_fs, 
         nursery.cancel_scope.cancel()
 
 
+async def test_concurrent_puts_on_a_filling_disk_lose_no_acknowledged_chunk(small_fs, secret):
+    """Thirty puts at once on a 3 MiB filesystem: those that do not fit get DiskFull (no
+    other error), no partial file is left, and every acknowledged chunk reads back whole,
+    also after a restart of the store on the same directory."""
+    acked: dict[str, int] = {}
+    refused: list[BaseException] = []
+
+    async def one(c, i):
+        cid, cap = new_chunk(secret)
+        try:
+            await c.put(cid, payload(200 * 1024 + i, i), cap)
+        except DiskFull as e:
+            refused.append(e)
+            return
+        acked[cid] = i
+
+    async with trio.open_nursery() as nursery:
+        _server, port = await start_store(nursery, small_fs / "data", secret, spare_min=0)
+        async with open_client(port, secret) as c, trio.open_nursery() as puts:
+            for i in range(30):
+                puts.start_soon(one, c, i)
+        nursery.cancel_scope.cancel()
+    assert acked and refused and len(acked) + len(refused) == 30
+    assert not list(small_fs.rglob(".tmp-*"))
+    async with trio.open_nursery() as nursery:
+        _server, port = await start_store(nursery, small_fs / "data", secret, spare_min=0)
+        async with open_client(port, secret) as c:
+            assert set(dict(await c.list_all())) == set(acked)
+            for cid, i in acked.items():
+                assert bytes(await c.get(cid)) == payload(200 * 1024 + i, i)
+        nursery.cancel_scope.cancel()
+
+
 async def test_put_queue_full_gives_busy_and_loses_nothing(nursery, tmp_path, secret):
     server, port = await start_store(
         nursery,
