@@ -43,7 +43,13 @@ log = logging.getLogger(__name__)
 # A new cluster's layout. Ten chunk stores, one failure domain each, for RS(6,3)'s nine
 # chunks per block: a spare domain, so repair has somewhere to rebuild a lost store's chunks
 # (with nine, every other store already holds a chunk of each of its blocks).
-FRESH: dict[str, Any] = {"chunkstores": 10, "metadata_servers": 2, "shards": 64, "ec": "rs-6-3"}
+FRESH: dict[str, Any] = {
+    "chunkstores": 10,
+    "metadata_servers": 2,
+    "shards": 64,
+    "ec": "rs-6-3",
+    "metadata_engine": "sqlite",
+}
 PID_FILE = "cluster.pid"
 LOG_FILE = "cluster.log"
 # bounds on waiting: a cold start of 2 metadata servers and 10 chunk stores on a loaded
@@ -111,15 +117,16 @@ def _apply_existing(args: argparse.Namespace, root: Path) -> None:
             "metadata_servers": len(existing.metadata_servers),
             "shards": existing.shards,
             "ec": existing.default_ec,
+            "metadata_engine": existing.metadata_engine,
         }
-        for name in ("metadata_servers", "shards"):
+        for name in ("metadata_servers", "shards", "metadata_engine"):
             given = getattr(args, name)
             if given is not None and given != old[name]:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(
                     f"{root} holds a cluster with {old['shards']} shards on "
-                    f"{old['metadata_servers']} metadata servers, fixed at creation: "
-                    f"{flag} {given} is not possible there"
+                    f"{old['metadata_servers']} metadata servers ({old['metadata_engine']}"
+                    f" engine), fixed at creation: {flag} {given} is not possible there"
                 )
         fresh.update(old)
     for name, value in fresh.items():
@@ -148,6 +155,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         maintenance=not args.no_maintenance,
         chunkstore_args=["--scrub-interval", str(args.scrub_interval)],
         maintenance_args=["--inventory-interval", str(args.inventory_interval)],
+        metadata_engine=args.metadata_engine,
     )
 
 
@@ -171,7 +179,8 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
     return "\n".join(
         [
             (
-                f"cluster up: {args.metadata_servers} metadata server(s), "
+                f"cluster up: {args.metadata_servers} metadata server(s)"
+                f" ({args.metadata_engine}), "
                 f"{args.chunkstores} chunk stores, {args.ec}, data in {args.dir}"
             ),
             f"cluster file:  {cluster_file}",
@@ -244,7 +253,8 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
         "--chunkstores", str(args.chunkstores), "--metadata-servers", str(args.metadata_servers),
         "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
         "--scrub-interval", str(args.scrub_interval),
-        "--inventory-interval", str(args.inventory_interval), "--supervisor",
+        "--inventory-interval", str(args.inventory_interval),
+        "--metadata-engine", args.metadata_engine, "--supervisor",
     ]  # fmt: skip
     if args.no_maintenance:
         argv.append("--no-maintenance")
@@ -387,6 +397,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--shards", type=int,
         help=f"logical metadata shards, fixed at creation (default: {FRESH['shards']} {new})",
+    )  # fmt: skip
+    up.add_argument(
+        "--metadata-engine", choices=["sqlite", "etcd"],
+        help="where the namespace lives: SQLite files on each metadata server, or a 3-member"
+        f" etcd cluster on loopback that survives a server (default: sqlite {new})",
     )  # fmt: skip
     up.add_argument("--ec", help=f"default EC policy: rs-K-M or rN (default: {FRESH['ec']} {new})")
     up.add_argument(
