@@ -23,14 +23,19 @@ Semantics, and why (docs/checkpoint-io.md has what each checkpoint writer asks):
   later writes, flushes and fsyncs fail with it, and release aborts the writer instead of
   sealing it. A mount killed mid-write leaves the file unsealed with its committed size,
   which a checkpoint reader rejects (a zip without its tail), never a short file that loads.
-* **Unlinked files stay readable** while open: readers are opened at ``open`` and the
-  writer lives until the last release.
+* **Unlinked files stay readable** while open: readers are opened at ``open``, the writer
+  lives until the last release, and its seal hands the handles that read through it readers
+  of its own block map; getattr of an inode whose record is gone answers from the attrs its
+  handles hold (nlink 0).
 * **getxattr is cheap.** The kernel asks for ``security.capability`` before every write once
   getxattr exists; only ``user.*`` names ever reach the metadata service. The EC policy of a
   file or directory is the xattr ``user.tectonic.ec`` (settable on directories: new files
   inherit it); a file's durability is ``user.tectonic.durability`` (read-only):
   ``writing`` (a writer holds its token), ``unsealed`` (no writer and no seal), and for a
   sealed file ``quorum``, ``full`` or ``degraded`` (tectonic_py/core/durability.py).
+  Both are read and set by name and never listed, so copy tools leave them alone.
+* **Symlinks and special files are metadata only** (the kernel follows links and keeps a
+  FIFO's pipe); docs/posix.md has what the mount does of POSIX and what it does not.
 * **An unsealed file whose writer is gone shows no read bits.** Its writer died or lost its
   mount before the seal, so its tail may be missing for good. ``ls -l`` shows it as
   ``--w-------`` rather than as a complete file, a program run by an ordinary user gets
@@ -62,7 +67,6 @@ from tectonic_py.core.errors import (
     InvalidName,
     StaleWriterToken,
     TectonicError,
-    XattrNotFound,
 )
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import (
@@ -74,12 +78,12 @@ from tectonic_py.core.records import (
     KIND_SOCK,
     KIND_SYMLINK,
     UNSEALED,
-    WRITING,
     Attrs,
     DirEntry,
 )
 from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import DirHandle, Handle, InodeCache, OpenFile
+from tectonic_py.mount.xattrs import XattrOps
 
 if TYPE_CHECKING:
     from tectonic_py.client.tectonic_client import TectonicClient
@@ -105,8 +109,6 @@ def _name(raw: bytes) -> str:
 # torch.load's buffered reader): 128 KiB matches the kernel's FUSE read request size.
 BLKSIZE = 128 * 1024
 FRSIZE = 4096
-EC_XATTR = "user.tectonic.ec"
-DURABILITY_XATTR = "user.tectonic.durability"
 _S_IFMT = {
     KIND_FILE: stat.S_IFREG,
     KIND_DIR: stat.S_IFDIR,
@@ -122,7 +124,7 @@ READDIR_PAGE = 64  # entries per metadata page; the kernel's buffer holds roughl
 ATTR_FETCH_LIMIT = 32  # concurrent getattr calls per readdir page
 
 
-class Operations(pyfuse3.Operations):
+class Operations(XattrOps, pyfuse3.Operations):
     """pyfuse3 handlers over a ``TectonicClient``.
 
     Inode numbers are metadata ids (the root directory is id 1, as FUSE's root inode).
@@ -723,72 +725,6 @@ class Operations(pyfuse3.Operations):
         s.f_favail = 2**32
         s.f_namemax = 255
         return s
-
-    # --- extended attributes --------------------------------------------------------------
-
-    @fuse_op
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        # Hot path: security.capability before every write. No round trip for it.
-        if not name.startswith(b"user."):
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        key = _name(name)
-        if key == EC_XATTR:
-            return (await self._attrs(inode)).ec.encode()
-        if key == DURABILITY_XATTR:
-            return (await self._durability(inode)).encode()
-        return await self.meta.getxattr(inode, key)
-
-    async def _durability(self, inode: int) -> str:
-        if self.cache.writing(inode) is not None:
-            return WRITING
-        attrs = await self._attrs(inode)
-        if attrs.is_dir:
-            raise XattrNotFound(f"a directory has no {DURABILITY_XATTR}")
-        if not attrs.sealed:
-            return attrs.seal_state
-        # Asked afresh each time: a store going down changes it while the file does not.
-        return await self.meta.durability(inode, attrs)
-
-    @fuse_op
-    async def setxattr(
-        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
-    ) -> None:
-        if not name.startswith(b"user."):
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
-        key = _name(name)
-        if key == DURABILITY_XATTR:
-            raise pyfuse3.FUSEError(errno.EPERM)
-        if key == EC_XATTR:
-            try:
-                text = value.decode("ascii")
-            except UnicodeDecodeError:
-                raise InvalidArgument(f"EC policy {value!r} is not ASCII") from None
-            policy = ECPolicy.parse(text)
-            attrs = await self._attrs(inode)
-            if not attrs.is_dir:
-                if ECPolicy.parse(attrs.ec).name == policy.name:
-                    return  # what a copy of the xattrs asks: nothing changes
-                # A file's blocks are already coded; only new files may choose a policy.
-                raise pyfuse3.FUSEError(errno.EPERM)
-            await self.meta.setattr(inode, ec=policy.name)
-            return
-        await self.meta.setxattr(inode, key, value)
-
-    @fuse_op
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        # Ours are read and set by name only: listed, cp --preserve=xattr and rsync -X
-        # would copy them (a status, a policy the destination's directory decides) and
-        # rsync would remove them from a copy whose source lacks them.
-        names = await self.meta.listxattr(inode)
-        return [n.encode() for n in names if n not in (EC_XATTR, DURABILITY_XATTR)]
-
-    @fuse_op
-    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if not name.startswith(b"user."):
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        if _name(name) in (EC_XATTR, DURABILITY_XATTR):
-            raise pyfuse3.FUSEError(errno.EPERM)
-        await self.meta.removexattr(inode, _name(name))
 
     # --- shutdown ---------------------------------------------------------------------------
 
