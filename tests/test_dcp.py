@@ -6,12 +6,21 @@ plain Python values, once with ``dcp.save`` and once with ``dcp.async_save``; 2 
 process: a checkpoint written here loads through DCP's own ``FileSystemReader`` once its
 files are copied to local disk (the layout is DCP's), and a reader that loads one small
 item of a checkpoint does not fetch the large one beside it.
+
+Atomic commit under kill -9: 4 ranks save a step while one of them (a random rank, or the
+coordinator, which commits) is killed at a random moment, and the job with it. Every step
+then listed is whole (it loads bit for bit), ``latest`` names the newest one, and a step
+that was cut off is absent, its files left only under a staging name.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import random
+import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +184,147 @@ def test_checkpoint_ids() -> None:
     assert checkpoint_path(Path("/ckpt/step_1")) == "/ckpt/step_1"
     assert TectonicWriter.validate_checkpoint_id("tectonic:///ckpt")
     assert not TectonicReader.validate_checkpoint_id("/local/dir")
+
+
+# --- kill -9 during a save: the step appears whole or not at all ------------------------------
+
+KILL_ROOT = "/kill"
+
+
+class _MarkedWriter(TectonicWriter):
+    """The test's writer: touches ``publishing`` in the marker directory when the
+    coordinator starts to publish (metadata file, sealed check, commit), so the test can
+    aim a kill at the commit."""
+
+    marker_dir = ""
+
+    def _publish(self, name: str, blob: bytes) -> None:
+        Path(self.marker_dir, "publishing").touch()
+        super()._publish(name, blob)
+
+
+def _kill_rank_main(
+    rank: int, world: int, port: int, cluster_file: str, step: int, marks: str
+) -> None:
+    # The ranks a kill leaves fail on the dead peer: their tracebacks go to the marker dir.
+    log = os.open(Path(marks, f"rank_{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(log, 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        state = _state_dict(mesh, step)
+        dist.barrier()
+        Path(marks, f"saving_{rank}").touch()
+        writer = _MarkedWriter(f"{KILL_ROOT}/step_{step}", cluster=cluster_file, latest="latest")
+        writer.marker_dir = marks
+        dcp.save(state, storage_writer=writer)
+        Path(marks, f"saved_{rank}").touch()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _start_job(cluster_file: Path, step: int, marks: Path) -> list[Any]:
+    import multiprocessing
+
+    marks.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_kill_rank_main,
+            args=(r, SAVE_RANKS, port, str(cluster_file), step, str(marks)),
+        )
+        for r in range(SAVE_RANKS)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _wait_mark(path: Path, procs: list[Any]) -> float:
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} in 120 s"
+        if not all(p.is_alive() for p in procs):
+            break
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def _kill_job(procs: list[Any], victim: int) -> None:
+    """kill -9 the victim rank now; the others (which fail or hang on the dead peer) a
+    few seconds later, as a scheduler ends a job that lost a rank."""
+    if procs[victim].is_alive():
+        os.kill(procs[victim].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 3
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join()
+
+
+def _check_steps(cluster_file: Path) -> list[int]:
+    """Every listed step loads whole; ``latest`` names the newest; the committed steps."""
+    with BlockingClient(cluster_file) as client:
+        names = [e.name for e in client.listdir(KILL_ROOT)]
+        steps = sorted(
+            int(n.removeprefix("step_")) for n in names if n.startswith("step_") and "." not in n
+        )
+        others = [n for n in names if n != "latest" and not n.startswith("step_")]
+        assert not others, names
+        assert all(".staging-" in n for n in names if n.startswith("step_") and "." in n), names
+        assert client.run(client.client.readlink, f"{KILL_ROOT}/latest") == f"step_{steps[-1]}"
+        for step in steps:
+            full = _full_tensors(step)
+            sd = {
+                "model": {k: torch.zeros_like(v) for k, v in full.items()},
+                "extra": {"step": 0, "note": ""},
+            }
+            reader = TectonicReader(f"{KILL_ROOT}/step_{step}", client=client)
+            dcp.load(sd, storage_reader=reader, no_dist=True)
+            for name, value in sd["model"].items():
+                assert torch.equal(value, full[name]), f"step {step}: {name} differs"
+            assert sd["extra"] == {"step": step, "note": f"step {step}"}
+    return steps
+
+
+@pytest.mark.slow
+@single_process
+def test_kill_9_during_a_save_never_shows_a_partial_step(
+    local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Trials: a random rank killed at a random moment of the save; the coordinator killed
+    at a random moment of its publishing (metadata file, sealed check, commit), within
+    about twice the time publishing takes."""
+    seed = int(os.environ.get("TEST_SEED", time.time()))
+    rng = random.Random(seed)
+    cluster_file = local_cluster.cluster_file
+    procs = _start_job(cluster_file, 1, tmp_path / "m1")
+    saving = _wait_mark(tmp_path / "m1" / "saving_0", procs)
+    publishing = _wait_mark(tmp_path / "m1" / "publishing", procs)
+    for p in procs:
+        p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    save_s = publishing - saving
+    publish_s = max(0.05, time.monotonic() - publishing)
+    assert _check_steps(cluster_file) == [1]
+    committed = [1]
+    trials = [("any", rng.randrange(SAVE_RANKS)), ("commit", 0)] * 2
+    for step, (what, victim) in enumerate(trials, start=2):
+        marks = tmp_path / f"m{step}"
+        procs = _start_job(cluster_file, step, marks)
+        if what == "any":
+            at = _wait_mark(marks / f"saving_{victim}", procs) + rng.uniform(0, save_s * 1.2)
+        else:
+            at = _wait_mark(marks / "publishing", procs) + rng.uniform(0, publish_s * 2)
+        time.sleep(max(0.0, at - time.monotonic()))
+        _kill_job(procs, victim)
+        steps = _check_steps(cluster_file)
+        assert set(committed) <= set(steps) <= set(committed) | {step}, (seed, steps)
+        committed = steps
+        print(f"seed {seed} step {step}: rank {victim} killed ({what}); committed {steps}")
