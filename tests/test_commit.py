@@ -1,7 +1,8 @@
 """The atomic commit of a checkpoint step (``name.commit`` through the metadata client and
 ``tectonic commit``): refused while a file is not sealed, one transaction that renames the
 staging directory and points ``latest`` at it, refused over an existing step unless asked
-to replace it (the old one is moved aside under a staging name)."""
+to replace it (the old one is moved aside under a staging name); a step written through a
+real mount and committed with the CLI."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fuse_fixtures import Mount
 
 from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.core.errors import FileExists, InvalidArgument
@@ -88,3 +90,37 @@ def test_cli_commit(local_cluster: LocalCluster, tmp_path: Path) -> None:
     assert json.loads(out.stdout)["files"] == 1
     bad = tectonic("commit", cf, "/jobs/nowhere.staging-y", "/other/step_9")
     assert bad.returncode == 1 and "one directory" in bad.stderr
+
+
+def test_cli_commit_of_a_mount_written_step(mount: Mount) -> None:
+    """Files written through the mount under a staging name, committed with the CLI: the
+    mount then shows the step and its ``latest`` link (kernel caches notwithstanding)."""
+    staging = mount / "ck" / "step_5.staging-job7"
+    staging.mkdir(parents=True)
+    for r in range(4):
+        (staging / f"rank_{r}.pt").write_bytes(bytes([r]) * 300_000)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tectonic_py.cli.main",
+            "commit",
+            str(mount.cluster.cluster_file),
+            "/ck/step_5.staging-job7",
+            "/ck/step_5",
+            "--latest",
+            "latest",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["files"] == 4
+    assert sorted(os.listdir(mount / "ck")) == ["latest", "step_5"]
+    assert os.readlink(mount / "ck" / "latest") == "step_5"
+    got = (mount / "ck" / "latest" / "rank_3.pt").read_bytes()
+    assert got == bytes([3]) * 300_000
+    durability = os.getxattr(mount / "ck" / "step_5" / "rank_3.pt", "user.tectonic.durability")
+    assert durability == b"full"
