@@ -270,7 +270,7 @@ def _targets(results: dict[str, Any]) -> list[str]:
     gs, gl = _get(peer, "torch_save", "mbps"), _get(peer, "torch_load", "mbps")
     bursts = _bursts(results)
     base = next((b for b in bursts if b.get("ranks") == 64 and b.get("shard_size") == MiB), None)
-    big = next((b for b in bursts if b.get("ranks") == 4096), None)
+    big = next((b for b in bursts if b.get("ranks") == 4096 and b.get("shard_size") == MiB), None)
     lines = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
 
     def target(name: str, measured: str, ok: bool | None) -> None:
@@ -286,6 +286,7 @@ def _targets(results: dict[str, Any]) -> list[str]:
         )
     else:
         target("burst: 4,096 vs 64 ranks >= 0.8", "not measured", None)
+    _per_file_targets(bursts, target)
     total_errors = sum(int(b.get("errors") or 0) for b in bursts)
     target(
         "burst: zero errors, every byte verified",
@@ -320,20 +321,26 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
         (
             "Every rank saves one shard at the same moment (a barrier), then every rank reads its "
             "shard back and checks it by crc32c. Write GB/s = bytes / GPU pause (burst start to the "
-            "last close). CPU-s/GiB includes the workers, the metadata servers and the chunk stores."
+            "last close). CPU-s/GiB includes the workers, the metadata servers and the chunk stores. "
+            "CPU ms/file: all processes' CPU during the burst, less the same bytes written as one "
+            "stream in the same run (`--baseline-stream`), over the files (gross: without the "
+            "subtraction); pause / stream: the GPU pause over that stream's time; batch mean / max: "
+            "mutations per metadata shard transaction during the burst, and the largest batch."
         ),
         "",
         (
             "| ranks x shard | procs | write GB/s | read GB/s | GPU pause s | rank done p50/p90/p99/max s "
-            "| creates/s | errors | bytes verified | CPU-s/GiB w / r | peak RSS worker / daemon |"
+            "| creates/s | errors | bytes verified | CPU-s/GiB w / r | CPU ms/file net / gross "
+            "| pause / stream | batch mean / max | peak RSS worker / daemon |"
         ),
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|---|---|",
     ]
     bursts = _bursts(results)
     for b in bursts:
         if b.get("status") == "failed" and "ranks" not in b:
-            lines.append(f"| failed: {b.get('error', '')[:200]} |||||||||||")
+            lines.append(f"| failed: {b.get('error', '')[:200]} ||||||||||||||")
             continue
+        batches = b.get("metadata_batches") or {}
         quantiles = "/".join(
             _fmt(b.get(f"rank_write_{q}_s"), 2) for q in ("p50", "p90", "p99", "max")
         )
@@ -342,8 +349,10 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
             f"| {_fmt(b.get('read_gbps'), 3)} | {_fmt(b.get('pause_s'), 2)} | {quantiles}"
             f" | {_fmt(b.get('creates_per_s'))} | {b.get('errors')} "
             f"| {_fmt(b.get('bytes_verified'))} | {_fmt(b.get('cpu_s_per_gib_write'), 1)} / "
-            f"{_fmt(b.get('cpu_s_per_gib_read'), 1)} | {_mib(b.get('worker_max_rss'))} / "
-            f"{_mib(b.get('watched_max_rss'))} |"
+            f"{_fmt(b.get('cpu_s_per_gib_read'), 1)} | {_fmt(b.get('cpu_ms_per_file'), 1)} / "
+            f"{_fmt(b.get('cpu_ms_per_file_gross'), 1)} | {_fmt(b.get('pause_over_stream'), 2)} "
+            f"| {_fmt(batches.get('mean_batch'), 1)} / {_fmt(batches.get('largest_batch'))} "
+            f"| {_mib(b.get('worker_max_rss'))} / {_mib(b.get('watched_max_rss'))} |"
         )
     lines.append("")
     for b in bursts:
@@ -352,6 +361,54 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
             lines += [f"- `{str(e)[:300]}`" for e in b["error_samples"][:5]]
             lines.append("")
     return lines
+
+
+def _per_file_targets(bursts: list[dict[str, Any]], target: Any) -> None:
+    """The small-file targets: the CPU a file costs and the pause beside one stream (1,024 x
+    1 MiB), creates into one directory (4,096 ranks), and 16,384 ranks without an error."""
+
+    def find(ranks: int, shard: int | None = None) -> dict[str, Any] | None:
+        return next(
+            (
+                b
+                for b in bursts
+                if b.get("ranks") == ranks and (shard is None or b.get("shard_size") == shard)
+            ),
+            None,
+        )
+
+    mid = find(1024, MiB)
+    ms = (mid or {}).get("cpu_ms_per_file")
+    target(
+        "burst 1,024 x 1 MiB: CPU per file (all processes, less one stream's) <= 4 ms",
+        "not measured" if ms is None else f"{_fmt(ms, 1)} ms",
+        None if ms is None else ms <= 4,
+    )
+    ratio = (mid or {}).get("pause_over_stream")
+    stream = (mid or {}).get("baseline_stream") or {}
+    target(
+        "burst 1,024 x 1 MiB: GPU pause <= 2 x one 1 GiB stream, same run",
+        "not measured"
+        if ratio is None
+        else f"{_fmt(mid.get('pause_s'), 2)} s / {_fmt(stream.get('seconds'), 2)} s = "
+        f"{_fmt(ratio, 2)}",
+        None if ratio is None else ratio <= 2,
+    )
+    creates = [b.get("creates_per_s") for b in bursts if b.get("ranks") == 4096]
+    best = max((c for c in creates if isinstance(c, (int, float))), default=None)
+    target(
+        "burst 4,096 ranks into one directory: creates >= 3,000/s",
+        "not measured" if best is None else f"{_fmt(best)} /s",
+        None if best is None else best >= 3000,
+    )
+    huge = find(16384)
+    target(
+        "burst 16,384 x 64 KiB: 0 errors (pause reported)",
+        "not measured (`--big-bursts`)"
+        if huge is None
+        else f"{huge.get('errors')} errors, pause {_fmt(huge.get('pause_s'), 2)} s",
+        None if huge is None else huge.get("errors") == 0,
+    )
 
 
 def _metadata(results: dict[str, Any]) -> list[str]:

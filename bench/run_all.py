@@ -8,7 +8,10 @@ It measures, in one run on this machine, so every figure has a ceiling and a pee
 2. tectonic-py on a local cluster (2 metadata servers, 9 chunk stores, RS(6,3), 4 MiB chunks,
    data on the same disk): the client library, one stream; the FUSE mount with ``dd`` and
    ``torch.save`` / ``torch.load`` of 2 GiB; the checkpoint burst (``tectonic loadtest``) at
-   64, 1,024 and 4,096 ranks through the client library and at 64 ranks through the mount;
+   64, 1,024 and 4,096 ranks through the client library (the 1,024-rank one beside one
+   stream of the same bytes, ``--baseline-stream``, for the CPU a file costs; a 4,096-rank
+   burst of 4 KiB shards into one directory for the creates rate; with ``--big-bursts`` also
+   16,384 ranks of 64 KiB, which takes minutes) and at 64 ranks through the mount;
 3. the per-component scripts (bench_chunkstore, bench_metadata, bench_client, bench_fuse,
    bench_repair) as subprocesses with ``--json``; one that is missing is reported as such;
 4. the peer, side by side: a GlusterFS 4+2 dispersed volume (``bench.gluster``) with the same
@@ -65,12 +68,17 @@ OTHER_SCRIPTS: dict[str, list[str]] = {
 # --- sizes of a full run and of a smoke run ----------------------------------------------------
 
 
-def plan(smoke: bool) -> dict[str, Any]:
+# A burst's extra loadtest flags: beside one stream of its bytes (cpu_ms_per_file, pause
+# over the stream's time).
+STREAM = ("--baseline-stream",)
+
+
+def plan(smoke: bool, big_bursts: bool = False) -> dict[str, Any]:
     if smoke:
         return {
             "fuse_size": 16 * MiB,
             "stream_size": 0,  # the bursts below exercise the same client-library path
-            "bursts": [(8, MiB)],
+            "bursts": [(8, MiB, STREAM)],
             "mount_burst": (4, MiB),
             "peer_size": 16 * MiB,
             "peer_burst": (4, MiB),
@@ -80,9 +88,18 @@ def plan(smoke: bool) -> dict[str, Any]:
     return {
         "fuse_size": 2 * GiB,
         "stream_size": 512 * MiB,
-        # (ranks, shard bytes): the 64-rank run at the same 1 MiB shards is the baseline of the
-        # "no collapse" target; 64 x 16 MiB shows large shards
-        "bursts": [(64, 16 * MiB), (64, MiB), (1024, MiB), (4096, MiB)],
+        # (ranks, shard bytes, flags): the 64-rank run at the same 1 MiB shards is the baseline
+        # of the "no collapse" target; 64 x 16 MiB shows large shards; 1,024 x 1 MiB is the
+        # per-file cost beside one stream; 4,096 x 4 KiB is single-directory creates (every
+        # rank's file of a step goes in one directory)
+        "bursts": [
+            (64, 16 * MiB, ()),
+            (64, MiB, ()),
+            (1024, MiB, STREAM),
+            (4096, MiB, ()),
+            (4096, 4 * 1024, ()),
+        ]
+        + ([(16384, 64 * 1024, STREAM)] if big_bursts else []),
         "mount_burst": (64, 16 * MiB),
         "peer_size": 2 * GiB,
         "peer_burst": (64, 16 * MiB),
@@ -200,8 +217,10 @@ def _loadtest(
     watch: list[int],
     results_dir: Path,
     max_seconds: float,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One ``tectonic loadtest`` run; returns its full results file (with timeline)."""
+    """One ``tectonic loadtest`` run; returns its full results file (with timeline). The
+    loadtest finds the local cluster's daemons itself; ``watch`` adds other PIDs."""
     args = [
         "loadtest",
         *target,
@@ -217,6 +236,7 @@ def _loadtest(
         str(max_seconds),
         "--watch-pids",
         ",".join(map(str, watch)),
+        *extra,
     ]
     slim = _python_module("tectonic_py.cli.main", *args, timeout=max_seconds + 180)
     mode = "mount" if "--through-mount" in target else "client"
@@ -263,8 +283,20 @@ def _guard(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 # --- the run -----------------------------------------------------------------------------------
 
 
-def run(smoke: bool, skip: set[str], workdir: Path, results_dir: Path) -> dict[str, Any]:
-    p = plan(smoke)
+def run(
+    smoke: bool,
+    skip: set[str],
+    workdir: Path,
+    results_dir: Path,
+    big_bursts: bool = False,
+    only_bursts: str | None = None,
+) -> dict[str, Any]:
+    p = plan(smoke, big_bursts or bool(only_bursts))
+    if only_bursts:
+        wanted = {w.strip().replace(" ", "") for w in only_bursts.split(",") if w.strip()}
+        p["bursts"] = [b for b in p["bursts"] if f"{b[0]}x{size_label(b[1])}" in wanted]
+        p["stream_size"] = 0
+        skip = skip | {"fuse"}
     results: dict[str, Any] = {
         "smoke": smoke,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -374,14 +406,14 @@ def _tectonic(
             _through_mount(out, p, cluster, workdir, results_dir)
         bursts: list[dict[str, Any]] = []
         out["bursts"] = bursts
-        for ranks, shard in p["bursts"]:
+        for ranks, shard, extra in p["bursts"]:
             box: dict[str, Any] = {}
             key = f"burst {ranks} x {size_label(shard)}"
             _guard(
                 box,
                 key,
-                lambda ranks=ranks, shard=shard: _loadtest(
-                    [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"]
+                lambda ranks=ranks, shard=shard, extra=extra: _loadtest(
+                    [cf], ranks, shard, cluster.pids(), results_dir, p["loadtest_max_s"], extra
                 ),
             )
             bursts.append(box[key])
@@ -464,6 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="scratch directory on the disk to measure")
     parser.add_argument("--notes", type=Path, help="a Markdown file added to the report as Notes")
     parser.add_argument(
+        "--big-bursts",
+        action="store_true",
+        help="also the 16,384 x 64 KiB burst (several minutes on 2 cores)",
+    )
+    parser.add_argument(
+        "--only-bursts",
+        help="comma list of 'RANKSxSHARD' bursts to run (e.g. 4096x4KiB): the tectonic part "
+        "runs these bursts alone, with no stream or FUSE rows",
+    )
+    parser.add_argument(
         "--render-only",
         action="store_true",
         help="measure nothing: rewrite REPORT.md from --out-dir's results.json",
@@ -500,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     results_dir.mkdir()
     workdir = Path(tempfile.mkdtemp(prefix="bench-run-", dir=args.workdir))
     try:
-        results = run(args.smoke, skip, workdir, results_dir)
+        results = run(args.smoke, skip, workdir, results_dir, args.big_bursts, args.only_bursts)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     slim = json.loads(json.dumps(results, default=str))

@@ -196,5 +196,9 @@ def test_run_all_smoke_writes_a_report(tmp_path):
     assert tec["fuse_torch"]["torch_load"]["verified"] is True
     for burst in tec["bursts"]:
         assert burst["errors"] == 0 and burst["bytes_verified"] == burst["bytes_written"] > 0
+    # the smoke burst runs beside one stream of its bytes: the per-file rows are filled
+    (smoke_burst,) = tec["bursts"]
+    assert smoke_burst["cpu_ms_per_file"] is not None and smoke_burst["pause_over_stream"] > 0
+    assert "CPU ms/file" in report and "CPU per file" in report
     assert str(tmp_path) not in _mounts()
     assert [p for p in os.listdir(tmp_path) if p.startswith("bench-run-")] == []
