@@ -17,8 +17,11 @@ thousand ranks over every server); that shard draws the id (so ids need no centr
 
 Sequencing across shards (what a crash in the middle leaves):
 
-* create/mkdir: File record (unnamed) -> Name entry [-> link, mkdir only: marks it named; a
-  file is marked named by its seal]. Crash: an unnamed record, found by ``file.orphans``.
+* create (a file): one transaction in the directory's shard (``name.create``: the record, its
+  id drawn to hash there, and the Name entry; metadata/write_ops.py). Nothing to undo.
+* mkdir: File record (unnamed) in a shard drawn at random, so directories spread over every
+  server -> Name entry -> link (marks it named). Crash: an unnamed record, found by
+  ``file.orphans``.
 * unlink: Name entry removed -> File record unlinked (blocks queued for GC). Crash: a named
   record no entry reaches; the GC's mark-and-sweep finds it. Never a dangling name.
 * rmdir: directory killed in its own shard (emptiness checked atomically, creates refused) ->
@@ -26,8 +29,16 @@ Sequencing across shards (what a crash in the middle leaves):
   again completes it.
 * rename: one transaction when both directories share a shard; else the intent protocol of
   metadata/name_layer.py (both names briefly visible, never neither).
-* commit_blocks: Block layer commit -> File layer append. Crash: a committed block no file
-  references (GC), never a file pointing at an uncommitted block.
+* commit_blocks / close: a writer's blocks are allocated in its file's shard, so the Block
+  layer commit, the File layer append (and for ``close`` the seal) are one transaction there
+  (``file.commit``, ``file.close``). Blocks in other shards are committed there first. Crash:
+  a committed block no file references (GC), never a file pointing at an uncommitted block.
+
+Placement: the client places a block's chunks itself (metadata/placement.py) over the node
+list it fetched from the registry at most ``NODE_LIST_TTL_S`` ago (one ``node.list`` per
+client per interval, shared by every writer of the process, never a registry round trip per
+block). The registry's view is a heartbeat old anyway; a node that died since is handled as
+any failed put is (hedges, ``more_nodes``).
 
 Directory policies (EC scheme and chunk size that new files inherit) are cached for
 ``DIR_POLICY_TTL_S``: a policy change reaches other clients' new files within that time.
@@ -56,6 +67,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from metadata import placement
 from metadata.checkpoint_client import CheckpointCalls
 from tectonic_py.core import rpc_client, sockets
 from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
@@ -65,8 +77,10 @@ from tectonic_py.core.errors import (
     DirectoryNotEmpty,
     FileExists,
     FileNotFound,
+    FileSealed,
     InvalidArgument,
     IsADirectory,
+    NoSpace,
     NotADirectory,
     ShardUnavailable,
     TectonicError,
@@ -92,6 +106,7 @@ T = TypeVar("T")
 
 POOL_SIZE = 4
 DIR_POLICY_TTL_S = 2.0
+NODE_LIST_TTL_S = 2.0
 # Busy (admission control, a pinned rename): 50 retries, pauses growing from 5 ms to 200 ms,
 # about 6 s of pauses in all before the caller sees it.
 BUSY_POLICY = RetryPolicy(attempts=51, first_delay=0.005, multiplier=1.15, max_delay=0.2)
@@ -135,6 +150,14 @@ _READ_OPS = frozenset(
         "node.place",
         "server.stats",
     }
+)
+
+
+# Mutations whose repeat after a lost reply does no harm: a second allocation is garbage the
+# GC collects; a commit of the same blocks at the same indexes, a size, a lease renewal land
+# the same. (name.create and file.close are repeated by their callers, who check the result.)
+_REPEATABLE_OPS = frozenset(
+    {"block.allocate", "block.grant", "block.commit", "file.commit", "file.set_size", "file.renew"}
 )
 
 
@@ -193,6 +216,8 @@ class MetadataClient(CheckpointCalls):
         self._next = 0
         self._dir_policy: dict[int, tuple[float, str, int]] = {}
         self._node_cache: dict[str, NodeInfo] = {}
+        self._nodes_at = -NODE_LIST_TTL_S  # time.monotonic() of the last node.list
+        self._nodes_lock = trio.Lock()
         self._rng = random.Random()
         self._closed = False
 
@@ -229,10 +254,14 @@ class MetadataClient(CheckpointCalls):
             pool[slot] = conn
             return conn
 
-    async def _call(self, address: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+    async def _call(
+        self, address: str, op: str, fields: dict[str, Any], *, repeat: bool = False
+    ) -> dict[str, Any]:
         """One request, ``Busy`` retried under ``BUSY_POLICY`` and a lost connection under
-        the reconnect policy: a read always, a mutation only if it never left this process."""
-        idempotent = op in _READ_OPS
+        the reconnect policy: a read or an op safe to repeat (``_REPEATABLE_OPS``, or
+        ``repeat``: the caller handles a repeat's outcome) always, any other mutation only if
+        it never left this process."""
+        idempotent = repeat or op in _READ_OPS or op in _REPEATABLE_OPS
         sent = False
 
         async def once() -> dict[str, Any]:
@@ -299,24 +328,37 @@ class MetadataClient(CheckpointCalls):
     async def getattr(self, file_id: int) -> Attrs:
         r = await self._shard(self._of(file_id), "file.get", id=file_id)
         attrs = Attrs.from_wire(r["attrs"])
+        self._note_policy(attrs)
+        return attrs
+
+    def _note_policy(self, attrs: Attrs) -> None:
         if attrs.is_dir:
-            self._dir_policy[file_id] = (
+            self._dir_policy[attrs.id] = (
                 time.monotonic() + DIR_POLICY_TTL_S,
                 attrs.ec,
                 attrs.chunk_size,
             )
-        return attrs
 
     async def resolve(self, path: str) -> Attrs:
         """Walk an absolute path ('/a/b') from the root directory."""
         if not path.startswith("/"):
             raise InvalidArgument(f"not an absolute path: {path!r}")
-        attrs = await self.getattr(ROOT_ID)
-        for part in (p for p in path.split("/") if p):
-            if not attrs.is_dir:
+        parts = [p for p in path.split("/") if p]
+        if not parts:
+            return await self.getattr(ROOT_ID)
+        current, kind, attrs = ROOT_ID, KIND_DIR, None
+        for part in parts:
+            # Directories on the way need only their id and kind, which name.lookup gives.
+            if kind != KIND_DIR:
                 raise NotADirectory(f"{part!r}: a component before it is not a directory")
-            attrs = await self.lookup(attrs.id, part)
-        return attrs
+            validate_name(part)
+            r = await self._shard(self._of(current), "name.lookup", dir=current, name=part)
+            current, kind, attrs = r["id"], r["kind"], r.get("attrs")
+        if attrs is None:
+            return await self.getattr(current)
+        found = Attrs.from_wire(attrs)
+        self._note_policy(found)
+        return found
 
     async def _policy(self, dir_id: int) -> tuple[str, int]:
         cached = self._dir_policy.get(dir_id)
@@ -389,22 +431,40 @@ class MetadataClient(CheckpointCalls):
         The EC policy is ``ec`` or the directory's. With ``exclusive=False`` an existing file
         of that name is opened for writing and truncated to zero (O_CREAT|O_TRUNC) instead.
         """
+        validate_name(name)
+        dir_ec, chunk_size = await self._policy(dir_id)
+        fields = {
+            "dir": dir_id,
+            "name": name,
+            "mode": mode,
+            "uid": uid,
+            "gid": gid,
+            "ec": ECPolicy.parse(ec or dir_ec).name,
+            "chunk_size": chunk_size,
+        }
+        address = self._shard_addr[self._of(dir_id)]
         for _ in range(3):
-            if not exclusive:
-                try:
-                    existing = await self.lookup(dir_id, name)
-                except FileNotFound:
-                    pass
-                else:
-                    if existing.is_dir:
-                        raise IsADirectory(f"{name!r} is a directory")
-                    token = await self.open_for_write(existing.id, truncate=True)
-                    return await self.getattr(existing.id), token
             try:
-                return await self._new_record(dir_id, name, KIND_FILE, mode, uid, gid, ec)
+                # A non-exclusive create may be sent again after a lost reply: if the first
+                # one did create the file, the second finds it and opens it below.
+                r = await self._call(
+                    address,
+                    "name.create",
+                    {**fields, "shard": self._of(dir_id)},
+                    repeat=not exclusive,
+                )
+                return Attrs.from_wire(r["attrs"]), int(r["token"])
             except FileExists:
                 if exclusive:
                     raise
+            try:
+                existing = await self.lookup(dir_id, name)
+            except FileNotFound:
+                continue  # removed since: create it again
+            if existing.is_dir:
+                raise IsADirectory(f"{name!r} is a directory")
+            token = await self.open_for_write(existing.id, truncate=True)
+            return await self.getattr(existing.id), token
         raise FileExists(f"{name!r} keeps appearing and disappearing; giving up")
 
     async def symlink(
@@ -676,15 +736,11 @@ class MetadataClient(CheckpointCalls):
         # At least the default write quorum (k+1): with a node down in a cluster of exactly
         # k+m nodes, writes still succeed (the data client commits the chunks that landed
         # and repair restores the rest) instead of failing with NoSpace.
-        r = await self._registry(
-            "node.place", count=policy.n + max(hedge, 0), minimum=min(policy.n, policy.k + 1)
-        )
-        nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
-        for n in nodes:
-            self._node_cache[n.node_id] = n
-        shard = self._rng.randrange(self.config.shards)
+        nodes = await self._place(policy.n + max(hedge, 0), min(policy.n, policy.k + 1), ())
+        # In the file's shard, which draws the block id to hash there: the block's commit then
+        # shares one transaction with the file's (module docstring).
         a = await self._shard(
-            shard,
+            self._of(file_id),
             "block.allocate",
             file_id=file_id,
             token=token,
@@ -695,14 +751,45 @@ class MetadataClient(CheckpointCalls):
 
     async def more_nodes(self, block_id: int, exclude: Sequence[str], count: int) -> BlockGrant:
         """Replacement nodes for a block whose chunk writes failed (same block id)."""
-        r = await self._registry("node.place", count=count, minimum=count, exclude=list(exclude))
-        nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
-        for n in nodes:
-            self._node_cache[n.node_id] = n
+        nodes = await self._place(count, count, exclude)
         g = await self._shard(
             self._of(block_id), "block.grant", block_id=block_id, nodes=[n.node_id for n in nodes]
         )
         return BlockGrant(block_id=block_id, nodes=nodes, capability=g["capability"])
+
+    async def _place(self, count: int, minimum: int, exclude: Sequence[str]) -> list[NodeInfo]:
+        """Nodes for a block's chunks, placed here over the cached node list (module
+        docstring); a list that leaves too few nodes is fetched again once."""
+        for attempt in range(2):
+            async with self._nodes_lock:  # one node.list for every writer waiting here
+                if attempt or time.monotonic() - self._nodes_at > NODE_LIST_TTL_S:
+                    await self.nodes()
+            try:
+                return placement.place(
+                    self._node_cache.values(),
+                    count,
+                    minimum=minimum,
+                    exclude=exclude,
+                    rng=self._rng,
+                )
+            except NoSpace:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _commit_elsewhere(self, file_id: int, blocks: Sequence[BlockInfo]) -> list[Any]:
+        """Commit the blocks that are not in the file's shard in their own shards (blocks
+        allocated before co-location); returns the wire records of the rest."""
+        home = self._of(file_id)
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for b in blocks:
+            by_shard.setdefault(self._of(b.block_id), []).append(b.to_wire())
+
+        def job(shard: int, items: list[dict[str, Any]]) -> Callable[[], Awaitable[Any]]:
+            return lambda: self._shard(shard, "block.commit", file_id=file_id, blocks=items)
+
+        await self._gather([job(s, items) for s, items in by_shard.items() if s != home])
+        return by_shard.get(home, [])
 
     async def commit_blocks(self, file_id: int, token: int, blocks: Sequence[BlockInfo]) -> None:
         """Commit blocks (Block layer) and put them at their ``file_index`` in the file.
@@ -712,21 +799,46 @@ class MetadataClient(CheckpointCalls):
         """
         if not blocks:
             return
-        by_shard: dict[int, list[dict[str, Any]]] = {}
-        for b in blocks:
-            by_shard.setdefault(self._of(b.block_id), []).append(b.to_wire())
-
-        def job(shard: int, items: list[dict[str, Any]]) -> Callable[[], Awaitable[Any]]:
-            return lambda: self._shard(shard, "block.commit", file_id=file_id, blocks=items)
-
-        await self._gather([job(s, items) for s, items in by_shard.items()])
+        local = await self._commit_elsewhere(file_id, blocks)
         await self._shard(
             self._of(file_id),
             "file.commit",
             id=file_id,
             token=token,
             entries=[[b.file_index, b.block_id] for b in blocks],
+            blocks=local,
         )
+
+    async def close(
+        self, file_id: int, token: int, size: int, blocks: Sequence[BlockInfo]
+    ) -> Attrs:
+        """Commit a writer's last blocks, set the final size, release the writer token and
+        seal the file: one transaction in the file's shard (``file.close``).
+
+        Sent again after a lost reply; a repeat that finds the file sealed checks that the
+        seal was this one (the size, and these blocks at their indexes) and returns it."""
+        local = await self._commit_elsewhere(file_id, blocks)
+        shard = self._of(file_id)
+        fields = {
+            "shard": shard,
+            "id": file_id,
+            "token": token,
+            "size": size,
+            "entries": [[b.file_index, b.block_id] for b in blocks],
+            "blocks": local,
+        }
+        try:
+            r = await self._call(self._shard_addr[shard], "file.close", fields, repeat=True)
+        except FileSealed:
+            attrs = await self.getattr(file_id)
+            have = {
+                (int(i), int(b))
+                for i, b in (await self._shard(shard, "file.blocks", id=file_id))["blocks"]
+            }
+            if attrs.size != size or not {(b.file_index, b.block_id) for b in blocks} <= have:
+                raise
+            return attrs
+        return Attrs.from_wire(r["attrs"])
 
     async def seal(self, file_id: int, token: int, size: int) -> Attrs:
         """Set the final size, release the writer token and seal the file."""
@@ -846,6 +958,7 @@ class MetadataClient(CheckpointCalls):
         r = await self._registry("node.list")
         nodes = [NodeInfo.from_wire(n) for n in r["nodes"]]
         self._node_cache = {n.node_id: n for n in nodes}
+        self._nodes_at = time.monotonic()
         return nodes
 
     async def server_stats(self) -> dict[str, dict[str, Any]]:

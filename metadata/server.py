@@ -27,7 +27,6 @@ file.create          kind, mode, uid, gid, ec, chunk_size, parent, name    attrs
 file.get             id                                                    attrs, parent
 file.open            id, truncate                                          token
 file.renew           id, token                                             {}
-file.commit          id, token, entries [[index, block_id], ...]           {}
 file.seal            id, token, size                                       attrs
 file.set_size        id, token, size                                       attrs
 file.setattr         id, mode, uid, gid, atime_ns, mtime_ns, ec            attrs
@@ -58,6 +57,9 @@ node.place           count, minimum, exclude                               nodes
 server.stats         -                                                     shards, files, ...
 ==================== ===================================================== =====================
 
+The combined ops of the write path (``name.create``, ``file.commit``, ``file.close``: what
+several of the ops above do, in one transaction) are ``WriteOps``, metadata/write_ops.py.
+
 Background: a recovery pass over rename intents at start and every few seconds (see
 metadata/name_layer.py for the protocol). It finishes or aborts intents whose deadline has
 passed, asking the destination shard (locally, or over the wire at the address the intent
@@ -81,6 +83,7 @@ from metadata.etcd_shards import EtcdSettings, EtcdShards
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
+from metadata.write_ops import WriteOps
 from tectonic_py.core import capability, rpc_client, rpc_server, sockets
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
@@ -143,7 +146,7 @@ def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
     os.replace(tmp, path)
 
 
-class MetadataServer(MaintenanceOps, CheckpointOps):
+class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
     The ops of the background services come from ``MaintenanceOps``
@@ -191,7 +194,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
         self.stores: dict[int, ShardStore] = {}
         self.registry: Registry | None = None
         if self.etcd_shards is None:
-            self.stores = {s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))}
+            self.stores = {
+                s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))
+            }
             if REGISTRY_SHARD in self.stores:
                 self.registry = Registry(self.stores[REGISTRY_SHARD], node_timeout)
         self.address = ""
@@ -428,27 +433,6 @@ class MetadataServer(MaintenanceOps, CheckpointOps):
             req.int("token", hi=MAX_ID),
             now_ns(),
             self.lease_ns,
-        )
-
-    async def op_file__commit(self, req: Request) -> None:
-        store = self._store(req)
-        entries = []
-        for item in req.list("entries", max_len=100_000):
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-                or not 0 <= item[0] < 2**40
-                or not 1 <= item[1] <= MAX_ID
-            ):
-                raise InvalidArgument("file.commit: entries must be [index, block_id] pairs")
-            entries.append((item[0], item[1]))
-        await store.write(
-            file_layer.commit_blocks,
-            _id(req, "id"),
-            req.int("token", hi=MAX_ID),
-            entries,
-            now_ns(),
         )
 
     async def op_file__seal(self, req: Request) -> dict[str, Any]:

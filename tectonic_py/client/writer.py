@@ -10,7 +10,8 @@ bound.
 
 ``fsync`` flushes the open block, even a short one (committed at its index; when the writer
 later fills it, the full block replaces it at the same index), and waits until every flush
-task has committed. ``close`` is fsync + seal. Commits of one index are ordered by a
+task has committed. ``close`` stores the open block, waits for the flush tasks, and commits
+that last block with the seal in one metadata call. Commits of one index are ordered by a
 per-index generation, so an older, slower flush of a block never overwrites a newer one. A
 writer whose token was stolen gets ``StaleWriterToken`` from its next commit, and from
 every call after (errors are sticky).
@@ -238,15 +239,39 @@ class FileWriter:
         if self._final is not None:
             return self._final
         try:
-            await self._fsync()
+            last = await self._store_open()
+            await self._drain()
+            self._check()
+            # The open block is committed by the seal's own call: one transaction in the
+            # file's shard (no flush task of its index is left after the drain, so its
+            # generation is the newest).
+            blocks = [last[1]] if last is not None else []
             self._final = await self._meta_call(
-                self.client.meta.seal(self.file_id, self.token, self.size)
+                self.client.meta.close(self.file_id, self.token, self.size, blocks)
             )
+            if last is not None:
+                self._note_committed(last[0], last[1])
             self.attrs = self._final
             return self._final
         finally:
             self._release_open()
             self._closed = True
+
+    async def _store_open(self) -> tuple[int, BlockInfo] | None:
+        """Store the dirty open block without committing it: its generation and record."""
+        if not self._dirty or self._open_buf is None or self._open_index is None:
+            return None
+        index, n = self._open_index, self._open_len
+        gen = next(self._gen)
+        try:
+            info = await self.client.store_block(
+                self.file_id, self.token, self.policy, index, memoryview(self._open_buf), n
+            )
+        except TectonicError as e:
+            self._fail(e)
+            raise
+        self._dirty = False
+        return gen, info
 
     def _check(self) -> None:
         if self._error is not None:
@@ -345,11 +370,15 @@ class FileWriter:
                 return  # a newer version of this block is already committed
             await self.client.meta.commit_blocks(self.file_id, self.token, [info])
             self._stamped = True
-            self._committed_gen[index] = gen
-            old = self._committed.get(index)
-            if old is not None:
-                self.client.cache.discard(old.block_id)
-            self._committed[index] = info
+            self._note_committed(gen, info)
+
+    def _note_committed(self, gen: int, info: BlockInfo) -> None:
+        index = info.file_index
+        self._committed_gen[index] = gen
+        old = self._committed.get(index)
+        if old is not None:
+            self.client.cache.discard(old.block_id)
+        self._committed[index] = info
 
     def _begin(self, index: int) -> None:
         self._inflight[index] = self._inflight.get(index, 0) + 1

@@ -1,0 +1,179 @@
+"""The write path's combined ops: each does in ONE transaction of one shard what the layer ops
+would do in several round trips, so a checkpoint burst of small files costs a writer two
+mutations per file (create, close), and group commit batches a burst's mutations together.
+
+Co-location makes that possible. A file's record lives in its directory's shard
+(``name.create`` draws its id to hash there), and the blocks its writer allocates live in the
+file's shard (the client sends ``block.allocate`` there, and the block id is drawn to hash
+there). So a new file's Name entry and File record are one transaction, and a block's
+Block-layer commit, its File-layer entry and the seal are another; every rank of a step
+writing into one directory meets in one shard, whose committer then takes hundreds of
+mutations per transaction instead of one. Directories keep a shard drawn at random
+(``file.create``), so the directories of a tree, and their files with them, spread over all
+servers.
+
+``MetadataServer`` mixes ``WriteOps`` in; its ``op_*`` methods become ops as the server's own.
+
+==================== ===================================================== ==============
+op                   fields (and ``shard``)                                reply
+==================== ===================================================== ==============
+name.create          dir, name, mode, uid, gid, ec, chunk_size             attrs, token
+file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
+file.close           id, token, size, entries, [blocks]                    attrs
+==================== ===================================================== ==============
+
+``name.create`` makes a regular file, named at once (no orphan window) and holding its writer
+token; FileExists if the name is taken. ``blocks`` are Block-layer records (``BlockInfo``
+wire maps) of blocks in this shard, committed in the same transaction as the entries that
+point at them. Blocks in other shards (a cluster whose files predate co-location) are
+committed there first by the client (``block.commit``), so a crash between the two leaves a
+committed block that no file references (GC), never an entry pointing at an uncommitted
+block. ``file.close`` is ``file.commit`` and then the seal of ``file_layer.seal``; a stale
+writer token refuses the whole transaction, blocks included.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from metadata import block_layer, file_layer, name_layer
+from metadata.shard import now_ns
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
+from tectonic_py.core.ec_policy import DEFAULT_POLICY
+from tectonic_py.core.errors import InvalidArgument, WrongShard
+from tectonic_py.core.ids import MAX_ID, shard_of
+from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo, validate_name
+from tectonic_py.core.rpc_server import Request
+
+MAX_MODE = 0o7777
+MAX_UGID = 2**32 - 1
+
+
+def create_named(
+    conn: sqlite3.Connection,
+    shard: int,
+    total_shards: int,
+    dir_id: int,
+    name: str,
+    spec: dict[str, Any],
+    now: int,
+    lease_ns: int,
+) -> tuple[Attrs, int]:
+    """A regular file named ``name`` in ``dir_id`` (whose shard this is), with its writer
+    token: the File record (id drawn to hash here, named at once) and the Name entry."""
+    name_layer.check_dir(conn, dir_id)
+    spec = {**spec, "kind": KIND_FILE, "parent": dir_id, "name": name}
+    attrs, token = file_layer.create(conn, shard, total_shards, spec, now, lease_ns)
+    file_layer.link(conn, attrs.id, dir_id, name)
+    name_layer.insert(conn, dir_id, name, attrs.id, KIND_FILE)
+    return attrs, token
+
+
+def commit_with_blocks(
+    conn: sqlite3.Connection,
+    file_id: int,
+    token: int,
+    infos: list[BlockInfo],
+    entries: list[tuple[int, int]],
+    now: int,
+) -> None:
+    """Commit this shard's blocks of the file and put ``entries`` in the file."""
+    for info in infos:
+        block_layer.commit(conn, info, file_id)
+    if entries:
+        file_layer.commit_blocks(conn, file_id, token, entries, now)
+
+
+def close(
+    conn: sqlite3.Connection,
+    file_id: int,
+    token: int,
+    size: int,
+    infos: list[BlockInfo],
+    entries: list[tuple[int, int]],
+    now: int,
+) -> Attrs:
+    """The last commit and the seal of a writer, in one transaction."""
+    commit_with_blocks(conn, file_id, token, infos, entries, now)
+    return file_layer.seal(conn, file_id, token, size, now)
+
+
+def _entries(req: Request) -> list[tuple[int, int]]:
+    entries = []
+    for item in req.list("entries", [], max_len=100_000):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+            or not 0 <= item[0] < 2**40
+            or not 1 <= item[1] <= MAX_ID
+        ):
+            raise InvalidArgument(f"{req.op}: entries must be [index, block_id] pairs")
+        entries.append((item[0], item[1]))
+    return entries
+
+
+class WriteOps:
+    """Mixin of ``MetadataServer``: the combined ops of the write path (module docstring)."""
+
+    total_shards: int
+    lease_ns: int
+
+    def _store(self, req: Request) -> Any:  # provided by MetadataServer
+        raise NotImplementedError
+
+    def _local_blocks(self, req: Request, shard: int) -> list[BlockInfo]:
+        infos = [block_layer.info_from_wire(b) for b in req.list("blocks", [], max_len=10_000)]
+        for info in infos:
+            if shard_of(info.block_id, self.total_shards) != shard:
+                raise WrongShard(f"block {info.block_id:016x} is not in shard {shard}")
+        return infos
+
+    async def op_name__create(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        dir_id = req.int("dir", lo=1, hi=MAX_ID)
+        if shard_of(dir_id, self.total_shards) != store.shard:
+            raise WrongShard(f"name.create: directory {dir_id} is not in shard {store.shard}")
+        spec = {
+            "mode": req.int("mode", 0o644, hi=MAX_MODE),
+            "uid": req.int("uid", 0, hi=MAX_UGID),
+            "gid": req.int("gid", 0, hi=MAX_UGID),
+            "ec": req.str("ec", DEFAULT_POLICY.name, max_len=16),
+            "chunk_size": req.int("chunk_size", DEFAULT_CHUNK_SIZE, lo=4096, hi=64 * 2**20),
+        }
+        attrs, token = await store.write(
+            create_named,
+            store.shard,
+            self.total_shards,
+            dir_id,
+            validate_name(req.fields.get("name")),
+            spec,
+            now_ns(),
+            self.lease_ns,
+        )
+        return {"attrs": dict(attrs.__dict__), "token": token}
+
+    async def op_file__commit(self, req: Request) -> None:
+        store = self._store(req)
+        await store.write(
+            commit_with_blocks,
+            req.int("id", lo=1, hi=MAX_ID),
+            req.int("token", hi=MAX_ID),
+            self._local_blocks(req, store.shard),
+            _entries(req),
+            now_ns(),
+        )
+
+    async def op_file__close(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        attrs = await store.write(
+            close,
+            req.int("id", lo=1, hi=MAX_ID),
+            req.int("token", hi=MAX_ID),
+            req.int("size", hi=2**62),
+            self._local_blocks(req, store.shard),
+            _entries(req),
+            now_ns(),
+        )
+        return {"attrs": dict(attrs.__dict__)}
