@@ -85,6 +85,7 @@ from tectonic_py.core.errors import (
     ShardUnavailable,
     TectonicError,
     Unavailable,
+    WrongShard,
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
 from tectonic_py.core.records import (
@@ -130,6 +131,15 @@ def reconnect_policy(deadline: float) -> RetryPolicy:
 
 
 CALL_TIMEOUT_S = 120.0
+# Under the etcd engine: a server that cannot be reached for this long is asked about no
+# more; the client asks another server where the shard went (a dead owner's lease lapses in
+# a few seconds, and another server takes the shard).
+FOLLOW_POLICY = RetryPolicy(
+    attempts=None, deadline=0.3, first_delay=0.02, multiplier=2.0, max_delay=0.1
+)
+OWNERS_POLICY = RetryPolicy(attempts=2, first_delay=0.02, max_delay=0.05)
+FOLLOW_PAUSE_S = 0.1
+FOLLOW_CALL_TIMEOUT_S = 10.0
 RENAME_DEADLINE_S = 30.0
 _READ_OPS = frozenset(
     {
@@ -205,6 +215,7 @@ class MetadataClient(CheckpointCalls):
         waiting for them passes 0."""
         self.config = config
         self._reconnect = reconnect_policy(reconnect_deadline)
+        self._follow_deadline = max(reconnect_deadline, 1.0)
         self._reached = False  # some metadata server has answered this client
         self._nursery = nursery
         self._secret = config.secret()
@@ -255,22 +266,36 @@ class MetadataClient(CheckpointCalls):
             return conn
 
     async def _call(
-        self, address: str, op: str, fields: dict[str, Any], *, repeat: bool = False
+        self,
+        address: str,
+        op: str,
+        fields: dict[str, Any],
+        *,
+        repeat: bool = False,
+        reconnect: RetryPolicy | None = None,
+        trace: dict[str, bool] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
     ) -> dict[str, Any]:
         """One request, ``Busy`` retried under ``BUSY_POLICY`` and a lost connection under
-        the reconnect policy: a read or an op safe to repeat (``_REPEATABLE_OPS``, or
-        ``repeat``: the caller handles a repeat's outcome) always, any other mutation only if
-        it never left this process."""
+        the reconnect policy (or ``reconnect``): a read or an op safe to repeat
+        (``_REPEATABLE_OPS``, or ``repeat``: the caller handles a repeat's outcome) always,
+        any other mutation only if it never left this process. ``trace["repeatable"]`` says,
+        after a failure, whether the request may be sent again elsewhere; ``timeout`` bounds
+        each try (a server that took the connection but does not answer: a paused one)."""
         idempotent = repeat or op in _READ_OPS or op in _REPEATABLE_OPS
         sent = False
+        if trace is not None:
+            trace["repeatable"] = True
 
         async def once() -> dict[str, Any]:
             nonlocal sent
             sent = False
             try:
-                with trio.fail_after(CALL_TIMEOUT_S):
+                with trio.fail_after(timeout):
                     conn = await self._connection(address)
                     sent = True
+                    if trace is not None:
+                        trace["repeatable"] = idempotent
                     return (await conn.call(op, fields)).fields
             except trio.TooSlowError:
                 raise ShardUnavailable(f"metadata server {address}: {op} timed out") from None
@@ -280,7 +305,7 @@ class MetadataClient(CheckpointCalls):
 
         busy_retried = functools.partial(retry, once, policy=BUSY_POLICY, when=_is_busy)
         try:
-            policy = self._reconnect if self._reached else FIRST_CONTACT_POLICY
+            policy = reconnect or (self._reconnect if self._reached else FIRST_CONTACT_POLICY)
             return await retry(busy_retried, policy=policy, when=may_repeat)
         except Unavailable as e:
             raise ShardUnavailable(
@@ -289,13 +314,58 @@ class MetadataClient(CheckpointCalls):
 
     async def _shard(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
         fields["shard"] = shard
-        return await self._call(self._shard_addr[shard], op, fields)
+        if self.config.metadata_engine == "sqlite":
+            return await self._call(self._shard_addr[shard], op, fields)
+        return await self._followed(shard, op, fields)
+
+    async def _followed(self, shard: int, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """Under the etcd engine shards move between servers: a refusal (``WrongShard``) or
+        a server that cannot be reached sends the request where ``server.owners`` says the
+        shard is now, until the reconnect deadline. A mutation that reached a server which
+        then died is not sent again (it may have committed)."""
+        give_up = trio.current_time() + self._follow_deadline
+        while True:
+            address = self._shard_addr[shard]
+            trace: dict[str, bool] = {}
+            try:
+                return await self._call(
+                    address,
+                    op,
+                    fields,
+                    reconnect=FOLLOW_POLICY,
+                    trace=trace,
+                    timeout=FOLLOW_CALL_TIMEOUT_S,
+                )
+            except (WrongShard, ShardUnavailable) as e:
+                unsent = isinstance(e, WrongShard) or trace.get("repeatable", False)
+                if not unsent or trio.current_time() > give_up:
+                    raise
+            await self._refresh_owners(avoid=address)
+            if self._shard_addr[shard] == address:
+                await trio.sleep(FOLLOW_PAUSE_S)
+
+    async def _refresh_owners(self, *, avoid: str) -> None:
+        """Learn every shard's owner from the first server that answers."""
+        addresses = [s.address for s in self.config.metadata_servers]
+        addresses += sorted(set(self._shard_addr.values()) - set(addresses))
+        for address in sorted(addresses, key=lambda a: a == avoid):
+            try:
+                r = await self._call(
+                    address, "server.owners", {}, reconnect=OWNERS_POLICY, timeout=2.0
+                )
+            except TectonicError:
+                continue
+            for shard, owner in r["owners"].items():
+                self._shard_addr[int(shard)] = str(owner)
+            return
 
     def _of(self, key: int) -> int:
         return shard_of(key, self.config.shards)
 
     async def _registry(self, op: str, **fields: Any) -> dict[str, Any]:
-        return await self._call(self._shard_addr[REGISTRY_SHARD], op, fields)
+        if self.config.metadata_engine == "sqlite":
+            return await self._call(self._shard_addr[REGISTRY_SHARD], op, fields)
+        return await self._followed(REGISTRY_SHARD, op, fields)
 
     async def _gather(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         """Run jobs concurrently; raise the first domain error (never an exception group)."""

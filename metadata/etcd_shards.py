@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5
+POLL_S = 0.25
+LOAD_PARALLEL = 32
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class EtcdShards:
         self._unowned_since: dict[int, float] = {}
         self._seen_owned: set[int] = set()
         self._rng = random.Random()
+        self._loading = trio.CapacityLimiter(LOAD_PARALLEL)
         self.takeovers = 0
 
     def check(self, shard: int) -> ShardStore:
@@ -96,8 +98,9 @@ class EtcdShards:
                 )
                 await nursery.start(self.ownership.run)
                 self._nursery = nursery
-                for shard in self.preferred:
-                    await self._try_take(shard)
+                async with trio.open_nursery() as claims:
+                    for shard in self.preferred:
+                        claims.start_soon(self._try_take, shard)
                 task_status.started()
                 while True:
                     await trio.sleep(self.settings.poll_s)
@@ -120,6 +123,7 @@ class EtcdShards:
             log.warning("cannot read shard owners from etcd: %s", e)
             return
         now = trio.current_time()
+        due: list[int] = []
         for shard in list(self.server.stores):
             if owners.get(shard) != self.server.address:
                 log.warning("shard %d: owner key gone; giving it up", shard)
@@ -137,9 +141,19 @@ class EtcdShards:
             else:  # never owned yet: leave it to the server that prefers it for a while
                 delay = self.settings.takeover_delay_s
             if now - since >= delay:
-                await self._try_take(shard)
+                due.append(shard)
+        # A dead server's shards are loaded side by side: the takeover time is then about
+        # one shard's load, not their sum.
+        async with trio.open_nursery() as nursery:
+            for shard in due:
+                nursery.start_soon(self._try_take, shard)
 
     async def _try_take(self, shard: int) -> None:
+        assert self.ownership is not None
+        async with self._loading:
+            await self._take(shard)
+
+    async def _take(self, shard: int) -> None:
         assert self.ownership is not None
         try:
             revision = await self.ownership.acquire(shard)
@@ -149,14 +163,23 @@ class EtcdShards:
         if revision is None:
             return
         replica = ShardReplica(self.etcd, self.settings.prefix, shard, revision)
-        store = ShardStore(self.cache_dir, shard, self.server.total_shards, replica=replica)
+        # Making the copy (schema, triggers) is blocking SQLite work: off the event loop.
+        store = await trio.to_thread.run_sync(
+            lambda: ShardStore(self.cache_dir, shard, self.server.total_shards, replica=replica)
+        )
         try:
             rows = await store.load_replica()
-        except BaseException:
+        except BaseException as e:
             store.close()
             with trio.CancelScope(shield=True):
-                await self.ownership.release(shard)
-            raise
+                try:
+                    await self.ownership.release(shard)
+                except TectonicError as release_error:
+                    log.warning("shard %d: release failed: %s", shard, release_error)
+            if not isinstance(e, TectonicError):
+                raise
+            log.warning("shard %d: load from etcd failed (%s); retrying", shard, e)
+            return
         scope = trio.CancelScope()
         self._scopes[shard] = scope
         self._nursery.start_soon(self._run_store, store, scope)

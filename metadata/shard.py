@@ -118,10 +118,12 @@ CREATE TABLE IF NOT EXISTS nodes (
 """
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+def _connect(path: Path, *, durable: bool = True) -> sqlite3.Connection:
+    """``durable``: fsync at every commit (not for the etcd engine's copies: etcd has the
+    durable copy, and a copy is rebuilt from it after any restart)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
     conn.execute("PRAGMA foreign_keys=OFF")
     return conn
 
@@ -160,15 +162,14 @@ class ShardStore:
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
         fresh = not self.path.exists()
-        self._writer = _connect(self.path)
+        self._writer = _connect(self.path, durable=replica is None)
         # One transaction: one fsync for the whole schema instead of one per statement.
         self._writer.executescript("BEGIN IMMEDIATE;" + SCHEMA + "COMMIT;")
         if replica is None:
             self._check_identity(fresh)
         else:
-            self._writer.execute("PRAGMA synchronous=OFF")  # etcd holds the durable copy
             replica.install(self._writer)
-        self.reader = _connect(self.path)
+        self.reader = _connect(self.path, durable=replica is None)
         self._queue: list[_Mutation] = []
         self._has_work = trio.Event()
         self.stats = ShardStats()
