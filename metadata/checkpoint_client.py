@@ -43,7 +43,7 @@ from tectonic_py.core.errors import (
 )
 from tectonic_py.core.records import KIND_DIR, Attrs, DirEntry, validate_name
 
-STAGING_MARK = ".staging-"  # <final>.staging-<id>: the GC knows such a directory by its name
+STAGING_MARK = ".staging-"  # <step>.staging-<id>: the GC knows such a directory by its name
 REMOVING = ".removing"  # a staging directory the GC is removing
 STATES_PAGE = 10_000
 LEVEL_WIDTH = 64  # directories of one level listed at once

@@ -24,8 +24,8 @@ stores are up (a block shard does not know: the registry lives with one shard).
 
 ``file.states`` is the sealed check of a commit and the GC's look at a staging directory:
 for each record of the list, in one read, whether it is sealed, whether a writer holds a
-live lease, and its mtime. Files of one directory share its shard, so a step's directory of
-rank files is one call.
+live lease, and its mtime. Where files are made in their directory's shard, a step's
+directory of rank files is one call.
 
 ``name.staging`` lists every directory entry of the shard whose name marks a staging
 directory (``STAGING_MARK``: ``<final>.staging-<id>``), for the GC of dead jobs' staging
@@ -47,6 +47,7 @@ import sqlite3
 from typing import Any
 
 from metadata import file_layer, name_layer
+from metadata.checkpoint_client import STAGING_MARK
 from metadata.shard import now_ns
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
 from tectonic_py.core.durability import ChunkState
@@ -64,7 +65,6 @@ from tectonic_py.core.rpc_server import Request
 
 MAX_BLOCKS = 100_000
 MAX_STATES = 10_000
-STAGING_MARK = ".staging-"
 
 
 def chunk_states(conn: sqlite3.Connection, block_ids: list[int]) -> list[ChunkState]:

@@ -92,7 +92,8 @@ MiB = 1024 * 1024
 
 URL_PREFIX = "tectonic://"
 METADATA_NAME = ".metadata"
-STAGING_MARK = ".staging-"  # the GC collects <step>.staging-<id> of a job that died
+# The GC collects <step>.staging-<id> of a job that died (metadata.checkpoint_client's mark).
+STAGING_MARK = ".staging-"
 # Data files per rank written at once: DCP splits a rank's items over them by size.
 DEFAULT_WRITE_THREADS = 4
 # Bytes of items fetched before they are deserialised: bounds a rank's read memory.
