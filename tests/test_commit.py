@@ -16,7 +16,7 @@ import pytest
 from fuse_fixtures import Mount
 
 from tectonic_py.client.tectonic_client import TectonicClient
-from tectonic_py.core.errors import FileExists, InvalidArgument
+from tectonic_py.core.errors import FileExists, InvalidArgument, InvalidName, WrongShard
 from tectonic_py.local_cluster import LocalCluster
 
 
@@ -66,6 +66,17 @@ async def test_commit_once_sealed_with_latest(client: TectonicClient) -> None:
     await _write(client, "/ck/notalink", b"")
     with pytest.raises(FileExists):
         await client.meta.commit_step(parent.id, "step_3.staging-d", "step_3", latest="notalink")
+    # The op itself refuses what the client would never send.
+    meta = client.meta
+    shard = meta._of(parent.id)
+    with pytest.raises(InvalidArgument, match="must differ"):
+        await meta._shard(shard, "name.commit", dir=parent.id, staging="a", final="a")
+    other = (shard + 1) % meta.config.shards
+    with pytest.raises(WrongShard):
+        await meta._shard(other, "name.commit", dir=parent.id, staging="a", final="b")
+    with pytest.raises(InvalidName):
+        await meta._shard(shard, "name.commit", dir=parent.id, staging="../x", final="b")
+    assert "step_3" not in await _names(client, "/ck")
 
 
 def test_cli_commit(local_cluster: LocalCluster, tmp_path: Path) -> None:
