@@ -26,6 +26,7 @@ if the storage hangs, and what was written is removed unless ``keep`` (also afte
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -53,6 +54,8 @@ from tectonic_py.loadtest.metrics import (
     shard_totals,
 )
 from tectonic_py.loadtest.report import ProgressBar
+
+log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 120
 
@@ -250,8 +253,8 @@ class _Run:
             return None
         try:
             return shard_totals(await self.meta.server_stats())
-        except TectonicError as e:
-            self.rec.errors.append(f"server.stats failed: {e}")
+        except TectonicError as e:  # a figure missing, not an error of the checkpoint
+            log.warning("server.stats failed (%s): no group-commit figures", e)
             return None
 
     async def _baseline_stream(self) -> None:
