@@ -61,6 +61,7 @@ from tectonic_py.core.errors import (
     DiskFull,
     TectonicError,
     Unavailable,
+    WrongShard,
 )
 from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
@@ -568,10 +569,19 @@ class ChunkStoreServer:
     # --- membership --------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        """Heartbeat the registry forever; ready file after the first accepted heartbeat."""
+        """Heartbeat the registry forever; ready file after the first accepted heartbeat.
+
+        Several candidates (etcd engine: the registry moves with its shard) are heartbeated
+        side by side, so one that is cut off or dead delays nothing; those that are not the
+        registry now refuse with ``WrongShard``, which costs them nothing and is not logged."""
         assert self.config.registry is not None
         candidates = registries(self.config.registry)
-        current = 0
+        async with trio.open_nursery() as nursery:
+            for registry in candidates:
+                nursery.start_soon(self._heartbeat_to, registry, len(candidates) > 1)
+
+    async def _heartbeat_to(self, registry: str, one_of_many: bool) -> None:
+        host, port = sockets.parse_address(registry)
         down_logged = False
         async with trio.open_nursery() as nursery:
             conn: rpc_client.Connection | None = None
@@ -581,7 +591,6 @@ class ChunkStoreServer:
                         if conn is not None:
                             await conn.aclose()
                         conn = None
-                        host, port = sockets.parse_address(candidates[current])
                         conn = await rpc_client.Connection.connect(
                             host,
                             port,
@@ -607,19 +616,18 @@ class ChunkStoreServer:
                             },
                         )
                 except (TectonicError, trio.TooSlowError) as e:
-                    if not down_logged:
+                    if one_of_many and isinstance(e, WrongShard):
+                        pass  # not the registry now
+                    elif not down_logged:
                         log.warning(
                             "%s: heartbeat to registry %s failed (%s); retrying every %ss",
                             self.config.node_id,
-                            self.config.registry,
+                            registry,
                             e,
                             self.config.heartbeat_interval,
                         )
                         down_logged = True
-                    if len(candidates) > 1:
-                        # The registry moves with its shard (etcd engine): try the next one.
-                        current = (current + 1) % len(candidates)
-                    if (isinstance(e, trio.TooSlowError) or len(candidates) > 1) and conn:
+                    if isinstance(e, trio.TooSlowError) and conn is not None:
                         await conn.aclose()
                         conn = None
                 else:
@@ -627,7 +635,7 @@ class ChunkStoreServer:
                         log.info(
                             "%s: registry %s reachable again",
                             self.config.node_id,
-                            self.config.registry,
+                            registry,
                         )
                         down_logged = False
                     self.heartbeats_accepted += 1

@@ -5,13 +5,14 @@
 #
 #   deploy/netns.sh up DIR [--chunkstores N] [--metadata-servers M] [--shards S] [--ec rs-4-2]
 #                          [--subnet 10.213.7] [--prefix tecto] [--rate 1gbit] [--delay 2ms]
-#                          [--node-timeout S] [--heartbeat-interval S]
-#   deploy/netns.sh cut  DIR NAME     # "host" NAME (md0, cs3, ...) loses its network link
+#                          [--node-timeout S] [--heartbeat-interval S] [--metadata-engine etcd]
+#   deploy/netns.sh cut  DIR NAME     # "host" NAME (md0, cs3, et1, ...) loses its network link
 #   deploy/netns.sh heal DIR NAME     # and gets it back
 #   deploy/netns.sh down DIR          # stop exactly what `up` started and delete what it made
 #
 # Addresses: SUBNET.1/24 on the bridge in the root namespace, SUBNET.10+i for metadata
-# server i, SUBNET.100+i for chunk store i. The script only ever creates, changes and
+# server i, SUBNET.100+i for chunk store i, and with --metadata-engine etcd SUBNET.50+i for
+# etcd member i (three members, each its own host: the namespace survives any one of them). The script only ever creates, changes and
 # deletes the bridge, veths and namespaces it names in DIR/netns.state; it touches no other
 # interface, route or firewall rule. --rate (tc tbf) and --delay (tc netem, needs the
 # sch_netem kernel module) shape each host's link in both directions (inside the namespace
@@ -41,7 +42,7 @@ state_get() { [ -f "$STATE" ] && awk -v k="$1" '$1 == k { print $2 }' "$STATE" |
 
 cmd_up() {
     local chunkstores=10 metadata_servers=1 shards=64 ec=rs-6-3 subnet=10.213.7 prefix=tecto
-    local rate="" delay="" node_timeout=10 heartbeat=1
+    local rate="" delay="" node_timeout=10 heartbeat=1 engine=sqlite
     while [ $# -gt 0 ]; do
         case $1 in
             --chunkstores) chunkstores=$2; shift 2 ;;
@@ -54,6 +55,7 @@ cmd_up() {
             --delay) delay=$2; shift 2 ;;
             --node-timeout) node_timeout=$2; shift 2 ;;
             --heartbeat-interval) heartbeat=$2; shift 2 ;;
+            --metadata-engine) engine=$2; shift 2 ;;
             *) die "unknown option $1" ;;
         esac
     done
@@ -63,6 +65,10 @@ cmd_up() {
         || die "--chunkstores must be 1..60"
     [[ $metadata_servers =~ ^[0-9]+$ ]] && [ "$metadata_servers" -ge 1 ] && [ "$metadata_servers" -le 9 ] \
         || die "--metadata-servers must be 1..9"
+    [[ $engine == sqlite || $engine == etcd ]] || die "--metadata-engine must be sqlite or etcd"
+    if [ "$engine" = etcd ]; then
+        command -v etcd >/dev/null || die "--metadata-engine etcd needs etcd (apt-get install etcd-server)"
+    fi
     [ "$(id -u)" -eq 0 ] || die "needs root (ip netns, veth, bridge)"
     [ -x "$PYTHON" ] || die "no python at $PYTHON: run deploy/install.sh first"
     [ ! -f "$STATE" ] || die "$STATE exists: run '$0 down $DIR' first"
@@ -124,6 +130,26 @@ cmd_up() {
         chmod 600 "$DIR/$key"
     done
 
+    # etcd: three members, each in a namespace of its own, before the metadata servers
+    local engine_args=() engine_toml="" endpoints=""
+    if [ "$engine" = etcd ]; then
+        local members="" i
+        for i in 0 1 2; do members+="${members:+,}et$i=http://$subnet.$((50 + i)):2380"; done
+        for i in 0 1 2; do
+            local addr="$subnet.$((50 + i))"
+            make_host "et$i" "$addr"
+            launch "${prefix}-et$i" "$DIR/et$i.log" etcd --name "et$i" --data-dir "$DIR/et$i" \
+                --listen-client-urls "http://$addr:2379" --advertise-client-urls "http://$addr:2379" \
+                --listen-peer-urls "http://$addr:2380" --initial-advertise-peer-urls "http://$addr:2380" \
+                --initial-cluster "$members" --initial-cluster-state new \
+                --initial-cluster-token "netns-$prefix" --max-txn-ops 16384 \
+                --max-request-bytes 33554432
+            endpoints+="${endpoints:+,}http://$addr:2379"
+        done
+        engine_args=(--engine etcd --etcd-endpoints "$endpoints" --etcd-prefix "/tectonic/netns-$prefix")
+        engine_toml=$'\n[metadata_engine]\nkind = "etcd"\n'"endpoints = [\"${endpoints//,/\", \"}\"]"$'\n'"prefix = \"/tectonic/netns-$prefix\""$'\n'
+    fi
+
     # shards are dealt round-robin-free: contiguous ranges, one per metadata server
     local per=$(( (shards + metadata_servers - 1) / metadata_servers ))
     local servers_toml="" registry=""
@@ -139,8 +165,10 @@ cmd_up() {
             --data-dir "$DIR/md$i" --listen "$addr:7100" --shards "$lo-$hi" \
             --total-shards "$shards" --secret-file "$DIR/secret" \
             --capability-key-file "$DIR/capability_key" \
-            --ready-file "$DIR/md$i/ready.json" --node-timeout "$node_timeout"
-        if [ "$i" -eq 0 ]; then registry="$addr:7100"; fi
+            --ready-file "$DIR/md$i/ready.json" --node-timeout "$node_timeout" \
+            "${engine_args[@]}"
+        # under etcd the registry moves with its shard: chunk stores get every server
+        if [ "$i" -eq 0 ] || [ "$engine" = etcd ]; then registry+="${registry:+,}$addr:7100"; fi
         servers_toml+=$'\n[[metadata_servers]]\n'"address = \"$addr:7100\""$'\n'"shards = [$(seq -s ', ' "$lo" "$hi")]"$'\n'
     done
     for ((i = 0; i < chunkstores; i++)); do
@@ -177,12 +205,13 @@ cmd_up() {
         echo "shards = $shards"
         echo "default_ec = \"$ec\""
         echo "$servers_toml"
+        echo "$engine_toml"
     } > "$DIR/cluster.toml.tmp"
     mv "$DIR/cluster.toml.tmp" "$DIR/cluster.toml"
     # new files inherit the root directory's policy: make it the one asked for
     "$PYTHON" -m tectonic_py.cli.main mkdir "$DIR/cluster.toml" / -p --ec "$ec"
     trap - EXIT
-    echo "cluster of $metadata_servers metadata server(s) and $chunkstores chunk stores is up"
+    echo "cluster of $metadata_servers metadata server(s) ($engine) and $chunkstores chunk stores is up"
     echo "cluster file: $DIR/cluster.toml"
 }
 

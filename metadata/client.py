@@ -215,7 +215,8 @@ class MetadataClient(CheckpointCalls):
         waiting for them passes 0."""
         self.config = config
         self._reconnect = reconnect_policy(reconnect_deadline)
-        self._follow_deadline = max(reconnect_deadline, 1.0)
+        # a takeover (a lease to lapse, shards to load) plus a call that timed out on the way
+        self._follow_deadline = max(reconnect_deadline, 1.0) + 2 * FOLLOW_CALL_TIMEOUT_S
         self._reached = False  # some metadata server has answered this client
         self._nursery = nursery
         self._secret = config.secret()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -151,3 +152,46 @@ def test_script_refuses_bad_options_without_making_anything(
         assert not (tmp_path / "x" / "netns.state").exists()
     proc = netns("cut", str(tmp_path / "x"), "cs0")
     assert proc.returncode != 0 and "no cluster recorded" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
+def test_metadata_on_etcd_survives_the_loss_of_a_metadata_host_and_an_etcd_host(
+    netns_lock: None, tmp_path: Path
+) -> None:
+    """Three etcd members and two metadata servers, each its own host: cut the host of the
+    metadata server that owns the registry and the root, and one etcd host; the namespace
+    is still all there and writable through the survivor."""
+    root = tmp_path / "ns"
+    prefix = f"e{os.getpid() % 100000}"
+    subnet = _free_subnet()
+    local = tmp_path / "payload.bin"
+    local.write_bytes(os.urandom(300_000))
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    cluster = root / "cluster.toml"
+    try:
+        up = netns(
+            "up", str(root), "--chunkstores", "4", "--ec", "rs-2-1", "--shards", "8",
+            "--metadata-servers", "2", "--metadata-engine", "etcd", "--subnet", subnet,
+            "--prefix", prefix, "--node-timeout", "3",
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        text = cluster.read_text()
+        assert 'kind = "etcd"' in text and f"{subnet}.52:2379" in text
+        client("put", cluster, "/before.bin", local)
+
+        assert netns("cut", str(root), "md0").returncode == 0
+        assert netns("cut", str(root), "et0").returncode == 0
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client("put", cluster, "/after.bin", local)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        assert client("get", cluster, "/before.bin") == digest
+        assert client("get", cluster, "/after.bin") == digest
+    finally:
+        down = netns("down", str(root))
+    assert down.returncode == 0, down.stderr
