@@ -119,7 +119,7 @@ def test_systemd_units_are_valid(tmp_path: Path) -> None:
         name = unit.name.replace("@.", "@x0.")  # an instance of each template
         shutil.copy(unit, tmp_path / name)
         units.append(str(tmp_path / name))
-    assert len(units) == 4
+    assert len(units) == 5
     proc = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *units],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
