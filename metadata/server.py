@@ -55,6 +55,8 @@ node.heartbeat       node_id, address, failure_domain, capacity, free,     {}
 node.list            -                                                     nodes
 node.place           count, minimum, exclude                               nodes
 server.stats         -                                                     shards, files, ...
+server.owners        -                                                     owners {shard: addr}
+server.backup        dest (a new directory on this host)                   manifest
 ==================== ===================================================== =====================
 
 The combined ops of the write path (``name.create``, ``file.commit``, ``file.close``: what
