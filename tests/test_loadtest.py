@@ -113,6 +113,25 @@ async def test_local_daemons_counted_and_the_burst_beside_one_stream(local_clust
     assert "per-file" not in names  # the stream's file went with the rest
 
 
+async def test_daemons_found_by_listening_port_without_ready_files(local_cluster, tmp_path):
+    """A cluster file with no local cluster's ready files beside it (a copy elsewhere): the
+    daemons are found from their listening sockets alone; an address on another host is
+    listed as missing, not guessed."""
+    from tectonic_py.core import cluster_file as cluster_files
+    from tectonic_py.loadtest.daemons import find_daemons, is_loopback
+
+    config = cluster_files.load(local_cluster.cluster_file)
+    config.path = None
+    copy = tmp_path / "elsewhere" / "cluster.toml"
+    copy.parent.mkdir()
+    config.write(copy)
+    async with open_client(copy) as client:
+        found = await find_daemons(client, str(copy))
+    assert found.missing == []
+    assert sorted(found.all_pids()) == sorted(local_cluster.pids())  # no maintenance here
+    assert is_loopback("127.0.0.1:1") and is_loopback("[::1]:1") and not is_loopback("10.0.0.1:1")
+
+
 async def test_mount_mode_layout_and_cleanup(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
