@@ -53,9 +53,11 @@ class BufferPool:
     def charged(self) -> int:
         return self._charged
 
-    async def acquire(self, size: int, charge: int) -> bytearray:
+    async def acquire(self, size: int, charge: int, *, wait: bool = True) -> bytearray:
+        """A buffer of ``size`` bytes, charged ``charge``; ``wait=False`` takes it even over
+        the capacity (a writer growing the buffer it holds, see ``FileWriter._ensure``)."""
         charge = min(max(charge, size), self.capacity)
-        if self._charged + charge > self.capacity:
+        if wait and self._charged + charge > self.capacity:
             self._stats.buffer_waits += 1
             while self._charged + charge > self.capacity:
                 with trio.move_on_after(self.SPILL_AFTER_S / 2):

@@ -1,7 +1,8 @@
 """FileWriter: an open file being written, holding its writer token.
 
-Bytes go into the *open block*, a buffer of one block (k chunks of C bytes) taken from the
-client-wide ``BufferPool``. When the open block is full it is handed to a flush task in the
+Bytes go into the *open block*, a buffer of up to one block (k chunks of C bytes) taken
+from the client-wide ``BufferPool``: it starts at ``FIRST_BUFFER`` and doubles as the block
+fills, so a small file holds (and is charged) about its own size. When the open block is full it is handed to a flush task in the
 client's nursery (``BlockIO.store_block``, then the commit: Block layer, then File layer at
 its ``file_index``, with the writer token). Several blocks are in flight at once inside the
 window, which keeps the cores busy (one encoding while another's chunks are on the wire); a
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 
 LEASE_RENEW_S = 15.0  # well inside the metadata server's writer lease (60 s by default)
+# The open block's buffer starts at this size (plus room for the encode's padding) and
+# doubles as writes fill it, up to a whole block: a small file is charged to the window what
+# it holds, so a burst of small files is not held to a few whole-block buffers at a time.
+FIRST_BUFFER = 1024 * 1024
+BUFFER_PAD = 4096  # >= k - 1: chunk_len_for pads data_len up to a multiple of k
+GROW_WAIT_S = 0.5  # a growing writer waits this long for room, then takes it over the window
 
 
 class FileWriter:
@@ -56,7 +63,6 @@ class FileWriter:
         self.size = attrs.size
         self._lock = trio.Lock()
         self._committed = blocks
-        self._charge = self.layout.block_size * self.policy.n // self.policy.k
         self._open_index: int | None = None
         self._open_buf: bytearray | None = None
         self._open_len = 0
@@ -143,9 +149,10 @@ class FileWriter:
         for piece in layout.pieces(offset, view.nbytes):
             if piece.block_index != self._open_index:
                 await self._switch_open(piece.block_index)
+            bo, n = piece.block_offset, piece.length
+            await self._ensure(bo + n)
             buf = self._open_buf
             assert buf is not None
-            bo, n = piece.block_offset, piece.length
             if bo > self._open_len:
                 buf[self._open_len : bo] = bytes(bo - self._open_len)
             buf[bo : bo + n] = view[piece.out_offset : piece.out_offset + n]
@@ -291,10 +298,44 @@ class FileWriter:
             self._fail(e)
             raise
 
+    def _charge(self, buf: bytearray) -> int:
+        """What a buffer costs the window: its bytes and the parity zfec makes of them."""
+        return len(buf) * self.policy.n // self.policy.k
+
+    def _buffer_size(self, need: int) -> int:
+        """The buffer for ``need`` bytes of the open block and its encode's padding."""
+        full = self.layout.block_size
+        size = FIRST_BUFFER
+        while size + BUFFER_PAD < need + self.policy.k and size + BUFFER_PAD < full:
+            size *= 2
+        return min(size + BUFFER_PAD, full)
+
+    async def _ensure(self, need: int) -> None:
+        """Grow the open block's buffer to hold ``need`` bytes (copying what it holds).
+
+        The writer already holds a buffer while it waits for the bigger one, and a writer
+        waiting for room cannot be spilled (it holds its lock), so after ``GROW_WAIT_S`` the
+        buffer is taken over the window: writers that all wait to grow never deadlock, and
+        the window is exceeded by at most what they grow by."""
+        buf = self._open_buf
+        assert buf is not None
+        if len(buf) >= min(need + self.policy.k, self.layout.block_size):
+            return
+        size = self._buffer_size(need)
+        pool = self.client.buffers
+        new: bytearray | None = None
+        with trio.move_on_after(GROW_WAIT_S):
+            new = await pool.acquire(size, size * self.policy.n // self.policy.k)
+        if new is None:
+            new = await pool.acquire(size, size * self.policy.n // self.policy.k, wait=False)
+        new[: self._open_len] = memoryview(buf)[: self._open_len]
+        pool.release(buf, self._charge(buf))
+        self._open_buf = new
+
     def _release_open(self) -> None:
         self.client.buffers.holders.discard(self)
         if self._open_buf is not None:
-            self.client.buffers.release(self._open_buf, self._charge)
+            self.client.buffers.release(self._open_buf, self._charge(self._open_buf))
         self._open_buf = None
         self._open_index = None
         self._open_len = 0
@@ -303,10 +344,11 @@ class FileWriter:
     async def _switch_open(self, index: int) -> None:
         """Make block ``index`` the open block, loading what it already holds."""
         await self._flush_open()
-        buf = await self.client.buffers.acquire(self.layout.block_size, self._charge)
+        valid = self.layout.block_data_len(index, self.size)
+        size = self._buffer_size(max(valid, 0))
+        buf = await self.client.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
         self.client.buffers.holders.add(self)
-        valid = self.layout.block_data_len(index, self.size)
         if valid <= 0:
             return
         await self._wait_index(index)
@@ -328,7 +370,7 @@ class FileWriter:
         if buf is None:
             return
         if not dirty or n == 0 or index is None:
-            self.client.buffers.release(buf, self._charge)
+            self.client.buffers.release(buf, self._charge(buf))
             return
         gen = next(self._gen)
         self._begin(index)
@@ -358,7 +400,7 @@ class FileWriter:
             log.exception("flush of block %d of file %d failed", index, self.file_id)
             self._fail(TectonicError(f"internal error flushing block {index}: {e!r}"))
         finally:
-            self.client.buffers.release(buf, self._charge)
+            self.client.buffers.release(buf, self._charge(buf))
             self._end(index)
 
     async def _commit(self, index: int, gen: int, info: BlockInfo) -> None:
