@@ -1,4 +1,4 @@
-"""Symbolic links, hard links, special files and directory bookkeeping in the metadata
+"""Symbolic links, hard links, special files, directory bookkeeping and times in the metadata
 service (Name and File layers over real servers): what the mount's symlink, link, mknod and
 directory attributes stand on."""
 
@@ -129,3 +129,19 @@ async def test_stored_counts_blocks_not_holes(mc):
     )
     assert file_layer._stored(conn, fid, 950, 100) == 150
     assert file_layer._stored(conn, fid, 1000, 100) == 200
+
+
+async def test_seal_keeps_the_times_set_before_it(mc):
+    """A seal changes no byte, so it stamps no time: a utime that lands between close(2)'s
+    flush and the seal of the last release (shutil.copy2, cp -p) is kept."""
+    c = mc.client
+    f, token = await c.create(ROOT_ID, "timed")
+    await c.set_size(f.id, token, 10)
+    want = 1_600_000_000_123_456_789
+    await c.setattr(f.id, mtime_ns=want, atime_ns=want)
+    sealed = await c.seal(f.id, token, 10)
+    assert (sealed.mtime_ns, (await c.getattr(f.id)).mtime_ns) == (want, want)
+    token = await c.open_for_write(f.id)
+    await c.setattr(f.id, mtime_ns=want)
+    grown = await c.seal(f.id, token, 20)  # a seal that changes the size is a change
+    assert grown.mtime_ns > want
