@@ -710,6 +710,7 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
         assert not ready.exists() or beats
         await trio.sleep(0.01)
     assert json.loads(ready.read_text())["address"] == f"127.0.0.1:{port}"
+    fs = {k: beats[0][k] for k in ("fs_id", "fs_total", "fs_free")}  # the store's filesystem
     assert beats[0] == {
         "node_id": NODE,
         "address": f"127.0.0.1:{port}",
@@ -718,7 +719,9 @@ async def test_heartbeat_registers_and_ready_file_waits_for_acceptance(nursery, 
         "free": 10 * MiB,
         "chunk_count": 0,
         "queue_depth": 0,
+        **fs,
     }
+    assert fs["fs_id"] and fs["fs_total"] >= fs["fs_free"] > 0
     async with open_client(port, secret) as c:
         cid, cap = new_chunk(secret)
         await c.put(cid, b"x" * 1000, cap)
