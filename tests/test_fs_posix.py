@@ -423,3 +423,17 @@ def test_round_trip_in_out_and_inside(wdir: Path, tmp_path: Path, tool: str) -> 
     _assert_same(local, wdir / "inside", how=f"{tool} inside the mount")
     copy(wdir / "inside", tmp_path / "out")
     _assert_same(local, tmp_path / "out", how=f"{tool} out of the mount")
+
+
+def test_unlinked_file_being_written_counts_no_link(wdir: Path) -> None:
+    with open(wdir / "w", "wb") as f:
+        f.write(b"data")
+        os.unlink(wdir / "w")
+        assert os.fstat(f.fileno()).st_nlink == 0
+        f.write(b"more")
+        f.flush()
+        again = os.open(f"/proc/self/fd/{f.fileno()}", os.O_RDONLY)  # reopens the inode
+        try:
+            assert os.pread(again, 8, 0) == b"datamore"
+        finally:
+            os.close(again)

@@ -611,7 +611,10 @@ class Operations(XattrOps, pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         # Open handles keep their FileReader/FileWriter, so the data stays readable until
         # the last release; the metadata service collects the blocks after a grace period.
-        await self.meta.unlink(parent_inode, _name(name))
+        file_id = await self.meta.unlink(parent_inode, _name(name))
+        ofile = self.cache.writing(file_id)
+        if ofile is not None and ofile.attrs is not None:  # fstat of our writer's handles
+            ofile.attrs = dataclasses.replace(ofile.attrs, nlink=max(ofile.attrs.nlink - 1, 0))
 
     @fuse_op
     async def rename(
