@@ -157,7 +157,6 @@ _READ_OPS = frozenset(
         "block.by_node",
         "block.durability",
         "node.list",
-        "node.place",
         "server.stats",
     }
 )
@@ -313,13 +312,18 @@ class MetadataClient(CheckpointCalls):
                 f"metadata server {address} unavailable during {op}: {e.message}"
             ) from None
 
-    async def _shard(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+    async def _shard(
+        self, shard: int, op: str, *, repeat: bool = False, **fields: Any
+    ) -> dict[str, Any]:
+        """``repeat``: as for ``_call`` (the caller handles a repeated mutation's outcome)."""
         fields["shard"] = shard
         if self.config.metadata_engine == "sqlite":
-            return await self._call(self._shard_addr[shard], op, fields)
-        return await self._followed(shard, op, fields)
+            return await self._call(self._shard_addr[shard], op, fields, repeat=repeat)
+        return await self._followed(shard, op, fields, repeat=repeat)
 
-    async def _followed(self, shard: int, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+    async def _followed(
+        self, shard: int, op: str, fields: dict[str, Any], *, repeat: bool = False
+    ) -> dict[str, Any]:
         """Under the etcd engine shards move between servers: a refusal (``WrongShard``) or
         a server that cannot be reached sends the request where ``server.owners`` says the
         shard is now, until the reconnect deadline. A mutation that reached a server which
@@ -333,6 +337,7 @@ class MetadataClient(CheckpointCalls):
                     address,
                     op,
                     fields,
+                    repeat=repeat,
                     reconnect=FOLLOW_POLICY,
                     trace=trace,
                     timeout=FOLLOW_CALL_TIMEOUT_S,
@@ -504,7 +509,7 @@ class MetadataClient(CheckpointCalls):
         """
         validate_name(name)
         dir_ec, chunk_size = await self._policy(dir_id)
-        fields = {
+        fields: dict[str, Any] = {
             "dir": dir_id,
             "name": name,
             "mode": mode,
@@ -513,16 +518,12 @@ class MetadataClient(CheckpointCalls):
             "ec": ECPolicy.parse(ec or dir_ec).name,
             "chunk_size": chunk_size,
         }
-        address = self._shard_addr[self._of(dir_id)]
         for _ in range(3):
             try:
                 # A non-exclusive create may be sent again after a lost reply: if the first
                 # one did create the file, the second finds it and opens it below.
-                r = await self._call(
-                    address,
-                    "name.create",
-                    {**fields, "shard": self._of(dir_id)},
-                    repeat=not exclusive,
+                r = await self._shard(
+                    self._of(dir_id), "name.create", repeat=not exclusive, **fields
                 )
                 return Attrs.from_wire(r["attrs"]), int(r["token"])
             except FileExists:
@@ -754,7 +755,7 @@ class MetadataClient(CheckpointCalls):
         ec: str | None = None,
     ) -> Attrs:
         """Change attributes; ``ec`` on a directory sets the policy new files inherit."""
-        changes = {
+        changes: dict[str, Any] = {
             "mode": mode,
             "uid": uid,
             "gid": gid,
@@ -890,8 +891,7 @@ class MetadataClient(CheckpointCalls):
         seal was this one (the size, and these blocks at their indexes) and returns it."""
         local = await self._commit_elsewhere(file_id, blocks)
         shard = self._of(file_id)
-        fields = {
-            "shard": shard,
+        fields: dict[str, Any] = {
             "id": file_id,
             "token": token,
             "size": size,
@@ -899,7 +899,7 @@ class MetadataClient(CheckpointCalls):
             "blocks": local,
         }
         try:
-            r = await self._call(self._shard_addr[shard], "file.close", fields, repeat=True)
+            r = await self._shard(shard, "file.close", repeat=True, **fields)
         except FileSealed:
             attrs = await self.getattr(file_id)
             have = {

@@ -90,7 +90,8 @@ class EtcdShards:
         try:
             async with trio.open_nursery() as nursery:
                 self.ownership = Ownership(
-                    self.etcd,
+                    # its own connections: a keep-alive never queues behind commits
+                    EtcdClient(self.settings.endpoints, max_connections=4),
                     self.settings.prefix,
                     self.server.address,
                     ttl=self.settings.lease_ttl,
@@ -115,6 +116,8 @@ class EtcdShards:
                     except TectonicError as e:
                         log.warning("lease revoke at shutdown failed: %s", e)
                 await self.etcd.aclose()
+                if self.ownership is not None:
+                    await self.ownership.etcd.aclose()
 
     async def _poll(self) -> None:
         try:

@@ -159,6 +159,7 @@ class EtcdClient:
         *,
         deadline: float = DEFAULT_DEADLINE_S,
         request_timeout: float = REQUEST_TIMEOUT_S,
+        max_connections: int = 128,
     ) -> None:
         if not endpoints:
             raise InvalidArgument("etcd: no endpoints")
@@ -167,9 +168,11 @@ class EtcdClient:
         self._policy = RetryPolicy(
             attempts=None, deadline=deadline, first_delay=0.05, max_delay=0.5
         )
+        # A request waiting for a free connection is not an etcd failure: wait for one as
+        # long as the whole deadline (etcd slow under load must not read as etcd down).
         self._http = httpx.AsyncClient(
-            timeout=request_timeout,
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            timeout=httpx.Timeout(request_timeout, pool=deadline),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=32),
         )
 
     async def aclose(self) -> None:
