@@ -70,7 +70,8 @@ class Ownership:
             await trio.sleep(self.ttl / 3)
             sent = trio.current_time()
             try:
-                with trio.fail_after(self.ttl / 2):
+                # validity counts from when this was sent, so a late answer is still good
+                with trio.fail_after(self.ttl - MARGIN_S):
                     left = await self.etcd.lease_keepalive(self.lease)
             except (TectonicError, trio.TooSlowError) as e:
                 log.warning("etcd lease %x keep-alive failed: %s", self.lease, e)
