@@ -51,6 +51,7 @@ class Ownership:
         self.lease = 0
         self._valid_until = -1.0
         self._on_lost = on_lost
+        self._lapsed = trio.Event()
 
     def valid(self) -> bool:
         return trio.current_time() < self._valid_until
@@ -62,28 +63,40 @@ class Ownership:
         log.info("metadata server %s holds etcd lease %x", self.address, self.lease)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Grant the lease, then keep it alive; a lease that lapsed is replaced by a new one
-        after every shard was given up."""
+        """Grant the lease, then keep it alive: a keep-alive every ttl/3, each in a task of
+        its own, so one that is slow to be answered never delays the next. A lease that
+        lapsed is replaced by a new one after every shard was given up."""
         await self._grant()
         task_status.started()
-        while True:
-            await trio.sleep(self.ttl / 3)
-            sent = trio.current_time()
-            try:
-                # validity counts from when this was sent, so a late answer is still good
-                with trio.fail_after(self.ttl - MARGIN_S):
-                    left = await self.etcd.lease_keepalive(self.lease)
-            except (TectonicError, trio.TooSlowError) as e:
-                log.warning("etcd lease %x keep-alive failed: %s", self.lease, e)
-                continue
-            if left > 0:
-                self._valid_until = sent + left - MARGIN_S
-                continue
-            log.warning("etcd lease %x expired: giving up every shard", self.lease)
-            self._valid_until = -1.0
-            if self._on_lost is not None:
-                await self._on_lost()
-            await self._grant()
+        async with trio.open_nursery() as nursery:
+            while True:
+                self._lapsed = trio.Event()
+                with trio.move_on_after(self.ttl / 3):
+                    await self._lapsed.wait()
+                if not self._lapsed.is_set():
+                    nursery.start_soon(self._keep_alive, self.lease)
+                    continue
+                log.warning("etcd lease %x expired: giving up every shard", self.lease)
+                self._valid_until = -1.0
+                if self._on_lost is not None:
+                    await self._on_lost()
+                await self._grant()
+
+    async def _keep_alive(self, lease: int) -> None:
+        sent = trio.current_time()
+        try:
+            # validity counts from when this was sent, so a late answer is still good
+            with trio.fail_after(self.ttl - MARGIN_S):
+                left = await self.etcd.lease_keepalive(lease)
+        except (TectonicError, trio.TooSlowError) as e:
+            log.warning("etcd lease %x keep-alive failed: %s", lease, e or "timed out")
+            return
+        if lease != self.lease:
+            return  # an answer about a lease already replaced
+        if left > 0:
+            self._valid_until = max(self._valid_until, sent + left - MARGIN_S)
+        else:
+            self._lapsed.set()
 
     async def acquire(self, shard: int) -> int | None:
         """Claim an unowned shard: the owner key's create revision (the fence of every
