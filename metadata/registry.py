@@ -13,13 +13,11 @@ a node that is really gone drops out when the grace period ends.
 from __future__ import annotations
 
 import logging
-import random
 import sqlite3
 import time
 from dataclasses import replace
 from typing import Any
 
-from metadata import placement
 from metadata.shard import ShardStore, now_ns
 from tectonic_py.core.errors import InvalidArgument
 from tectonic_py.core.ids import NODE_ID_RE
@@ -49,7 +47,6 @@ class Registry:
         self.store = store
         self.node_timeout = node_timeout
         self._nodes: dict[str, NodeInfo] = {}
-        self._rng = random.Random()
         start = time.time()
         for node_id, address, domain, capacity, free, _ in store.reader.execute(
             "SELECT node_id, address, failure_domain, capacity, free, registered_ns FROM nodes"
@@ -105,6 +102,3 @@ class Registry:
             replace(n, state="up" if now - n.last_seen <= self.node_timeout else "down")
             for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
         ]
-
-    def place(self, count: int, minimum: int, exclude: list[str]) -> list[NodeInfo]:
-        return placement.place(self.nodes(), count, minimum=minimum, exclude=exclude, rng=self._rng)

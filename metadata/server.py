@@ -53,7 +53,6 @@ block.report_bad_chunk                                                     recor
 node.heartbeat       node_id, address, failure_domain, capacity, free,     {}
                      chunk_count, queue_depth
 node.list            -                                                     nodes
-node.place           count, minimum, exclude                               nodes
 server.stats         -                                                     shards, files, ...
 server.owners        -                                                     owners {shard: addr}
 server.backup        dest (a new directory on this host)                   manifest
@@ -675,13 +674,6 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_node__list(self, req: Request) -> dict[str, Any]:
         return {"nodes": [n.to_wire() for n in self._registry().nodes()]}
-
-    async def op_node__place(self, req: Request) -> dict[str, Any]:
-        registry = self._registry()
-        count = req.int("count", lo=1, hi=256)
-        minimum = req.int("minimum", count, lo=0, hi=count)
-        exclude = self._node_list(req, "exclude") if req.fields.get("exclude") else []
-        return {"nodes": [n.to_wire() for n in registry.place(count, minimum, exclude)]}
 
     async def op_server__stats(self, req: Request) -> dict[str, Any]:
         shards = {}

@@ -582,8 +582,6 @@ async def test_malformed_requests_and_unknown_shards(mc):
             await conn.call(
                 "node.heartbeat", {"node_id": "../etc", "address": "h:1", "failure_domain": "a"}
             )
-        with pytest.raises(InvalidArgument):
-            await conn.call("node.place", {"count": 0})
         with pytest.raises(UnknownOp):
             await conn.call("name.drop_table", {"shard": 0})
         # The connection survived every refusal.
@@ -629,10 +627,10 @@ async def test_registry_liveness_and_persistence(tmp_path, secret_file):
         reg._nodes["node0"].last_seen -= 100  # silent for longer than the timeout
         nodes = {n.node_id: n for n in await c.nodes()}
         assert nodes["node0"].state == "down"
-        placed = await c._registry("node.place", count=3)
-        assert "node0" not in [n["node_id"] for n in placed["nodes"]]
+        placed = await c._place(3, 3, ())  # placed by the client, over the node list
+        assert "node0" not in [n.node_id for n in placed]
         with pytest.raises(NoSpace):
-            await c._registry("node.place", count=4)
+            await c._place(4, 4, ())
         # An address change (restart on a new port) updates the registration.
         await c._registry(
             "node.heartbeat",
