@@ -246,6 +246,7 @@ class FileWriter:
         if self._final is not None:
             return self._final
         try:
+            self._check()  # a sticky error: nothing more is stored
             last = await self._store_open()
             await self._drain()
             self._check()
