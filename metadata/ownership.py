@@ -17,14 +17,22 @@ up once etcd tells it the lease is gone.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import msgpack
 import trio
 
 from metadata.etcd_engine import owner_key
-from tectonic_py.core.errors import TectonicError
-from tectonic_py.core.etcd_client import Compare, EtcdClient, delete_op, prefix_end, put_op
+from tectonic_py.core.etcd_client import (
+    BlockingKeepAlive,
+    Compare,
+    EtcdClient,
+    delete_op,
+    prefix_end,
+    put_op,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,52 +59,51 @@ class Ownership:
         self.lease = 0
         self._valid_until = -1.0
         self._on_lost = on_lost
-        self._lapsed = trio.Event()
 
     def valid(self) -> bool:
-        return trio.current_time() < self._valid_until
+        return time.monotonic() < self._valid_until
 
     async def _grant(self) -> None:
-        sent = trio.current_time()
+        sent = time.monotonic()
         self.lease = await self.etcd.lease_grant(self.ttl)
         self._valid_until = sent + self.ttl - MARGIN_S
         log.info("metadata server %s holds etcd lease %x", self.address, self.lease)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Grant the lease, then keep it alive: a keep-alive every ttl/3, each in a task of
-        its own, so one that is slow to be answered never delays the next. A lease that
-        lapsed is replaced by a new one after every shard was given up."""
+        """Grant the lease, then keep it alive from a worker thread (``_keep_alive``); a
+        lease that lapsed is replaced by a new one after every shard was given up."""
         await self._grant()
         task_status.started()
-        async with trio.open_nursery() as nursery:
-            while True:
-                self._lapsed = trio.Event()
-                with trio.move_on_after(self.ttl / 3):
-                    await self._lapsed.wait()
-                if not self._lapsed.is_set():
-                    nursery.start_soon(self._keep_alive, self.lease)
-                    continue
-                log.warning("etcd lease %x expired: giving up every shard", self.lease)
-                self._valid_until = -1.0
-                if self._on_lost is not None:
-                    await self._on_lost()
-                await self._grant()
+        while True:
+            stop = threading.Event()
+            try:
+                await trio.to_thread.run_sync(
+                    self._keep_alive, self.lease, stop, abandon_on_cancel=True
+                )
+            finally:
+                stop.set()
+            log.warning("etcd lease %x expired: giving up every shard", self.lease)
+            self._valid_until = -1.0
+            if self._on_lost is not None:
+                await self._on_lost()
+            await self._grant()
 
-    async def _keep_alive(self, lease: int) -> None:
-        sent = trio.current_time()
+    def _keep_alive(self, lease: int, stop: threading.Event) -> None:
+        """A keep-alive every ttl/3 until the lease is gone (then return) or ``stop``. Each
+        extends validity from its own send time, so a late answer is still good."""
+        sender = BlockingKeepAlive(self.etcd.endpoints, timeout=self.ttl / 3)
         try:
-            # validity counts from when this was sent, so a late answer is still good
-            with trio.fail_after(self.ttl - MARGIN_S):
-                left = await self.etcd.lease_keepalive(lease)
-        except (TectonicError, trio.TooSlowError) as e:
-            log.warning("etcd lease %x keep-alive failed: %s", lease, e or "timed out")
-            return
-        if lease != self.lease:
-            return  # an answer about a lease already replaced
-        if left > 0:
-            self._valid_until = max(self._valid_until, sent + left - MARGIN_S)
-        else:
-            self._lapsed.set()
+            while not stop.wait(self.ttl / 3):
+                sent = time.monotonic()
+                left = sender.send(lease)
+                if left is None:
+                    log.warning("etcd lease %x keep-alive: no member answered", lease)
+                elif left > 0:
+                    self._valid_until = max(self._valid_until, sent + left - MARGIN_S)
+                else:
+                    return
+        finally:
+            sender.close()
 
     async def acquire(self, shard: int) -> int | None:
         """Claim an unowned shard: the owner key's create revision (the fence of every

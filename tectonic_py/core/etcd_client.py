@@ -191,7 +191,12 @@ class EtcdClient:
         index = self._current
         endpoint = self.endpoints[index]
         try:
-            response = await self._http.post(f"{endpoint}{path}", json=body)
+            # Never cancelled mid-request: httpcore leaks a pooled connection for good when
+            # a request is cancelled while the pool is contended (encode/httpcore#1093), and
+            # enough of those leave every request waiting for a slot. The request is
+            # bounded by its own timeout instead.
+            with trio.CancelScope(shield=True):
+                response = await self._http.post(f"{endpoint}{path}", json=body)
         except httpx.HTTPError as e:
             self._next_endpoint(index)
             raise Unavailable(f"etcd {endpoint}: {type(e).__name__}: {e}") from None
@@ -318,3 +323,34 @@ class EtcdClient:
 
     async def status(self) -> dict[str, Any]:
         return await self.call("/v3/maintenance/status", {})
+
+
+class BlockingKeepAlive:
+    """Lease keep-alives from a worker thread, with a blocking HTTP client of their own.
+
+    Why not the event loop: a server's lease must not lapse because its event loop is
+    saturated (a burst of thousands of requests on a shared machine delays every timer);
+    a thread gets the interpreter every switch interval whatever the loop's backlog.
+    ``send`` returns the lease's new TTL, 0 once it has expired, or None when no member
+    answered within ``timeout``."""
+
+    def __init__(self, endpoints: Sequence[str], timeout: float) -> None:
+        self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints]
+        self._current = 0
+        self._http = httpx.Client(timeout=timeout)
+
+    def send(self, lease: int) -> int | None:
+        for attempt in range(len(self.endpoints)):
+            endpoint = self.endpoints[(self._current + attempt) % len(self.endpoints)]
+            try:
+                r = self._http.post(f"{endpoint}/v3/lease/keepalive", json={"ID": str(lease)})
+                answer = r.json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if r.status_code == 200 and "error" not in answer:
+                self._current = (self._current + attempt) % len(self.endpoints)
+                return int(answer.get("result", {}).get("TTL", 0))
+        return None
+
+    def close(self) -> None:
+        self._http.close()
