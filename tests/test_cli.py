@@ -334,7 +334,7 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
                 help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
                 assert "default" in help_text, (name, action.option_strings)
     # put get ls rm stat mkdir status mount loadtest maintenance repair
-    assert found == 11
+    assert found == 13
 
 
 SIZE_FLAGS = {

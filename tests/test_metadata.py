@@ -6,7 +6,6 @@ import msgpack
 import pytest
 import trio
 import trio.lowlevel
-from etcd_fixtures import needs_etcd
 from metadata_fixtures import open_meta_cluster, register_nodes
 from tmpfs_helpers import small_tmpfs
 
@@ -34,11 +33,10 @@ from tectonic_py.core.ids import ROOT_ID, shard_of
 from tectonic_py.core.records import BlockInfo, ChunkPlacement, validate_name
 
 
-@pytest.fixture(params=["sqlite", pytest.param("etcd", marks=needs_etcd)])
-async def mc(request, tmp_path, secret_file):
+@pytest.fixture
+async def mc(tmp_path, secret_file, meta_engine):
     """Every test of the service runs on both metadata engines."""
-    etcd = request.getfixturevalue("etcd_settings") if request.param == "etcd" else None
-    async with open_meta_cluster(tmp_path, secret_file, etcd=etcd) as cluster:
+    async with open_meta_cluster(tmp_path, secret_file, etcd=meta_engine) as cluster:
         yield cluster
 
 

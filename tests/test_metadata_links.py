@@ -14,8 +14,8 @@ from tectonic_py.core.records import KIND_CHR, KIND_FIFO, KIND_SYMLINK
 
 
 @pytest.fixture
-async def mc(tmp_path, secret_file):
-    async with open_meta_cluster(tmp_path, secret_file) as cluster:
+async def mc(tmp_path, secret_file, meta_engine):
+    async with open_meta_cluster(tmp_path, secret_file, etcd=meta_engine) as cluster:
         yield cluster
 
 

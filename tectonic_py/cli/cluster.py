@@ -155,7 +155,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         maintenance=not args.no_maintenance,
         chunkstore_args=["--scrub-interval", str(args.scrub_interval)],
         maintenance_args=["--inventory-interval", str(args.inventory_interval)],
-        metadata_engine=args.metadata_engine,
+        metadata_engine=args.metadata_engine or FRESH["metadata_engine"],
     )
 
 
