@@ -159,6 +159,13 @@ class Operations(XattrOps, pyfuse3.Operations):
 
     # --- attributes -----------------------------------------------------------------------
 
+    def _entry_taken(self, attrs: Attrs) -> pyfuse3.EntryAttributes:
+        """The entry of a reply by which the kernel takes a reference to the inode (lookup,
+        create, mkdir, ...): counted, so that forget can drop it."""
+        entry = self._entry(attrs)
+        self.cache.remember(attrs.id)
+        return entry
+
     def _entry(self, attrs: Attrs) -> pyfuse3.EntryAttributes:
         ofile = self.cache.writing(attrs.id)
         size = ofile.writer.size if ofile is not None else attrs.size
@@ -220,9 +227,7 @@ class Operations(XattrOps, pyfuse3.Operations):
             attrs = await self._attrs(parent_inode)
         else:
             attrs = await self.meta.lookup(parent_inode, _name(name))
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return entry
+        return self._entry_taken(attrs)
 
     @fuse_op
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -334,9 +339,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         handle = self.cache.add_handle(
             ofile, readable=(flags & os.O_ACCMODE) != os.O_WRONLY, writable=True
         )
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return pyfuse3.FileInfo(fh=handle.fh), entry
+        return pyfuse3.FileInfo(fh=handle.fh), self._entry_taken(attrs)
 
     @fuse_op
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -539,9 +542,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         attrs = await self.meta.mkdir(
             parent_inode, _name(name), mode=mode & 0o7777, uid=ctx.uid, gid=ctx.gid
         )
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return entry
+        return self._entry_taken(attrs)
 
     @fuse_op
     async def symlink(
@@ -550,9 +551,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         attrs = await self.meta.symlink(
             parent_inode, _name(name), bytes(target), uid=ctx.uid, gid=ctx.gid
         )
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return entry
+        return self._entry_taken(attrs)
 
     @fuse_op
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -587,9 +586,7 @@ class Operations(XattrOps, pyfuse3.Operations):
                 uid=ctx.uid,
                 gid=ctx.gid,
             )
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return entry
+        return self._entry_taken(attrs)
 
     @fuse_op
     async def link(
@@ -599,9 +596,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         ofile = self.cache.writing(inode)
         if ofile is not None and ofile.attrs is not None:
             ofile.attrs.nlink = attrs.nlink
-        entry = self._entry(attrs)
-        self.cache.remember(attrs.id)
-        return entry
+        return self._entry_taken(attrs)
 
     @fuse_op
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
