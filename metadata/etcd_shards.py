@@ -66,7 +66,6 @@ class EtcdShards:
         self._owners: dict[int, str] = {}
         self._rng = random.Random()
         self._loading = trio.CapacityLimiter(LOAD_PARALLEL)
-        self.takeovers = 0
 
     def check(self, shard: int) -> ShardStore:
         """The store of a shard this server may serve right now, or the error that says why
@@ -197,8 +196,6 @@ class EtcdShards:
         if shard == shard_of(ROOT_ID, self.server.total_shards):
             await self.server._ensure_root()
         self._unowned_since.pop(shard, None)
-        if shard not in self.preferred:
-            self.takeovers += 1
         log.info("shard %d: serving (%d rows from etcd)", shard, rows)
 
     async def _run_store(self, store: ShardStore, scope: trio.CancelScope) -> None:
@@ -226,6 +223,3 @@ class EtcdShards:
     async def drop_all(self) -> None:
         for shard in list(self.server.stores):
             await self.drop(shard)
-
-    async def aclose(self) -> None:
-        await self.etcd.aclose()

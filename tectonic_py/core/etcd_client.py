@@ -57,6 +57,11 @@ def _unb64(text: str | None) -> bytes:
     return base64.b64decode(text) if text else b""
 
 
+def endpoint_urls(endpoints: Sequence[str]) -> list[str]:
+    """Members as URLs: ``HOST:PORT`` is taken as plain HTTP."""
+    return [e if "://" in e else f"http://{e}" for e in endpoints]
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix`` (etcd's range_end)."""
     end = bytearray(prefix)
@@ -163,7 +168,7 @@ class EtcdClient:
     ) -> None:
         if not endpoints:
             raise InvalidArgument("etcd: no endpoints")
-        self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints]
+        self.endpoints = endpoint_urls(endpoints)
         self._current = 0
         self._policy = RetryPolicy(
             attempts=None, deadline=deadline, first_delay=0.05, max_delay=0.5
@@ -321,9 +326,6 @@ class EtcdClient:
     async def member_remove(self, member_id: int) -> None:
         await self.call("/v3/cluster/member/remove", {"ID": str(member_id)})
 
-    async def status(self) -> dict[str, Any]:
-        return await self.call("/v3/maintenance/status", {})
-
 
 class BlockingKeepAlive:
     """Lease keep-alives from a worker thread, with a blocking HTTP client of their own.
@@ -335,7 +337,7 @@ class BlockingKeepAlive:
     answered within ``timeout``."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float) -> None:
-        self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints]
+        self.endpoints = endpoint_urls(endpoints)
         self._current = 0
         self._http = httpx.Client(timeout=timeout)
 
