@@ -25,14 +25,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from metadata.shard import fsync_path, shard_file
 from tectonic_py.core.errors import ConfigError, InvalidArgument
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
-
-
-def shard_file(shard: int) -> str:
-    return f"shard-{shard:05d}.db"
 
 
 def _sha256(path: Path) -> str:
@@ -41,14 +38,6 @@ def _sha256(path: Path) -> str:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _identity(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -100,7 +89,7 @@ def backup_shards(
                 _check_integrity(dst, str(target))
             finally:
                 dst.close()
-            _fsync(target)
+            fsync_path(target)
             entries.append({"shard": s, "file": target.name, "sha256": _sha256(target)})
     manifest = {
         "format": FORMAT,
@@ -112,9 +101,9 @@ def backup_shards(
     }
     tmp = dest / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, dest / MANIFEST)
-    _fsync(dest)
+    fsync_path(dest)
     return manifest
 
 
@@ -173,7 +162,7 @@ def restore(backup: Path, data_dir: Path, *, force: bool = False) -> dict[str, A
     for entry in manifest["shards"]:
         tmp = data_dir / (entry["file"] + ".restoring")
         shutil.copyfile(Path(backup) / entry["file"], tmp)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, data_dir / entry["file"])
-    _fsync(data_dir)
+    fsync_path(data_dir)
     return {**manifest, "data_dir": str(data_dir), "moved_aside": str(aside) if aside else None}

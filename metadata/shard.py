@@ -154,7 +154,7 @@ class ShardStore:
         copy of what etcd holds, made anew here and filled by ``load_replica``."""
         self.shard = shard
         self.total_shards = total_shards
-        self.path = Path(data_dir) / f"shard-{shard:05d}.db"
+        self.path = Path(data_dir) / shard_file(shard)
         self.replica = replica
         self.stale = False  # an etcd commit of unknown outcome: reload before serving
         self.lost = False  # etcd refused a batch's fence: another server owns the shard now
@@ -210,7 +210,7 @@ class ShardStore:
             )
             self._writer.execute("COMMIT")
             if fresh:
-                _fsync_dir(self.path.parent)
+                fsync_path(self.path.parent)
             return
         for key, value in want.items():
             if rows.get(key) != value:
@@ -340,7 +340,13 @@ class ShardStore:
         self._writer.close()
 
 
-def _fsync_dir(path: Path) -> None:
+def shard_file(shard: int) -> str:
+    """The name of a shard's SQLite file in a data directory (and in a backup)."""
+    return f"shard-{shard:05d}.db"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path (a directory: so a new entry in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
