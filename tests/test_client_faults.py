@@ -292,7 +292,9 @@ async def _stop_a_store_mid_puts(cluster: LocalCluster, *, files: int, blocks: i
                     t_stop = trio.current_time()
                     stopped.set()
             took = trio.current_time() - t_stop
-            assert took < 10 * hedge + 5, f"the puts took {took:.1f}s after the store stopped"
+            # Without the hedge the puts would wait for the store to resume (the 60 s bound
+            # above); the margin is for a machine loaded by other work, not the hedge's cost.
+            assert took < 30, f"the puts took {took:.1f}s after the store stopped"
             assert client.stats.stalled_puts >= 1
             short = 0
             for path, data in datas.items():
