@@ -9,6 +9,15 @@ time), so the GC service can find chunks of writes that were aborted before comm
 same transaction. A committed block is immutable except for ``replace_chunk`` (repair and
 rebalance move one chunk to another node), which keeps the reverse index in step.
 
+A committed block may *adopt* chunks of an earlier version of itself (``ChunkPlacement.
+stored_as``, table ``chunk_origins``): an in-place write of a few bytes rewrites only the
+data chunks it touched and the parity, and the new version's other chunks are the old
+version's files, on the same nodes under the old block id. Both versions belong to one file,
+so they share its shard, and every question "does a block need this chunk file here?"
+(``holders``, behind ``dead_chunks`` and so behind every delete capability) is answered in one
+transaction: a chunk file lives while any committed version places it, whichever version
+wrote it, and goes with the last of them.
+
 ``bad_chunks`` is the one record of chunks a committed block lacks while its node is up, so
 that ``tectonic status`` and repair see the same thing and a restart of a chunk store hides
 nothing: a reader that found a chunk corrupt or missing (``report_bad_chunk``), the scrub's
@@ -103,6 +112,54 @@ def validate_info(info: BlockInfo) -> None:
         raise InvalidArgument(f"a block needs at least k={policy.k} chunks, got {len(seen)}")
 
 
+def holders(
+    conn: sqlite3.Connection, storage_block: int, index: int, node_id: str
+) -> list[tuple[int, int, int, int]]:
+    """The committed blocks that place chunk file ``storage_block.index`` on ``node_id``, as
+    (block_id, checksum, file_id, chunk_len): the block itself (when it did not adopt that
+    chunk from another) and the versions that adopted it."""
+    out = [
+        (storage_block, r[0], r[1], r[2])
+        for r in conn.execute(
+            "SELECT c.checksum, b.file_id, b.chunk_len FROM block_chunks c"
+            " JOIN blocks b ON b.block_id = c.block_id WHERE c.block_id = ? AND c.idx = ?"
+            " AND c.node_id = ? AND b.state = 'committed' AND NOT EXISTS (SELECT 1 FROM"
+            " chunk_origins o WHERE o.block_id = c.block_id AND o.idx = c.idx)",
+            (storage_block, index, node_id),
+        )
+    ]
+    out += [
+        (r[0], r[1], r[2], r[3])
+        for r in conn.execute(
+            "SELECT o.block_id, c.checksum, b.file_id, b.chunk_len FROM chunk_origins o"
+            " JOIN block_chunks c ON c.block_id = o.block_id AND c.idx = o.idx"
+            " JOIN blocks b ON b.block_id = o.block_id WHERE o.stored_as = ? AND o.idx = ?"
+            " AND c.node_id = ? AND b.state = 'committed'",
+            (storage_block, index, node_id),
+        )
+    ]
+    return out
+
+
+def _check_adopted(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
+    """An adopted chunk must be one a committed block of the same file places on that node,
+    with that checksum and chunk length: a writer can adopt only what its file holds."""
+    for c in info.chunks:
+        if not c.stored_as:
+            continue
+        if c.stored_as == info.block_id:
+            raise InvalidArgument(f"block {info.block_id:016x} cannot adopt its own chunk")
+        ok = any(
+            crc == c.checksum and fid == file_id and cl == info.chunk_len
+            for _, crc, fid, cl in holders(conn, c.stored_as, c.index, c.node_id)
+        )
+        if not ok:
+            raise InvalidArgument(
+                f"block {info.block_id:016x} adopts chunk {c.stored_as:016x}.{c.index} on"
+                f" {c.node_id!r}, which no committed block of file {file_id} places there"
+            )
+
+
 def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
     """Commit one block. Idempotent for a retry with the same placement."""
     validate_info(info)
@@ -115,12 +172,13 @@ def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
         raise InvalidArgument(f"block {info.block_id:016x} belongs to another file")
     if row[0] == "committed":
         existing = locate(conn, [info.block_id])[0]
-        same = sorted((c.index, c.node_id, c.checksum) for c in existing.chunks) == sorted(
-            (c.index, c.node_id, c.checksum) for c in info.chunks
-        )
+        same = sorted(
+            (c.index, c.node_id, c.checksum, c.stored_as) for c in existing.chunks
+        ) == sorted((c.index, c.node_id, c.checksum, c.stored_as) for c in info.chunks)
         if same and existing.data_len == info.data_len:
             return
         raise InvalidArgument(f"block {info.block_id:016x} is committed with other contents")
+    _check_adopted(conn, info, file_id)
     conn.execute(
         "UPDATE blocks SET state = 'committed', ec = ?, chunk_len = ?, data_len = ?, file_index = ?"
         " WHERE block_id = ?",
@@ -139,6 +197,10 @@ def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
     conn.executemany(
         "INSERT INTO node_blocks (node_id, block_id, idx) VALUES (?, ?, ?)",
         [(c.node_id, info.block_id, c.index) for c in info.chunks],
+    )
+    conn.executemany(
+        "INSERT INTO chunk_origins (block_id, idx, stored_as) VALUES (?, ?, ?)",
+        [(info.block_id, c.index, c.stored_as) for c in info.chunks if c.stored_as],
     )
     # Committed short (a full disk, a hung store): the absent indexes wait for repair.
     placed = {c.index for c in info.chunks}
@@ -161,9 +223,11 @@ def locate(conn: sqlite3.Connection, block_ids: list[int]) -> list[BlockInfo]:
         if row is None:
             raise FileNotFound(f"no committed block {bid:016x}")
         chunks = [
-            ChunkPlacement(index=r[0], node_id=r[1], checksum=r[2])
+            ChunkPlacement(index=r[0], node_id=r[1], checksum=r[2], stored_as=r[3] or 0)
             for r in conn.execute(
-                "SELECT idx, node_id, checksum FROM block_chunks WHERE block_id = ? ORDER BY idx",
+                "SELECT c.idx, c.node_id, c.checksum, o.stored_as FROM block_chunks c"
+                " LEFT JOIN chunk_origins o ON o.block_id = c.block_id AND o.idx = c.idx"
+                " WHERE c.block_id = ? ORDER BY c.idx",
                 (bid,),
             )
         ]
@@ -243,7 +307,9 @@ def repoint_chunk(
 ) -> None:
     """Write chunk ``index``'s new home in both tables (``block_chunks`` and the per-node
     index ``node_blocks``), dropping ``old_node``'s index row ("" = the chunk had no home).
-    The callers have already checked that the chunk is where ``old_node`` says."""
+    The callers have already checked that the chunk is where ``old_node`` says. The chunk
+    written there is the block's own (repair and rebalance put it under this block id), so
+    an adoption of the chunk ends here."""
     if old_node:
         conn.execute(
             "DELETE FROM node_blocks WHERE node_id = ? AND block_id = ? AND idx = ?",
@@ -253,6 +319,7 @@ def repoint_chunk(
         "DELETE FROM bad_chunks WHERE block_id = ? AND idx = ? AND node_id = ?",
         (block_id, index, old_node),
     )
+    conn.execute("DELETE FROM chunk_origins WHERE block_id = ? AND idx = ?", (block_id, index))
     conn.execute(
         "INSERT OR REPLACE INTO block_chunks (block_id, idx, node_id, checksum) VALUES (?, ?, ?, ?)",
         (block_id, index, new_node, checksum),
@@ -277,6 +344,12 @@ def info_from_wire(data: Any) -> BlockInfo:
         for c in info.chunks:
             if not isinstance(c.index, int) or isinstance(c.index, bool):
                 raise InvalidArgument("chunk index must be an integer")
+            if (
+                not isinstance(c.stored_as, int)
+                or isinstance(c.stored_as, bool)
+                or not 0 <= c.stored_as < 2**63
+            ):
+                raise InvalidArgument("chunk field 'stored_as' invalid")
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise InvalidArgument(f"malformed block record: {e}") from None
     return info

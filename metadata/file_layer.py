@@ -285,7 +285,8 @@ def commit_blocks(
     entries: list[tuple[int, int]],
     now_ns: int,
 ) -> None:
-    """Put blocks at their indexes; a replaced block is queued for GC."""
+    """Put blocks at their indexes; a replaced block is queued for GC as superseded (a
+    reader that misses its chunks re-reads the file's block list and finds the new one)."""
     _writable(conn, file_id, token)
     for index, block_id in entries:
         old = conn.execute(
@@ -293,6 +294,7 @@ def commit_blocks(
         ).fetchone()
         if old is not None and old[0] != block_id:
             _queue_gc(conn, [old[0]], now_ns)
+            conn.execute("INSERT OR IGNORE INTO gc_superseded (block_id) VALUES (?)", (old[0],))
         conn.execute(
             "INSERT OR REPLACE INTO file_blocks (file_id, idx, block_id) VALUES (?, ?, ?)",
             (file_id, index, block_id),

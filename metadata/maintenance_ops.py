@@ -21,7 +21,7 @@ block.node_chunks    node_id, after [block_id, index], upto, limit         chunk
                                                                            chunk_len]]
 block.caps           action ("put" | "delete"), chunks [[node_id, block_id,    caps [token | nil]
                      index], ...]
-file.gc_queue        older_than_ns, limit                                  blocks [[b, q_ns]]
+file.gc_queue        older_than_ns, limit, [superseded_before_ns]          blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
 file.expired_leases  before_ns, limit                                      files [[id, token]]
@@ -68,7 +68,7 @@ from typing import Any
 
 import msgpack
 
-from metadata.block_layer import repoint_chunk
+from metadata.block_layer import holders, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
@@ -172,6 +172,7 @@ def forget_block(
     conn.execute("DELETE FROM block_chunks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM node_blocks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM bad_chunks WHERE block_id = ?", (block_id,))
+    conn.execute("DELETE FROM chunk_origins WHERE block_id = ?", (block_id,))
     return True
 
 
@@ -211,7 +212,9 @@ def node_chunks(
     limit: int,
 ) -> list[tuple[int, int, int, int]]:
     """(block_id, index, checksum, chunk_len) of the committed chunks placed on ``node_id``
-    after ``after`` (a (block_id, index) position) with block_id <= ``upto``, in order."""
+    after ``after`` (a (block_id, index) position) with block_id <= ``upto``, in order.
+    Chunks a block adopted from an earlier version are left out: their files are listed
+    under that version's id, outside this window (not yet checked by the inventory)."""
     return [
         (r[0], r[1], r[2], r[3])
         for r in conn.execute(
@@ -219,7 +222,8 @@ def node_chunks(
             " JOIN block_chunks c ON c.block_id = n.block_id AND c.idx = n.idx"
             " JOIN blocks b ON b.block_id = n.block_id"
             " WHERE n.node_id = ? AND (n.block_id, n.idx) > (?, ?) AND n.block_id <= ?"
-            " AND b.state = 'committed' ORDER BY n.block_id, n.idx LIMIT ?",
+            " AND b.state = 'committed' AND NOT EXISTS (SELECT 1 FROM chunk_origins o"
+            " WHERE o.block_id = n.block_id AND o.idx = n.idx) ORDER BY n.block_id, n.idx LIMIT ?",
             (node_id, after[0], after[1], upto, limit),
         )
     ]
@@ -228,21 +232,17 @@ def node_chunks(
 def dead_chunks(
     conn: sqlite3.Connection, node_id: str, chunks: list[tuple[int, int]]
 ) -> list[tuple[int, int]]:
-    """Chunks a node holds that no block needs there: the block is gone, or is committed
-    with that chunk on another node (or without it). Chunks of allocated (uncommitted)
-    blocks are not dead here: the block sweep forgets stale allocations first."""
+    """Chunks a node holds that no block needs there: no committed block places that chunk
+    file on that node, neither its own block (gone, or committed with that chunk on another
+    node, or without it) nor a later version that adopted it (``block_layer.holders``).
+    Chunks of allocated (uncommitted) blocks are not dead here: the block sweep forgets
+    stale allocations first."""
     dead = []
     for block_id, index in chunks:
         row = conn.execute("SELECT state FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
-        if row is None:
-            dead.append((block_id, index))
+        if row is not None and row[0] != "committed":
             continue
-        if row[0] != "committed":
-            continue
-        at = conn.execute(
-            "SELECT node_id FROM block_chunks WHERE block_id = ? AND idx = ?", (block_id, index)
-        ).fetchone()
-        if at is None or at[0] != node_id:
+        if not holders(conn, block_id, index, node_id):
             dead.append((block_id, index))
     return dead
 
@@ -268,19 +268,28 @@ def grantable(conn: sqlite3.Connection, op: str, chunks: list[tuple[str, int, in
 # --- File layer functions ------------------------------------------------------------------
 
 
-def gc_queue(conn: sqlite3.Connection, older_than_ns: int, limit: int) -> list[tuple[int, int]]:
-    return [
-        (r[0], r[1])
-        for r in conn.execute(
-            "SELECT block_id, queued_ns FROM gc_blocks WHERE queued_ns < ? ORDER BY queued_ns"
-            " LIMIT ?",
-            (older_than_ns, limit),
-        )
-    ]
+def gc_queue(
+    conn: sqlite3.Connection, older_than_ns: int, limit: int, superseded_before_ns: int = 0
+) -> list[tuple[int, int]]:
+    """Queued blocks older than ``older_than_ns``, and the superseded ones (replaced at their
+    index by a newer version, ``gc_superseded``) older than ``superseded_before_ns``."""
+    rows = conn.execute(
+        "SELECT block_id, queued_ns FROM gc_blocks WHERE queued_ns < ? ORDER BY queued_ns LIMIT ?",
+        (older_than_ns, limit),
+    ).fetchall()
+    if superseded_before_ns > older_than_ns and len(rows) < limit:
+        rows += conn.execute(
+            "SELECT g.block_id, g.queued_ns FROM gc_superseded s JOIN gc_blocks g"
+            " ON g.block_id = s.block_id WHERE g.queued_ns >= ? AND g.queued_ns < ?"
+            " ORDER BY g.queued_ns LIMIT ?",
+            (older_than_ns, superseded_before_ns, limit - len(rows)),
+        ).fetchall()
+    return [(r[0], r[1]) for r in rows]
 
 
 def gc_ack(conn: sqlite3.Connection, block_ids: list[int]) -> None:
     conn.executemany("DELETE FROM gc_blocks WHERE block_id = ?", [(b,) for b in block_ids])
+    conn.executemany("DELETE FROM gc_superseded WHERE block_id = ?", [(b,) for b in block_ids])
 
 
 def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> list[bool]:
@@ -470,6 +479,7 @@ class MaintenanceOps:
             gc_queue,
             req.int("older_than_ns", hi=2**63 - 1),
             req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+            req.int("superseded_before_ns", 0, hi=2**63 - 1),
         )
         return {"blocks": [list(r) for r in rows]}
 

@@ -92,6 +92,10 @@ CREATE TABLE IF NOT EXISTS symlinks (file_id INTEGER PRIMARY KEY, target BLOB NO
 CREATE TABLE IF NOT EXISTS devices (file_id INTEGER PRIMARY KEY, rdev INTEGER NOT NULL);
 -- Blocks of deleted/overwritten files, waiting for the GC service.
 CREATE TABLE IF NOT EXISTS gc_blocks (block_id INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL);
+-- Queued blocks that a newer version replaced at their index (not deleted nor truncated
+-- away): a reader that misses their chunks finds the file's current blocks, so the GC
+-- collects them after a short grace.
+CREATE TABLE IF NOT EXISTS gc_superseded (block_id INTEGER PRIMARY KEY);
 
 -- Block layer: block_id -> scheme, lengths, chunks; reverse index by node. Sharded by block_id.
 CREATE TABLE IF NOT EXISTS blocks (
@@ -104,6 +108,13 @@ CREATE TABLE IF NOT EXISTS block_chunks (
 CREATE TABLE IF NOT EXISTS node_blocks (
     node_id TEXT NOT NULL, block_id INTEGER NOT NULL, idx INTEGER NOT NULL,
     PRIMARY KEY (node_id, block_id, idx)) WITHOUT ROWID;
+-- Chunks a block adopted from an earlier version of itself (an in-place write rewrote only
+-- the others): chunk idx of block_id is the file of chunk idx of stored_as. Both blocks are
+-- of one file, hence in this shard. No row: the chunk is stored under its own block id.
+CREATE TABLE IF NOT EXISTS chunk_origins (
+    block_id INTEGER NOT NULL, idx INTEGER NOT NULL, stored_as INTEGER NOT NULL,
+    PRIMARY KEY (block_id, idx)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunk_origins_stored ON chunk_origins (stored_as, idx);
 -- Chunks a reader found corrupt or missing, for repair; dropped when the chunk moves.
 CREATE TABLE IF NOT EXISTS bad_chunks (
     block_id INTEGER NOT NULL, idx INTEGER NOT NULL, node_id TEXT NOT NULL,

@@ -153,9 +153,23 @@ class ChunkPlacement:
     node_id: str
     checksum: int
     address: str = ""  # filled in by the client from the registry when locating
+    # The block id the chunk is stored under when it is an earlier version's chunk that this
+    # block adopted (an in-place write rewrote other chunks of the block); 0: its own.
+    stored_as: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {"index": self.index, "node_id": self.node_id, "checksum": self.checksum}
+        wire: dict[str, Any] = {
+            "index": self.index,
+            "node_id": self.node_id,
+            "checksum": self.checksum,
+        }
+        if self.stored_as:
+            wire["stored_as"] = self.stored_as
+        return wire
+
+    def storage_block(self, block_id: int) -> int:
+        """The block id of the chunk's file on its store (its id is that and ``index``)."""
+        return self.stored_as or block_id
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> ChunkPlacement:
