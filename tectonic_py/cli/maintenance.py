@@ -41,6 +41,12 @@ def register(subparsers: Any) -> None:
         help="seconds before unreferenced chunks and blocks are collected",
     )
     p.add_argument(
+        "--superseded-grace",
+        type=float,
+        default=30.0,
+        help="seconds before a block replaced by a newer version (an in-place write) is collected",
+    )
+    p.add_argument(
         "--lease-grace",
         type=float,
         default=600.0,
@@ -106,6 +112,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
     return MaintenanceSettings(
         interval=args.interval,
         grace=args.grace,
+        superseded_grace=args.superseded_grace,
         lease_grace=args.lease_grace,
         sweep_interval=args.sweep_interval,
         inventory_interval=args.inventory_interval,

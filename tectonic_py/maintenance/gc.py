@@ -14,8 +14,14 @@ Each round, in this order:
 2. **Orphan records**: File records of creates that crashed before their Name entry
    (``MetadataClient.collect_orphans``), after ``grace``.
 3. **The GC queue**: blocks of deleted, truncated or overwritten files (queued by the File
-   layer), once queued for ``grace``: the block record is forgotten, then its chunks are
-   deleted from their nodes, then the queue entry acknowledged. The record goes first
+   layer), once queued for ``grace``, or for ``superseded_grace`` when a newer version of
+   the block replaced it at its index (an in-place write, a fsync'd short block filled
+   later): a reader that then misses its chunks re-reads the file's block list and reads
+   the new version, so no reader needs it for long. The block record is forgotten, then
+   its chunks are deleted from their nodes (each chunk file under the block id it is
+   stored as: a chunk adopted from an earlier version is that version's file), except
+   those a newer version adopted and still places (no delete capability for them), then
+   the queue entry acknowledged. The record goes first
    because the metadata service grants a delete capability only for a chunk no block
    needs (``block.caps``); a crash after it leaves chunks of a forgotten block, which the
    chunk sweep collects, as it does the chunks on nodes that are down.
@@ -110,11 +116,19 @@ class GarbageCollector:
     # --- 3. the GC queue -------------------------------------------------------------------
 
     async def drain_queue(self) -> int:
-        before = time.time_ns() - int(self.m.settings.grace * 1e9)
+        now = time.time_ns()
+        before = now - int(self.m.settings.grace * 1e9)
+        superseded = now - int(self.m.settings.superseded_grace * 1e9)
         nodes = await self.m.nodes()
         done = 0
         for shard in range(self.m.config.shards):
-            r = await self.m.shard_call(shard, "file.gc_queue", older_than_ns=before, limit=PAGE)
+            r = await self.m.shard_call(
+                shard,
+                "file.gc_queue",
+                older_than_ns=before,
+                limit=PAGE,
+                superseded_before_ns=superseded,
+            )
             ids = [int(b) for b, _ in r["blocks"]]
             if not ids:
                 continue
@@ -142,16 +156,17 @@ class GarbageCollector:
         )
         self.m.counters.forgotten_blocks += bool(r["forgotten"])
         up = [
-            (c.node_id, block_id, c.index)
+            (c.node_id, c.storage_block(block_id), c.index)
             for c in info.chunks
             if c.node_id in nodes and nodes[c.node_id].state == "up"
         ]  # a chunk on a node that is down: the chunk sweep deletes it when the node is back
+        # No capability for a chunk file that another version still places (adopted).
         caps = await self.m.chunk_caps("delete", up) if up else {}
-        for key, cap in caps.items():
+        for (node_id, stored, index), cap in caps.items():
             try:
-                await self.m.delete_chunk(nodes[key[0]], block_id, key[2], cap)
+                await self.m.delete_chunk(nodes[node_id], stored, index, cap)
             except TectonicError as e:
-                log.info("chunk %s stays for the chunk sweep: %s", chunk_id(block_id, key[2]), e)
+                log.info("chunk %s stays for the chunk sweep: %s", chunk_id(stored, index), e)
         return True
 
     # --- 4. the block sweep ----------------------------------------------------------------

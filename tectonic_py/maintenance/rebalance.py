@@ -113,12 +113,21 @@ class Rebalancer:
             chunk = next((c for c in info.chunks if c.index == index), None)
             if chunk is None or chunk.node_id != src:
                 continue
-            return await self._move(info.block_id, index, chunk.checksum, nodes[src], nodes[dst])
+            stored = chunk.storage_block(info.block_id)
+            return await self._move(
+                info.block_id, index, chunk.checksum, nodes[src], nodes[dst], stored
+            )
         return None
 
-    async def _move(self, block_id: int, index: int, crc: int, src: NodeInfo, dst: NodeInfo) -> int:
+    async def _move(
+        self, block_id: int, index: int, crc: int, src: NodeInfo, dst: NodeInfo, stored: int
+    ) -> int:
+        """Copy chunk ``index`` of a block from ``src`` (its file there is ``stored``'s: the
+        block's own id, or an earlier version's for an adopted chunk) to ``dst`` under the
+        block's own id, repoint it, then delete the source file unless a version still
+        places it."""
         try:
-            data = await self.m.get_chunk(src, block_id, index, crc)
+            data = await self.m.get_chunk(src, stored, index, crc)
             await self.m.put_chunk(dst, block_id, index, data, crc)
             await self.m.set_chunk(block_id, index, src.node_id, dst.node_id, crc)
         except TectonicError as e:
@@ -127,7 +136,7 @@ class Rebalancer:
             )
             return 0
         try:
-            await self.m.delete_chunk(src, block_id, index)
+            await self.m.delete_chunk(src, stored, index)
         except TectonicError as e:
             log.info("source copy of %016x.%d stays for the GC: %s", block_id, index, e)
         return len(data)

@@ -289,7 +289,8 @@ class Repairer:
                 node = nodes.get(old.node_id)
                 if node is not None and node.state == "up":
                     try:
-                        await self.m.delete_chunk(node, info.block_id, index)
+                        # Refused while another version of the block still places that file.
+                        await self.m.delete_chunk(node, old.storage_block(info.block_id), index)
                     except TectonicError as e:
                         log.info(
                             "old copy of %016x.%d stays for the GC: %s", info.block_id, index, e
@@ -306,7 +307,8 @@ class Repairer:
         async def fetch(i: int) -> None:
             c = placed[i]
             try:
-                got[i] = await self.m.get_chunk(nodes[c.node_id], info.block_id, i, c.checksum)
+                stored = c.storage_block(info.block_id)  # an adopted chunk: its version's file
+                got[i] = await self.m.get_chunk(nodes[c.node_id], stored, i, c.checksum)
             except (ChunkCorrupt, ChunkNotFound) as e:
                 log.warning(
                     "block %016x chunk %d on %s unreadable: %s", info.block_id, i, c.node_id, e

@@ -50,6 +50,9 @@ class MaintenanceSettings:
 
     interval: float = 10.0  # seconds between rounds of repair, GC and rebalance
     grace: float = 3600.0  # GC: age before unreferenced chunks and blocks are collected
+    # GC: age before a block that a newer version replaced at its index is collected (its
+    # readers re-read the block list when its chunks are gone: docs/decisions)
+    superseded_grace: float = 30.0
     lease_grace: float = 600.0  # lease recovery: time past a writer lease's expiry
     sweep_interval: float = 3600.0  # GC: seconds between block and chunk sweeps
     inventory_interval: float = 600.0  # seconds between inventory passes over every store
@@ -64,7 +67,7 @@ class MaintenanceSettings:
         for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
-        for name in ("grace", "lease_grace", "rebalance_tolerance"):
+        for name in ("grace", "superseded_grace", "lease_grace", "rebalance_tolerance"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must not be negative")
         if self.repair_concurrency < 1 or self.rebalance_max_moves < 0:
