@@ -798,17 +798,26 @@ class MetadataClient(CheckpointCalls):
     async def renew_lease(self, file_id: int, token: int) -> None:
         await self._shard(self._of(file_id), "file.renew", id=file_id, token=token)
 
-    async def allocate_block(self, file_id: int, token: int, ec: str, hedge: int = 2) -> BlockGrant:
-        """A new block id plus k+m+hedge placed nodes and a capability token.
+    async def allocate_block(
+        self,
+        file_id: int,
+        token: int,
+        ec: str,
+        hedge: int = 2,
+        nodes: Sequence[NodeInfo] | None = None,
+    ) -> BlockGrant:
+        """A new block id plus k+m+hedge placed nodes and a capability token; with ``nodes``,
+        on those (a new version of a block keeps each chunk index on its old node).
 
         The metadata service refuses token 0 (no writer, no capability); a stale token is
         refused when the block is committed, not here: a fenced writer can only waste an
         allocation, which the GC reclaims."""
         policy = ECPolicy.parse(ec)
-        # At least the default write quorum (k+1): with a node down in a cluster of exactly
-        # k+m nodes, writes still succeed (the data client commits the chunks that landed
-        # and repair restores the rest) instead of failing with NoSpace.
-        nodes = await self._place(policy.n + max(hedge, 0), min(policy.n, policy.k + 1), ())
+        if nodes is None:
+            # At least the default write quorum (k+1): with a node down in a cluster of
+            # exactly k+m nodes, writes still succeed (the data client commits the chunks
+            # that landed and repair restores the rest) instead of failing with NoSpace.
+            nodes = await self._place(policy.n + max(hedge, 0), min(policy.n, policy.k + 1), ())
         # In the file's shard, which draws the block id to hash there: the block's commit then
         # shares one transaction with the file's (module docstring).
         a = await self._shard(
@@ -819,7 +828,7 @@ class MetadataClient(CheckpointCalls):
             ec=policy.name,
             nodes=[n.node_id for n in nodes],
         )
-        return BlockGrant(block_id=a["block_id"], nodes=nodes, capability=a["capability"])
+        return BlockGrant(block_id=a["block_id"], nodes=list(nodes), capability=a["capability"])
 
     async def more_nodes(self, block_id: int, exclude: Sequence[str], count: int) -> BlockGrant:
         """Replacement nodes for a block whose chunk writes failed (same block id)."""

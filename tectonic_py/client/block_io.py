@@ -7,6 +7,15 @@ distinct failure domains plus a few hedge nodes, and ``BlockPut`` sends them; if
 ``write_quorum`` (default k + 1) chunks land, the write fails with ``QuorumLost``. The caller
 (the writer) commits the returned record.
 
+A new version of a committed block that changed only some of its data chunks (an in-place
+write: ``base`` and the dirty range) is a new block that *adopts* the old version's other
+data chunks: it puts only the touched data chunks and the m parity chunks, each on the node
+its index had, and its record names the adopted chunks by the block id they are stored as
+(``ChunkPlacement.stored_as``; the Block layer keeps them alive while any version places
+them). The parity comes from encoding the whole block, which the writer holds anyway, and
+each adopted chunk's CRC is checked against the old record, so only a chunk that is the same
+byte for byte is adopted.
+
 Reads: a whole block is fetched by ``BlockFetch`` into the bounded ``BlockCache``; a range
 read asks for byte ranges of data chunks only (systematic code: no decoding), verified by the
 chunk store's CRC of the range, and falls back to a whole (degraded) block read when any
@@ -50,7 +59,7 @@ from tectonic_py.core.errors import (
     Timeout,
 )
 from tectonic_py.core.ids import chunk_id
-from tectonic_py.core.records import BlockInfo, ChunkPlacement
+from tectonic_py.core.records import BlockInfo, ChunkPlacement, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +120,35 @@ class BlockIO:
         file_index: int,
         block: memoryview,
         data_len: int,
+        base: BlockInfo | None = None,
+        dirty: tuple[int, int] | None = None,
     ) -> BlockInfo:
         """Encode one block held in ``block`` (>= k * chunk_len bytes) and make its chunks
-        durable on chunk stores; returns the record to commit. Raises QuorumLost when fewer
-        than the write quorum of chunks could be written, DiskFull when that was mostly for
-        want of space."""
+        durable on chunk stores; returns the record to commit. ``base``: the committed
+        version this block was loaded from, of which only bytes ``dirty`` (a range of the
+        block) changed: its untouched data chunks are adopted where the module docstring
+        allows. Raises QuorumLost when fewer than the write quorum of chunks could be
+        written, DiskFull when that was mostly for want of space."""
         k = policy.k
         cl = max(1, chunk_len_for(data_len, k))
         padded = block[: k * cl]
         padded[data_len:] = bytes(k * cl - data_len)
         enc = await self.codec.encode(policy, padded, cl)
-        grant = await self.meta.allocate_block(file_id, token, policy.name, hedge=self.tuning.hedge)
+        adopted = self._adoptable(file_id, policy, data_len, cl, base, dirty, enc.checksums)
+        if adopted:
+            assert base is not None
+            old = {c.index: c for c in base.chunks}
+            targets = [
+                NodeInfo(node_id=old[i].node_id, address=self.address_of(old[i]), failure_domain="")
+                for i in range(policy.n)
+            ]
+            grant = await self.meta.allocate_block(
+                file_id, token, policy.name, hedge=0, nodes=targets
+            )
+        else:
+            grant = await self.meta.allocate_block(
+                file_id, token, policy.name, hedge=self.tuning.hedge
+            )
         self.node_view.refresh_soon()
         quorum = self.quorum(policy)
         put = BlockPut(
@@ -135,8 +162,16 @@ class BlockIO:
             write_hedge_s=self.tuning.write_hedge_s,
             chunk_timeout=self.tuning.chunk_timeout,
             quorum=quorum,
+            indexes=[i for i in range(policy.n) if i not in adopted],
         )
         results = await put.run()
+        if adopted:
+            assert base is not None
+            self.stats.adopted_chunks += len(adopted)
+            for i, pl in adopted.items():
+                results[i] = ChunkPlacement(
+                    i, pl.node_id, pl.checksum, pl.address, pl.storage_block(base.block_id)
+                )
         if len(results) < quorum:
             full = put.refused_full
             if full and 2 * full >= put.refused:
@@ -168,6 +203,43 @@ class BlockIO:
             chunks=[results[i] for i in sorted(results)],
             file_index=file_index,
         )
+
+    def _adoptable(
+        self,
+        file_id: int,
+        policy: ECPolicy,
+        data_len: int,
+        cl: int,
+        base: BlockInfo | None,
+        dirty: tuple[int, int] | None,
+        checksums: Sequence[int],
+    ) -> dict[int, ChunkPlacement]:
+        """The data chunks of ``base`` a new version may adopt, by index (none: write the
+        whole block). Only when the block keeps its shape (scheme, lengths), lives in the
+        file's shard like the new one (the Block layer checks adoptions in one shard), and
+        every index has a node this client can reach to put its new chunk on."""
+        if base is None or dirty is None or policy.replicated:
+            return {}
+        if (base.ec, base.data_len, base.chunk_len) != (policy.name, data_len, cl):
+            return {}
+        if self.meta._of(base.block_id) != self.meta._of(file_id):
+            return {}  # a block of a file that predates co-location
+        old = {c.index: c for c in base.chunks}
+        for i in range(policy.n):
+            pl = old.get(i)
+            if (
+                pl is None
+                or not self.address_of(pl)
+                or self.node_view.avoid(pl.node_id, self.address_of(pl))
+            ):
+                return {}
+        lo, hi = dirty
+        touched = set(range(lo // cl, min(policy.k, -(-hi // cl)))) if hi > lo else set()
+        return {
+            i: old[i]
+            for i in range(policy.k)
+            if i not in touched and checksums[i] == old[i].checksum
+        }
 
     # --- chunks ------------------------------------------------------------------------------
 
@@ -223,7 +295,7 @@ class BlockIO:
         sending it); if they fail again the copy is taken for corrupt (ChunkCorrupt), as is
         one the store itself finds damaged or that differs from the Block layer's record."""
         address = await self._address(pl)
-        cid = chunk_id(info.block_id, pl.index)
+        cid = chunk_id(pl.storage_block(info.block_id), pl.index)
         whole = offset == 0 and into.nbytes == info.chunk_len
         expected = pl.checksum if whole else None
         with trio.move_on_after(limit) as scope:

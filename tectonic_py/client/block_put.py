@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -71,13 +72,17 @@ class BlockPut:
         write_hedge_s: float,
         chunk_timeout: float,
         quorum: int,
+        indexes: Sequence[int] | None = None,
     ) -> None:
+        """``indexes``: the chunks to put (all n by default; a new version of a block puts
+        only those it rewrote, the others are the old version's)."""
         self.meta = meta
         self.pool = pool
         self.view = view
         self.stats = stats
         self.grant = grant
         self.n = n
+        self.indexes = list(range(n)) if indexes is None else list(indexes)
         self.enc = enc
         self.write_hedge_s = write_hedge_s
         self.chunk_timeout = chunk_timeout
@@ -99,7 +104,7 @@ class BlockPut:
     async def run(self) -> dict[int, ChunkPlacement]:
         self._start = trio.current_time()
         async with open_service_nursery() as nursery:
-            for i in range(self.n):
+            for i in self.indexes:
                 nursery.start_soon(self._put_one, i, self._first_target(i))
         return self.results
 

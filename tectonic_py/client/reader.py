@@ -3,6 +3,13 @@
 ``pread`` maps a range to blocks; a sequential or large read takes whole blocks through the
 client's block cache (with readahead of ``readahead_blocks``), a small random one reads
 just its bytes as ranges of data chunks (``BlockIO.read_range``).
+
+A block the reader cannot read (``QuorumLost``) may have been superseded since the open: an
+in-place write replaced it with a new version, and the GC collects a superseded block's
+chunks after a short grace (``superseded_grace``) rather than an hour. So the reader then
+fetches the file's block list again and, when that block changed, reads the new version
+(what a local file system shows too: writes are visible to open readers). No reader has to
+announce itself for the old version's space to come back.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
-from tectonic_py.core.errors import InvalidArgument
+from tectonic_py.core.errors import FileNotFound, InvalidArgument, QuorumLost
 from tectonic_py.core.records import Attrs, BlockInfo
 
 if TYPE_CHECKING:
@@ -65,7 +72,38 @@ class FileReader:
         (``TectonicClient.read_part``)."""
         return await self._pread(offset, length, view=True)
 
+    async def _relocated(self, offset: int, length: int) -> bool:
+        """Fetch the block list again after a block of ``[offset, offset + length)`` could
+        not be read; True if one of those blocks is another version now (module docstring)."""
+        try:
+            attrs = await self.client.meta.getattr(self.file_id)
+            blocks = await self.client.meta.block_list(self.file_id) if attrs.size else []
+        except FileNotFound:
+            return False
+        fresh = {b.file_index: b for b in blocks}
+        first, last = (
+            self.layout.block_of(offset),
+            self.layout.block_of(offset + max(length, 1) - 1),
+        )
+        changed = any(
+            getattr(self._blocks.get(i), "block_id", None)
+            != getattr(fresh.get(i), "block_id", None)
+            for i in range(first, last + 1)
+        )
+        self.attrs, self.size, self._blocks = attrs, attrs.size, fresh
+        return changed
+
     async def _pread(
+        self, offset: int, length: int, *, view: bool
+    ) -> bytes | bytearray | memoryview:
+        try:
+            return await self._pread_once(offset, length, view=view)
+        except QuorumLost:
+            if not await self._relocated(offset, length):
+                raise
+        return await self._pread_once(offset, length, view=view)
+
+    async def _pread_once(
         self, offset: int, length: int, *, view: bool
     ) -> bytes | bytearray | memoryview:
         if offset < 0 or length < 0:
@@ -102,7 +140,15 @@ class FileReader:
         dest = memoryview(dest).cast("B")
         length = max(0, min(dest.nbytes, self.size - offset))
         dest = dest[:length]
-        await self._fill(offset, dest, self._sequential(offset, length))
+        sequential = self._sequential(offset, length)
+        try:
+            await self._fill(offset, dest, sequential)
+        except QuorumLost:
+            if not await self._relocated(offset, length):
+                raise
+            length = max(0, min(length, self.size - offset))
+            dest = dest[:length]
+            await self._fill(offset, dest, sequential)
         return length
 
     async def _fill(self, offset: int, dest: memoryview, sequential: bool) -> None:

@@ -18,6 +18,9 @@ class ClientStats:
     # Chunk puts given up on because their store stopped answering while the rest of the
     # block landed: the block commits without them and repair restores them.
     stalled_puts: int = 0
+    # Data chunks that new versions of blocks adopted from the old (in-place writes): not
+    # written again.
+    adopted_chunks: int = 0
     blocks_read: int = 0
     bytes_read: int = 0
     range_reads: int = 0

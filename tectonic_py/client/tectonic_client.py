@@ -179,8 +179,12 @@ class TectonicClient:
         file_index: int,
         block: memoryview,
         data_len: int,
+        base: BlockInfo | None = None,
+        dirty: tuple[int, int] | None = None,
     ) -> BlockInfo:
-        return await self.blocks.store_block(file_id, token, policy, file_index, block, data_len)
+        return await self.blocks.store_block(
+            file_id, token, policy, file_index, block, data_len, base, dirty
+        )
 
     async def read_block(self, info: BlockInfo) -> memoryview:
         return await self.blocks.read_block(info)

@@ -9,6 +9,12 @@ window, which keeps the cores busy (one encoding while another's chunks are on t
 writer that outruns the cluster waits in ``write`` for a buffer, so nothing buffers without
 bound.
 
+A committed block reopened for a write (``r+``, ``pwrite``) is loaded whole into the open
+block, which remembers that committed version (its *base*) and the range of it that the
+writes changed: when it is stored, ``BlockIO.store_block`` puts only the data chunks in that
+range and the parity, and adopts the base's other chunks, so a 4 KiB write into a big block
+costs one data chunk and m parity chunks, not the whole block.
+
 ``fsync`` flushes the open block, even a short one (committed at its index; when the writer
 later fills it, the full block replaces it at the same index), and waits until every flush
 task has committed. ``close`` stores the open block, waits for the flush tasks, and commits
@@ -67,6 +73,11 @@ class FileWriter:
         self._open_buf: bytearray | None = None
         self._open_len = 0
         self._dirty = False
+        # The committed version the open block was loaded from, and the range [lo, hi) of
+        # the block that writes changed since (module docstring).
+        self._open_base: BlockInfo | None = None
+        self._dirty_lo = 0
+        self._dirty_hi = 0
         self._gen = itertools.count(1)
         self._committed_gen: dict[int, int] = {}
         self._commit_locks: dict[int, trio.Lock] = {}
@@ -153,6 +164,7 @@ class FileWriter:
             await self._ensure(bo + n)
             buf = self._open_buf
             assert buf is not None
+            self._mark_dirty(min(bo, self._open_len), bo + n)
             if bo > self._open_len:
                 buf[self._open_len : bo] = bytes(bo - self._open_len)
             buf[bo : bo + n] = view[piece.out_offset : piece.out_offset + n]
@@ -210,6 +222,7 @@ class FileWriter:
                 # Cut the block that straddles the new end, so that growing the file later
                 # shows zeros there rather than the old bytes.
                 await self._switch_open(bi)
+                self._open_base = None  # cut short: a new block, not a new version
                 self._dirty = True
         self.size = size
         self._synced_size = size
@@ -222,9 +235,17 @@ class FileWriter:
             self._begin(index)
             try:
                 info = await self.client.store_block(
-                    self.file_id, self.token, self.policy, index, memoryview(self._open_buf), n
+                    self.file_id,
+                    self.token,
+                    self.policy,
+                    index,
+                    memoryview(self._open_buf),
+                    n,
+                    *self._take_dirty(),
                 )
                 await self._commit(index, gen, info)
+                if self._committed.get(index) is info:
+                    self._open_base = info  # later writes to the open block change this one
             except TectonicError as e:
                 self._fail(e)
             finally:
@@ -273,13 +294,31 @@ class FileWriter:
         gen = next(self._gen)
         try:
             info = await self.client.store_block(
-                self.file_id, self.token, self.policy, index, memoryview(self._open_buf), n
+                self.file_id,
+                self.token,
+                self.policy,
+                index,
+                memoryview(self._open_buf),
+                n,
+                *self._take_dirty(),
             )
         except TectonicError as e:
             self._fail(e)
             raise
         self._dirty = False
         return gen, info
+
+    def _mark_dirty(self, lo: int, hi: int) -> None:
+        if self._dirty_hi <= self._dirty_lo:
+            self._dirty_lo, self._dirty_hi = lo, hi
+        else:
+            self._dirty_lo, self._dirty_hi = min(self._dirty_lo, lo), max(self._dirty_hi, hi)
+
+    def _take_dirty(self) -> tuple[BlockInfo | None, tuple[int, int] | None]:
+        """The open block's base and changed range, for ``store_block``; resets the range."""
+        base, dirty = self._open_base, (self._dirty_lo, self._dirty_hi)
+        self._dirty_lo = self._dirty_hi = 0
+        return base, dirty if base is not None else None
 
     def _check(self) -> None:
         if self._error is not None:
@@ -341,6 +380,8 @@ class FileWriter:
         self._open_index = None
         self._open_len = 0
         self._dirty = False
+        self._open_base = None
+        self._dirty_lo = self._dirty_hi = 0
 
     async def _switch_open(self, index: int) -> None:
         """Make block ``index`` the open block, loading what it already holds."""
@@ -349,6 +390,7 @@ class FileWriter:
         size = self._buffer_size(max(valid, 0))
         buf = await self.client.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
+        self._open_base, self._dirty_lo, self._dirty_hi = None, 0, 0
         self.client.buffers.holders.add(self)
         if valid <= 0:
             return
@@ -360,13 +402,17 @@ class FileWriter:
             have = min(info.data_len, valid)
             data = await self.client.read_block(info)
             buf[:have] = data[:have]
+            if have == info.data_len == valid:
+                self._open_base = info
         buf[have:valid] = bytes(valid - have)
         self._open_len = valid
 
     async def _flush_open(self) -> None:
         """Hand the open block to a background flush task (or drop it if clean)."""
         buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
+        base, changed = self._take_dirty()
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
+        self._open_base = None
         self.client.buffers.holders.discard(self)
         if buf is None:
             return
@@ -375,7 +421,7 @@ class FileWriter:
             return
         gen = next(self._gen)
         self._begin(index)
-        self.client.nursery.start_soon(self._flush_task, index, buf, n, gen)
+        self.client.nursery.start_soon(self._flush_task, index, buf, n, gen, base, changed)
         now = time.monotonic()
         if now - self._renewed > LEASE_RENEW_S:
             self._renewed = now
@@ -389,10 +435,18 @@ class FileWriter:
         except TectonicError as e:
             self._fail(e)
 
-    async def _flush_task(self, index: int, buf: bytearray, n: int, gen: int) -> None:
+    async def _flush_task(
+        self,
+        index: int,
+        buf: bytearray,
+        n: int,
+        gen: int,
+        base: BlockInfo | None = None,
+        changed: tuple[int, int] | None = None,
+    ) -> None:
         try:
             info = await self.client.store_block(
-                self.file_id, self.token, self.policy, index, memoryview(buf), n
+                self.file_id, self.token, self.policy, index, memoryview(buf), n, base, changed
             )
             await self._commit(index, gen, info)
         except TectonicError as e:
