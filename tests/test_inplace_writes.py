@@ -1,0 +1,373 @@
+"""Small in-place writes (issue 23, bug 3): a 4 KiB ``pwrite`` into a committed block of a
+reopened file stores a new version of the block that rewrites only the data chunk it touched
+and the parity, adopting the old version's other chunks; the old version's own chunks come
+back within the short ``superseded_grace`` while a reader that opened the file before keeps
+reading (it re-reads the block list when the old chunks are gone); and the Block layer never
+lets a chunk that a version still places be deleted, nor a writer adopt a chunk its file does
+not hold.
+
+Real processes: a local cluster with a ``tectonic maintenance`` process (maintenance_helpers),
+and the layers' functions on a real SQLite shard for the ownership rules.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+from maintenance_helpers import (
+    CHUNK,
+    EC,
+    data_of,
+    make_cluster,
+    open_fresh_client,
+    open_inspector,
+    put,
+    read,
+    total_used,
+    wait_for,
+)
+
+from chunkstore.layout import file_size_for
+from metadata import block_layer, file_layer, maintenance_ops
+from metadata.shard import SCHEMA
+from tectonic_py.core.ec_policy import ECPolicy
+from tectonic_py.core.errors import InvalidArgument
+from tectonic_py.core.ids import chunk_id
+from tectonic_py.core.records import BlockInfo, ChunkPlacement
+from tectonic_py.maintenance.runtime import Maintenance
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = ECPolicy.parse(EC)  # rs-4-2: a block is 4 data chunks of CHUNK bytes + 2 parity
+BLOCK = POLICY.k * CHUNK
+WRITES = 12
+PAGE = 4096
+
+
+async def _chunk_files(m: Maintenance) -> dict[str, int]:
+    """Every chunk file on the up stores: (node, chunk id) -> size."""
+    out: dict[str, int] = {}
+    for node in (await m.nodes()).values():
+        if node.state != "up":
+            continue
+        after: str | None = ""
+        while after is not None:
+            r = await m.node_call(node, "list", after=after, limit=1000)
+            out.update((f"{node.node_id}/{c}", size) for c, size in r["chunks"])
+            after = r["next"]
+    return out
+
+
+async def _placed(m: Maintenance, client_blocks: list[BlockInfo]) -> set[str]:
+    return {
+        f"{c.node_id}/{chunk_id(c.storage_block(b.block_id), c.index)}"
+        for b in client_blocks
+        for c in b.chunks
+    }
+
+
+async def _small_writes(client, path: str, model: bytearray, rng: random.Random) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(WRITES):
+        offset = rng.randrange(0, len(model) - PAGE)
+        page = rng.randbytes(PAGE)
+        attrs = await client.stat(path)
+        w = await client.open_writer(attrs.id)
+        await w.pwrite(page, offset)
+        await w.close()
+        model[offset : offset + PAGE] = page
+
+
+async def test_small_pwrites_cost_one_data_chunk_and_parity(tmp_path):
+    """Before: each write stored the whole block (n chunks) again, and the old one stayed
+    for the hour of the GC grace. After: 1 + m chunks per write (a page inside one chunk),
+    the adopted chunks are the old version's files, and the data reads back right."""
+    cluster = make_cluster(tmp_path / "c", maintenance=False)
+    try:
+        cluster.start()
+        rng = random.Random(23)
+        model = bytearray(data_of(4 * BLOCK, seed=3))
+        async with open_fresh_client(cluster) as client, open_inspector(cluster) as m:
+            await put(client, "/f", bytes(model))
+            before = await total_used(m)
+            # Pages that straddle no chunk boundary: each touches exactly one data chunk.
+            for _ in range(WRITES):
+                chunk = rng.randrange(0, len(model) // CHUNK)
+                offset = chunk * CHUNK + rng.randrange(0, CHUNK - PAGE)
+                page = rng.randbytes(PAGE)
+                w = await client.open_writer((await client.stat("/f")).id)
+                await w.pwrite(page, offset)
+                await w.close()
+                model[offset : offset + PAGE] = page
+            added = await total_used(m) - before
+            files = await _chunk_files(m)
+            per_chunk = file_size_for(CHUNK)  # a full chunk's file (header and CRC table too)
+            assert added == WRITES * (1 + POLICY.m) * per_chunk, (added, per_chunk)
+            assert added < WRITES * POLICY.n * per_chunk
+            assert client.statistics().adopted_chunks == WRITES * (POLICY.k - 1)
+            assert await read(client, "/f") == bytes(model)
+            blocks = await client.meta.block_list((await client.stat("/f")).id)
+            assert any(c.stored_as for b in blocks for c in b.chunks)
+            assert await _placed(m, blocks) <= set(files)
+        async with open_fresh_client(cluster) as other:
+            assert await read(other, "/f") == bytes(model)
+    finally:
+        cluster.stop()
+
+
+async def test_superseded_versions_come_back_soon_and_open_readers_keep_reading(tmp_path):
+    """The old versions' own chunks are collected after ``superseded_grace`` (1 s here; the
+    general grace stays an hour), the adopted ones stay, nothing the file places is lost,
+    and a reader opened before the writes reads the current bytes after its blocks' chunks
+    were collected."""
+    cluster = make_cluster(
+        tmp_path / "c", maintenance_args=["--grace", "3600", "--superseded-grace", "1"]
+    )
+    try:
+        cluster.start()
+        rng = random.Random(5)
+        model = bytearray(data_of(3 * BLOCK + 5000, seed=4))
+        async with open_fresh_client(cluster) as client, open_inspector(cluster) as m:
+            await put(client, "/f", bytes(model))
+            baseline = await total_used(m)
+            early = await client.open_read("/f")
+            assert await early.pread(0, 100) == bytes(model[:100])
+            await _small_writes(client, "/f", model, rng)
+            file_id = (await client.stat("/f")).id
+
+            async def reclaimed():  # type: ignore[no-untyped-def]
+                files = await _chunk_files(m)
+                placed = await _placed(m, await client.meta.block_list(file_id))
+                return files if set(files) == placed else None
+
+            files = await wait_for("the superseded versions' chunks to be collected", reclaimed)
+            assert await total_used(m) == baseline  # same shape: same bytes as before
+            assert len(files) == 4 * POLICY.n  # 3 full blocks and a short one, nothing else
+            async with open_fresh_client(cluster) as other:
+                assert await read(other, "/f") == bytes(model)
+            # The early reader's block list names versions whose chunks are gone now.
+            missed = len(client.statistics().bad_chunks)
+            assert await early.pread(0, len(model)) == bytes(model)
+            assert len(client.statistics().bad_chunks) > missed  # it did find them gone
+            offset = rng.randrange(0, len(model) - PAGE)
+            assert await early.pread(offset, PAGE) == bytes(model[offset : offset + PAGE])
+            await early.aclose()
+    finally:
+        cluster.stop()
+
+
+UPDATER = textwrap.dedent(
+    """
+    import random, sys, trio
+    import tectonic_py.client.tectonic_client as c
+
+    async def main(cluster_file):
+        rng = random.Random(int(sys.argv[2]))
+        async with c.open_client(cluster_file) as client:
+            file_id = (await client.stat("/f")).id
+            for j in range(1_000_000):  # until killed
+                w = await client.open_writer(file_id)
+                await w.pwrite(rng.randbytes(PAGE), rng.randrange(0, SIZE - PAGE))
+                await w.close()
+                print("DONE", j, flush=True)
+
+    trio.run(main, sys.argv[1])
+    """
+)
+
+
+def _model_after(model: bytes, seed: int, updates: int) -> bytes:
+    rng = random.Random(seed)
+    out = bytearray(model)
+    for _ in range(updates):
+        page = rng.randbytes(PAGE)
+        offset = rng.randrange(0, len(out) - PAGE)
+        out[offset : offset + PAGE] = page
+    return bytes(out)
+
+
+async def test_a_writer_killed_mid_update_leaves_one_version_whole(tmp_path):
+    """kill -9 of a process doing in-place updates in a loop: the file is the state after
+    the last update it reported, or after the one it was making (one transaction commits a
+    version and retires the old one), and stays so after the GC collected what the dead
+    writer left (its superseded versions, its uncommitted chunks)."""
+    cluster = make_cluster(
+        tmp_path / "c",
+        maintenance_args=["--superseded-grace", "1", "--grace", "1", "--lease-grace", "0.5"],
+    )
+    try:
+        cluster.start()
+        model = data_of(2 * BLOCK, seed=9)
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/f", model)
+        seed = 17
+        script = UPDATER.replace("PAGE", str(PAGE)).replace("SIZE", str(len(model)))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        )
+        log = open(tmp_path / "updater.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(cluster.cluster_file), str(seed)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+        )
+        done = -1
+        try:
+            assert proc.stdout is not None
+            while done < 5:
+                line = proc.stdout.readline().decode()
+                assert line.startswith("DONE"), (tmp_path / "updater.log").read_text()[-3000:]
+                done = int(line.split()[1])
+            await trio.sleep(random.Random(seed).uniform(0.0, 0.3))
+        finally:
+            proc.kill()
+            proc.wait()
+            log.close()
+        assert proc.stdout is not None
+        with proc.stdout:
+            late = [int(x.split()[1]) for x in proc.stdout.read().decode().splitlines() if x]
+        done = max([done, *late])
+        allowed = {_model_after(model, seed, done + 1), _model_after(model, seed, done + 2)}
+        async with open_fresh_client(cluster) as client, open_inspector(cluster) as m:
+            assert await read(client, "/f") in allowed
+            file_id = (await client.stat("/f")).id
+
+            async def settled():  # type: ignore[no-untyped-def]
+                files = await _chunk_files(m)
+                placed = await _placed(m, await client.meta.block_list(file_id))
+                return set(files) == placed
+
+            await wait_for("the dead writer's leftovers to be collected", settled)
+        async with open_fresh_client(cluster) as other:
+            assert await read(other, "/f") in allowed
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.fuse
+def test_small_writes_through_the_mount(mount) -> None:  # type: ignore[no-untyped-def]
+    """The issue's reproduction, smaller: open r+, a 4 KiB pwrite at a random offset, close,
+    on a file of two blocks (RS(6,3), 1 MiB chunks). Before: n = 9 chunk files per write."""
+    from fuse_fixtures import FUSE_CHUNK_SIZE
+
+    from bench.bench_inplace import chunk_bytes
+
+    policy = ECPolicy.parse("rs-6-3")
+    rng = random.Random(11)
+    model = bytearray(rng.randbytes(2 * policy.k * FUSE_CHUNK_SIZE))
+    path = mount / "data.h5"
+    path.write_bytes(model)
+    before = chunk_bytes(mount.cluster.root)
+    writes = 8
+    for _ in range(writes):
+        offset = rng.randrange(0, len(model) - PAGE)
+        page = rng.randbytes(PAGE)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            assert os.pwrite(fd, page, offset) == PAGE
+        finally:
+            os.close(fd)
+        model[offset : offset + PAGE] = page
+    added = chunk_bytes(mount.cluster.root) - before
+    # One data chunk and the parity per write (two data chunks where a page straddles).
+    assert added <= writes * (2 + policy.m) * file_size_for(FUSE_CHUNK_SIZE), added
+    assert added < writes * policy.n * FUSE_CHUNK_SIZE
+    assert path.read_bytes() == model
+
+
+# --- the Block layer's ownership rules, on a real shard database ---------------------------
+
+
+@pytest.fixture
+def conn():  # type: ignore[no-untyped-def]
+    c = sqlite3.connect(":memory:", isolation_level=None)
+    c.executescript(SCHEMA)
+    yield c
+    c.close()
+
+
+def _block(conn: sqlite3.Connection, file_id: int, adopt: dict[int, tuple[int, int]]) -> BlockInfo:
+    """Commit a block of ``file_id`` at index 0 whose chunk i is on node ``n<i>``; ``adopt``:
+    index -> (stored_as, checksum) of chunks taken from an earlier version."""
+    nodes = [f"n{i}" for i in range(POLICY.n)]
+    bid = block_layer.allocate(conn, 0, 1, file_id, EC, nodes, 1)
+    chunks = [
+        ChunkPlacement(i, nodes[i], adopt[i][1], stored_as=adopt[i][0])
+        if i in adopt
+        else ChunkPlacement(i, nodes[i], 1000 + i)
+        for i in range(POLICY.n)
+    ]
+    info = BlockInfo(bid, EC, CHUNK, BLOCK, chunks, 0)
+    block_layer.commit(conn, info, file_id)
+    return block_layer.locate(conn, [bid])[0]
+
+
+def test_adopted_chunks_live_while_any_version_places_them(conn):
+    v1 = _block(conn, 7, {})
+    v2 = _block(conn, 7, {i: (v1.block_id, 1000 + i) for i in (1, 2, 3)})
+    v3 = _block(conn, 7, {i: (v1.block_id, 1000 + i) for i in (2, 3)})
+    assert [c.stored_as for c in v3.chunks] == [0, 0, v1.block_id, v1.block_id, 0, 0]
+    v1_files = [(v1.block_id, i) for i in range(POLICY.n)]
+    dead = maintenance_ops.dead_chunks
+    # v1 and v2 forgotten (the GC queue): only the files v3 still places stay needed.
+    assert maintenance_ops.forget_block(conn, v1.block_id, "committed", None, None)
+    assert maintenance_ops.forget_block(conn, v2.block_id, "committed", None, None)
+    for i in range(POLICY.n):
+        assert (dead(conn, f"n{i}", [v1_files[i]]) == []) == (i in (2, 3)), i
+        assert dead(conn, f"n{i}", [(v2.block_id, i)]) == [(v2.block_id, i)]
+    # The same file on another node is not what v3 places: dead there.
+    assert dead(conn, "n9", [v1_files[2]]) == [v1_files[2]]
+    assert maintenance_ops.grantable(conn, "delete", [("n2", v1.block_id, 2)]) == [False]
+    # A repair that rewrites chunk 2 under v3's own id ends the adoption of v1's file.
+    block_layer.repoint_chunk(conn, v3.block_id, 2, "n2", "n8", 1002)
+    assert dead(conn, "n2", [v1_files[2]]) == [v1_files[2]]
+    assert dead(conn, "n8", [(v3.block_id, 2)]) == []
+    assert maintenance_ops.forget_block(conn, v3.block_id, "committed", None, None)
+    assert dead(conn, "n3", [v1_files[3]]) == [v1_files[3]]
+    assert conn.execute("SELECT count(*) FROM chunk_origins").fetchone()[0] == 0
+
+
+def test_a_block_adopts_only_what_its_file_places(conn):
+    v1 = _block(conn, 7, {})
+    for bad in (
+        {1: (v1.block_id, 999)},  # another checksum
+        {1: (v1.block_id + 1, 1001)},  # no such block
+    ):
+        with pytest.raises(InvalidArgument):
+            _block(conn, 7, bad)
+    with pytest.raises(InvalidArgument, match="no committed block of file 8"):
+        _block(conn, 8, {1: (v1.block_id, 1001)})  # another file's chunk
+    nodes = [f"n{i}" for i in range(POLICY.n)]
+    bid = block_layer.allocate(conn, 0, 1, 7, EC, nodes, 1)
+    moved = [ChunkPlacement(i, "n9" if i == 1 else nodes[i], 1000 + i) for i in range(POLICY.n)]
+    moved[1].stored_as = v1.block_id  # v1's chunk 1 is on n1, not n9
+    with pytest.raises(InvalidArgument):
+        block_layer.commit(conn, BlockInfo(bid, EC, CHUNK, BLOCK, moved, 0), 7)
+    # The refused commits left nothing behind them in the shard's tables.
+    assert conn.execute("SELECT count(*) FROM chunk_origins").fetchone()[0] == 0
+
+
+def test_a_replaced_block_is_queued_as_superseded_a_deleted_one_is_not(conn):
+    now = 10**18
+    attrs, token = file_layer.create(
+        conn, 0, 1, {"kind": "file", "mode": 0o644, "uid": 0, "gid": 0, "ec": EC,
+                     "chunk_size": CHUNK}, now, 10**12
+    )  # fmt: skip
+    v1 = _block(conn, attrs.id, {})
+    file_layer.commit_blocks(conn, attrs.id, token, [(0, v1.block_id)], now)
+    v2 = _block(conn, attrs.id, {1: (v1.block_id, 1001)})
+    file_layer.commit_blocks(conn, attrs.id, token, [(0, v2.block_id)], now)
+    queue = maintenance_ops.gc_queue
+    assert queue(conn, now, 10) == []  # the general grace has not passed
+    assert queue(conn, now, 10, superseded_before_ns=now + 1) == [(v1.block_id, now)]
+    maintenance_ops.gc_ack(conn, [v1.block_id])
+    file_layer.set_size(conn, attrs.id, token, 0, now)  # truncated away: the long grace
+    assert queue(conn, now, 10, superseded_before_ns=now + 1) == []
+    assert queue(conn, now + 1, 10) == [(v2.block_id, now)]
