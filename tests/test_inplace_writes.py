@@ -25,8 +25,10 @@ import trio
 from maintenance_helpers import (
     CHUNK,
     EC,
+    block_health,
     data_of,
     make_cluster,
+    node_index,
     open_fresh_client,
     open_inspector,
     put,
@@ -158,6 +160,42 @@ async def test_superseded_versions_come_back_soon_and_open_readers_keep_reading(
             offset = rng.randrange(0, len(model) - PAGE)
             assert await early.pread(offset, PAGE) == bytes(model[offset : offset + PAGE])
             await early.aclose()
+    finally:
+        cluster.stop()
+
+
+async def test_repair_rebuilds_a_version_from_its_adopted_chunks(tmp_path):
+    """A store holding an adopted chunk dies: repair reads the version's chunks, adopted ones
+    from the old version's files, rebuilds what the store held, and m more stores can go."""
+    cluster = make_cluster(
+        tmp_path / "c", maintenance_args=["--no-rebalance", "--superseded-grace", "1"]
+    )
+    try:
+        cluster.start()
+        model = bytearray(data_of(BLOCK, seed=6))
+        async with open_fresh_client(cluster) as client:
+            await put(client, "/f", bytes(model))
+            w = await client.open_writer((await client.stat("/f")).id)
+            await w.pwrite(b"x" * PAGE, 100)  # data chunk 0: chunks 1..3 are adopted
+            await w.close()
+            model[100 : 100 + PAGE] = b"x" * PAGE
+            (info,) = await client.meta.block_list((await client.stat("/f")).id)
+        adopted = [c for c in info.chunks if c.stored_as]
+        assert [c.index for c in adopted] == [1, 2, 3]
+        victim = node_index(adopted[0].node_id)
+        async with open_inspector(cluster) as m:
+            cluster.kill_chunkstore(victim)
+
+            async def repaired():  # type: ignore[no-untyped-def]
+                s = await block_health(m)
+                return s if adopted[0].node_id in s["nodes_down"] and s["degraded"] == 0 else None
+
+            await wait_for("repair of the new version", repaired)
+        for c in info.chunks:
+            if c.index in (0, 4):  # two more of the version's stores: m = 2 in all
+                cluster.kill_chunkstore(node_index(c.node_id))
+        async with open_fresh_client(cluster) as client:
+            assert await read(client, "/f") == bytes(model)
     finally:
         cluster.stop()
 
