@@ -237,7 +237,7 @@ async def test_a_writer_killed_mid_update_leaves_one_version_whole(tmp_path):
     writer left (its superseded versions, its uncommitted chunks)."""
     cluster = make_cluster(
         tmp_path / "c",
-        maintenance_args=["--superseded-grace", "1", "--grace", "1", "--lease-grace", "0.5"],
+        maintenance_args=["--superseded-grace", "1", "--grace", "5", "--lease-grace", "5"],
     )
     try:
         cluster.start()
