@@ -33,6 +33,7 @@ pointing at a block that is not committed.
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from typing import Any
@@ -141,28 +142,64 @@ def holders(
     return out
 
 
-def _check_adopted(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
-    """An adopted chunk must be one a committed block of the same file places on that node,
-    with that checksum and chunk length: a writer can adopt only what its file holds."""
+def _places(
+    conn: sqlite3.Connection,
+    c: ChunkPlacement,
+    node_id: str,
+    storage: int,
+    file_id: int,
+    chunk_len: int,
+) -> bool:
+    """Whether a committed block of ``file_id`` places chunk file ``storage.index`` on
+    ``node_id`` with ``c``'s checksum and that chunk length."""
+    return any(
+        crc == c.checksum and fid == file_id and cl == chunk_len
+        for _, crc, fid, cl in holders(conn, storage, c.index, node_id)
+    )
+
+
+def _resolve_adopted(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> BlockInfo:
+    """The record with each adopted chunk checked: one a committed block of the same file
+    places on that node, with that checksum and chunk length (a writer can adopt only what
+    its file holds). A chunk file that repair or rebalance moved since the writer located
+    it (a block of the file places that file elsewhere now) is taken where it is: the Block
+    layer, not the writer's copy of the record, knows where chunks are. Anything else is
+    refused."""
+    chunks = []
     for c in info.chunks:
         if not c.stored_as:
+            chunks.append(c)
             continue
         if c.stored_as == info.block_id:
             raise InvalidArgument(f"block {info.block_id:016x} cannot adopt its own chunk")
-        ok = any(
-            crc == c.checksum and fid == file_id and cl == info.chunk_len
-            for _, crc, fid, cl in holders(conn, c.stored_as, c.index, c.node_id)
-        )
-        if not ok:
-            raise InvalidArgument(
-                f"block {info.block_id:016x} adopts chunk {c.stored_as:016x}.{c.index} on"
-                f" {c.node_id!r}, which no committed block of file {file_id} places there"
-            )
+        if not _places(conn, c, c.node_id, c.stored_as, file_id, info.chunk_len):
+            # Where that chunk file is placed now: by its own block or by a version that
+            # adopted it (the writer's record may predate a move, or its own last commit).
+            now = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT node_id FROM block_chunks WHERE block_id = ? AND idx = ?"
+                    " AND checksum = ? UNION SELECT c.node_id FROM chunk_origins o"
+                    " JOIN block_chunks c ON c.block_id = o.block_id AND c.idx = o.idx"
+                    " WHERE o.stored_as = ? AND o.idx = ? AND c.checksum = ?",
+                    (c.stored_as, c.index, c.checksum) * 2,
+                )
+                if _places(conn, c, r[0], c.stored_as, file_id, info.chunk_len)
+            ]
+            if not now:
+                raise InvalidArgument(
+                    f"block {info.block_id:016x} adopts chunk {c.stored_as:016x}.{c.index} on"
+                    f" {c.node_id!r}, which no committed block of file {file_id} places there"
+                )
+            c = ChunkPlacement(c.index, now[0], c.checksum, stored_as=c.stored_as)
+        chunks.append(c)
+    return dataclasses.replace(info, chunks=chunks)
 
 
 def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
     """Commit one block. Idempotent for a retry with the same placement."""
     validate_info(info)
+    info = _resolve_adopted(conn, info, file_id)
     row = conn.execute(
         "SELECT state, file_id FROM blocks WHERE block_id = ?", (info.block_id,)
     ).fetchone()
@@ -178,7 +215,6 @@ def commit(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> None:
         if same and existing.data_len == info.data_len:
             return
         raise InvalidArgument(f"block {info.block_id:016x} is committed with other contents")
-    _check_adopted(conn, info, file_id)
     conn.execute(
         "UPDATE blocks SET state = 'committed', ec = ?, chunk_len = ?, data_len = ?, file_index = ?"
         " WHERE block_id = ?",

@@ -382,14 +382,17 @@ def test_a_block_adopts_only_what_its_file_places(conn):
             _block(conn, 7, bad)
     with pytest.raises(InvalidArgument, match="no committed block of file 8"):
         _block(conn, 8, {1: (v1.block_id, 1001)})  # another file's chunk
-    nodes = [f"n{i}" for i in range(POLICY.n)]
-    bid = block_layer.allocate(conn, 0, 1, 7, EC, nodes, 1)
-    moved = [ChunkPlacement(i, "n9" if i == 1 else nodes[i], 1000 + i) for i in range(POLICY.n)]
-    moved[1].stored_as = v1.block_id  # v1's chunk 1 is on n1, not n9
-    with pytest.raises(InvalidArgument):
-        block_layer.commit(conn, BlockInfo(bid, EC, CHUNK, BLOCK, moved, 0), 7)
-    # The refused commits left nothing behind them in the shard's tables.
-    assert conn.execute("SELECT count(*) FROM chunk_origins").fetchone()[0] == 0
+    # A chunk repair or rebalance moved after the writer located it is taken where it is.
+    block_layer.repoint_chunk(conn, v1.block_id, 1, "n1", "n9", 1001)
+    v2 = _block(conn, 7, {1: (v1.block_id, 1001)})  # the writer still says n1
+    assert (v2.chunks[1].node_id, v2.chunks[1].stored_as) == ("n9", v1.block_id)
+    assert maintenance_ops.dead_chunks(conn, "n9", [(v1.block_id, 1)]) == []
+    # And so is one its own last commit placed (the writer's record of it is older).
+    block_layer.repoint_chunk(conn, v1.block_id, 1, "n9", "n8", 1001)
+    v3 = _block(conn, 7, {1: (v1.block_id, 1001)})
+    assert v3.chunks[1].node_id in ("n8", "n9")  # v1's file is on both now (v2: n9)
+    # The refused commits left nothing behind them in the shard's tables (v2, v3: one each).
+    assert conn.execute("SELECT count(*) FROM chunk_origins").fetchone()[0] == 2
 
 
 def test_a_replaced_block_is_queued_as_superseded_a_deleted_one_is_not(conn):
