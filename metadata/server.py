@@ -56,7 +56,14 @@ node.list            -                                                     nodes
 server.stats         -                                                     shards, files, ...
 server.owners        -                                                     owners {shard: addr}
 server.backup        dest (a new directory on this host)                   manifest
+batch                ops [[op, fields], ...] (``name.*``/``file.*``/        results [{f} | {err,
+                     ``block.*`` ops, at most ``MAX_BATCH_OPS``)           msg}, ...]
 ==================== ===================================================== =====================
+
+``batch`` carries many independent requests in one frame (the client coalesces what its
+ranks send one server while a call to it is in flight, metadata/client.py). Its ops run
+concurrently, so their mutations meet in their shards' group commits; each gets its own
+result or its own error, encoded by ``rpc_server.error_to_header`` as a lone request's is.
 
 The combined ops of the write path (``name.create``, ``file.commit``, ``file.close``: what
 several of the ops above do, in one transaction) are ``WriteOps``, metadata/write_ops.py.
@@ -105,7 +112,7 @@ from tectonic_py.core.records import (
     Attrs,
     validate_name,
 )
-from tectonic_py.core.rpc_server import Request
+from tectonic_py.core.rpc_server import Request, error_to_header
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,8 @@ LEASE_NS = 60 * 1_000_000_000
 RECOVERY_INTERVAL_S = 5.0
 MAX_MODE = 0o7777
 MAX_UGID = 2**32 - 1
+MAX_BATCH_OPS = 512
+_BATCHABLE_PREFIXES = ("name.", "file.", "block.")
 
 
 def _attrs(attrs: Attrs) -> dict[str, Any]:
@@ -688,6 +697,40 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
                 "largest_batch": store.stats.largest_batch,
             }
         return {"files": files, "shards": shards}
+
+    async def op_batch(self, req: Request) -> dict[str, Any]:
+        """Independent requests in one frame, run at once (module docstring): one frame and
+        one pass of the RPC loop for many ranks' calls, and their mutations in the same
+        group-commit transactions. An item's error is its own, never the batch's."""
+        items = req.list("ops", max_len=MAX_BATCH_OPS)
+        calls: list[tuple[Callable[[Request], Awaitable[Any]], Request]] = []
+        for item in items:
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or not isinstance(item[1], dict)
+            ):
+                raise InvalidArgument("batch: ops must be [op, fields] pairs")
+            op, fields = item
+            handler = self.rpc.handlers.get(op)
+            if handler is None or not op.startswith(_BATCHABLE_PREFIXES):
+                raise InvalidArgument(f"batch: {op!r} cannot be batched")
+            calls.append((handler, Request(op, fields, None, req.peer)))
+        results: list[dict[str, Any]] = [{} for _ in calls]
+
+        async def run(i: int, handler: Callable[[Request], Awaitable[Any]], r: Request) -> None:
+            try:
+                reply = await handler(r)
+                results[i] = {"f": reply or {}}
+            except Exception as e:  # noqa: BLE001 (every item's error goes back as its own)
+                header = error_to_header(0, e)
+                results[i] = {"err": header["err"], "msg": header["msg"]}
+
+        async with trio.open_nursery() as nursery:
+            for i, (handler, r) in enumerate(calls):
+                nursery.start_soon(run, i, handler, r)
+        return {"results": results}
 
     async def op_server__backup(self, req: Request) -> dict[str, Any]:
         """An online snapshot of every hosted shard into ``dest`` on this server's host."""
