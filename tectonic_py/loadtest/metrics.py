@@ -126,7 +126,19 @@ def phase_figures(
         "files": sum(1 for r in results if not r.error),
         "errors": sum(1 for r in results if r.error),
         "verified": sum(r.verified for r in results),
+        "client_batches": _client_batches(done),
     }
+
+
+def _client_batches(done: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The workers' metadata calls that left coalesced: batch requests, the calls they
+    carried, and the mean (None through a mount: its client is not a worker's)."""
+    counted = [m["meta_batches"] for m in done if m.get("meta_batches")]
+    if not counted:
+        return None
+    batches = sum(int(c.get("batches", 0)) for c in counted)
+    ops = sum(int(c.get("ops", 0)) for c in counted)
+    return {"batches": batches, "ops": ops, "mean": ops / batches if batches else None}
 
 
 class Recorder:
@@ -214,6 +226,7 @@ class Recorder:
             "cpu_s_by_role_write": _sum_roles(writes),
             **self._per_file(writes),
             "metadata_batches": _batch_totals(self.shard_stats),
+            "client_batches_write": _client_batch_totals(writes),
             "daemons": self.daemons,
             "max_conns_per_store": max(self.store_conns.values(), default=None),
             "coordinator_cpu_s": time.process_time() - self.own_cpu0,
@@ -227,6 +240,15 @@ class Recorder:
                 "read": sorted(r.t_done for r in self.rank_results if r.phase == "read"),
             },
         }
+
+
+def _client_batch_totals(phases: list[dict[str, Any]]) -> dict[str, Any] | None:
+    counted = [p["client_batches"] for p in phases if p.get("client_batches")]
+    if not counted:
+        return None
+    batches = sum(c["batches"] for c in counted)
+    ops = sum(c["ops"] for c in counted)
+    return {"batches": batches, "ops": ops, "mean": ops / batches if batches else None}
 
 
 def _sum_roles(phases: list[dict[str, Any]]) -> dict[str, float]:

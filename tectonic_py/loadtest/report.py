@@ -115,6 +115,13 @@ def summary_table(result: dict[str, Any]) -> Any:
             f"{batches['batches']} / {'-' if mean is None else f'{mean:.1f}'}"
             f" / {batches['largest_batch']}",
         )
+    coalesced = result.get("client_batches_write")
+    if coalesced:
+        mean = coalesced["mean"]
+        row(
+            "metadata calls coalesced (write): batches / calls / mean",
+            f"{coalesced['batches']} / {coalesced['ops']} / {'-' if mean is None else f'{mean:.1f}'}",
+        )
     conns = result.get("max_conns_per_store")
     if conns is not None:
         row("connections per store per worker (max)", str(conns))

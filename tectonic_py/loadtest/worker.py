@@ -73,6 +73,14 @@ def _connections() -> dict[str, int]:
     return counts
 
 
+def _meta_batches(backend: Any) -> dict[str, int]:
+    """The metadata client's coalescing counters (batch requests, the calls they carried)
+    so far; empty through a mount, whose client lives in the mount's process."""
+    meta = getattr(getattr(backend, "client", None), "meta", None)
+    stats = getattr(meta, "batch_stats", None)
+    return dict(stats()) if stats is not None else {}
+
+
 def _usage() -> tuple[float, int]:
     """CPU-seconds (user + system) and peak RSS in bytes of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -95,6 +103,7 @@ class _Phase:
     async def run(self, ranks: list[int], out: _Out) -> None:
         """Wait for the barrier, run every rank at once, report progress until all are done."""
         cpu0 = time.process_time()
+        batches0 = _meta_batches(self.backend)
         await trio.sleep_until(trio.current_time() + max(0.0, self.t0 - time.time()))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._progress, out)
@@ -104,6 +113,7 @@ class _Phase:
             nursery.cancel_scope.cancel()
         await out.send({"ev": "progress", "t": time.time(), "bytes": self.done_bytes})
         _, rss = _usage()
+        batches = {k: v - batches0.get(k, 0) for k, v in _meta_batches(self.backend).items()}
         await out.send(
             {
                 "ev": "done",
@@ -112,6 +122,7 @@ class _Phase:
                 "cpu_s": time.process_time() - cpu0,
                 "rss": rss,
                 "conns": _connections(),
+                "meta_batches": batches,
                 "ranks": [asdict(r) for r in self.results],
             }
         )
