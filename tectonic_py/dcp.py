@@ -41,10 +41,14 @@ files are written in place and only the metadata file is published atomically (w
 under a temporary name and renamed into place).
 
 Reads: the rank's plan names, for each item, a file, an offset and a length; ``read_data``
-opens each file once and fetches just those ranges, many at once, in batches of at most
-``READ_BATCH_BYTES``, then deserialises them as ``FileSystemReader`` does (``torch.load`` of
-the record, narrowed to the slice the plan asks for). A range of half a block or more is
-read as whole data chunks through the client's block cache, a smaller one as chunk ranges.
+opens each file once and fetches just those ranges in batches of at most
+``READ_BATCH_BYTES``, each range cut at block boundaries and ``READ_PIECES_IN_FLIGHT``
+pieces of a rank fetched at once (not every range at once: every rank loads at the same
+moment, and a whole checkpoint asked for at once queues on the chunk stores for longer
+than the client's hedge delays, which then ask for more), then deserialises them as
+``FileSystemReader`` does (``torch.load`` of the record, narrowed to the slice the plan
+asks for). A piece of half a block or more is read as whole data chunks through the
+client's block cache, a smaller one as chunk ranges.
 """
 
 from __future__ import annotations
@@ -98,8 +102,12 @@ STAGING_MARK = ".staging-"
 DEFAULT_WRITE_THREADS = 4
 # Bytes of items fetched before they are deserialised: bounds a rank's read memory.
 READ_BATCH_BYTES = 256 * MiB
-# Ranges of one rank in flight at once.
-READ_CONCURRENCY = 16
+# Block-sized pieces of one rank's ranges fetched at once (with the reader's readahead on
+# top): enough to keep the chunk stores of a few blocks busy, few enough that every rank of
+# a job loading at once does not queue the whole checkpoint on the stores (module docstring).
+READ_PIECES_IN_FLIGHT = 4
+# Files of one rank opened at once.
+OPEN_CONCURRENCY = 16
 
 
 def checkpoint_path(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -407,17 +415,24 @@ class TectonicReader(FileSystemReader):
         async def open_one(path: str) -> None:
             readers[path] = await self.client.client.open_read(path)
 
-        async def fetch_one(key: tuple[str, int, int]) -> None:
-            path, offset, length = key
-            blob = bytearray(length)
-            got = await readers[path].pread_into(offset, memoryview(blob))
-            if got != length:
-                raise TectonicError(f"{path}: {offset}+{length} lies past its end ({got} read)")
-            blobs[key] = blob
+        async def fetch_piece(path: str, offset: int, into: memoryview) -> None:
+            got = await readers[path].pread_into(offset, into)
+            if got != into.nbytes:
+                raise TectonicError(
+                    f"{path}: {offset}+{into.nbytes} lies past its end ({got} read)"
+                )
 
         paths = sorted({path for path, _, _ in ranges} - readers.keys())
-        await _gather([functools.partial(open_one, p) for p in paths], READ_CONCURRENCY)
-        await _gather([functools.partial(fetch_one, k) for k in ranges], READ_CONCURRENCY)
+        await _gather([functools.partial(open_one, p) for p in paths], OPEN_CONCURRENCY)
+        pieces = []
+        for key in ranges:
+            path, offset, length = key
+            blobs[key] = blob = bytearray(length)
+            view = memoryview(blob)
+            for piece in readers[path].layout.pieces(offset, length):
+                into = view[piece.out_offset : piece.out_offset + piece.length]
+                pieces.append(functools.partial(fetch_piece, path, offset + piece.out_offset, into))
+        await _gather(pieces, READ_PIECES_IN_FLIGHT)
         return blobs
 
     def _load_item(self, req: ReadItem, blob: bytearray, planner: LoadPlanner) -> None:

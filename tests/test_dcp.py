@@ -178,6 +178,42 @@ def test_a_reader_fetches_only_what_its_plan_needs(local_cluster: LocalCluster) 
         assert stats.bytes_read < big.nbytes // 4, stats
 
 
+@single_process
+def test_a_reader_keeps_a_few_block_pieces_in_flight(
+    local_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Items spanning many blocks are fetched a block piece at a time, at most
+    READ_PIECES_IN_FLIGHT at once, and come back whole (every rank of a job loads at once:
+    all of a rank's items in flight queued the checkpoint on the stores)."""
+    from tectonic_py import dcp as tdcp
+    from tectonic_py.client.reader import FileReader
+
+    saved = {f"t{i}": torch.randn(1 << 19) for i in range(4)}  # 2 MiB each: ~6 blocks
+    with BlockingClient(local_cluster.cluster_file) as client:
+        writer = TectonicWriter("/pieces", client=client, thread_count=2)
+        dcp.save(saved, storage_writer=writer, no_dist=True)
+    running, most, sizes = 0, 0, []
+    pread_into = FileReader.pread_into
+
+    async def counted(self: FileReader, offset: int, dest: memoryview) -> int:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        sizes.append((dest.nbytes, self.layout.block_size))
+        try:
+            return await pread_into(self, offset, dest)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(FileReader, "pread_into", counted)
+    with BlockingClient(local_cluster.cluster_file) as client:
+        loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+        dcp.load(loaded, storage_reader=TectonicReader("/pieces", client=client), no_dist=True)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert 1 < most <= tdcp.READ_PIECES_IN_FLIGHT, most
+    assert len(sizes) > len(saved) and all(n <= bs for n, bs in sizes), sizes
+
+
 def test_checkpoint_ids() -> None:
     assert checkpoint_path("tectonic:///ckpt/step_1/") == "/ckpt/step_1"
     assert checkpoint_path("tectonic://ckpt//step_1") == "/ckpt/step_1"
