@@ -143,12 +143,20 @@ async def test_superseded_versions_come_back_soon_and_open_readers_keep_reading(
             await _small_writes(client, "/f", model, rng)
             file_id = (await client.stat("/f")).id
 
+            differs: dict[str, object] = {}
+
             async def reclaimed():  # type: ignore[no-untyped-def]
                 files = await _chunk_files(m)
                 placed = await _placed(m, await client.meta.block_list(file_id))
+                differs["extra"], differs["missing"] = set(files) - placed, placed - set(files)
                 return files if set(files) == placed else None
 
-            files = await wait_for("the superseded versions' chunks to be collected", reclaimed)
+            try:
+                files = await wait_for(
+                    "the superseded versions' chunks to be collected", reclaimed
+                )
+            except AssertionError as e:
+                raise AssertionError(f"{e}; chunk files not placed / placed but absent: {differs}")
             assert await total_used(m) == baseline  # same shape: same bytes as before
             assert len(files) == 4 * POLICY.n  # 3 full blocks and a short one, nothing else
             async with open_fresh_client(cluster) as other:
