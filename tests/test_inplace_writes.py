@@ -152,9 +152,7 @@ async def test_superseded_versions_come_back_soon_and_open_readers_keep_reading(
                 return files if set(files) == placed else None
 
             try:
-                files = await wait_for(
-                    "the superseded versions' chunks to be collected", reclaimed
-                )
+                files = await wait_for("the superseded versions' chunks to be collected", reclaimed)
             except AssertionError as e:
                 raise AssertionError(f"{e}; chunk files not placed / placed but absent: {differs}")
             assert await total_used(m) == baseline  # same shape: same bytes as before
