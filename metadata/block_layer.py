@@ -114,48 +114,30 @@ def validate_info(info: BlockInfo) -> None:
 
 
 def holders(
-    conn: sqlite3.Connection, storage_block: int, index: int, node_id: str
-) -> list[tuple[int, int, int, int]]:
-    """The committed blocks that place chunk file ``storage_block.index`` on ``node_id``, as
-    (block_id, checksum, file_id, chunk_len): the block itself (when it did not adopt that
-    chunk from another) and the versions that adopted it."""
-    out = [
-        (storage_block, r[0], r[1], r[2])
-        for r in conn.execute(
-            "SELECT c.checksum, b.file_id, b.chunk_len FROM block_chunks c"
-            " JOIN blocks b ON b.block_id = c.block_id WHERE c.block_id = ? AND c.idx = ?"
-            " AND c.node_id = ? AND b.state = 'committed' AND NOT EXISTS (SELECT 1 FROM"
-            " chunk_origins o WHERE o.block_id = c.block_id AND o.idx = c.idx)",
-            (storage_block, index, node_id),
-        )
-    ]
-    out += [
-        (r[0], r[1], r[2], r[3])
-        for r in conn.execute(
-            "SELECT o.block_id, c.checksum, b.file_id, b.chunk_len FROM chunk_origins o"
-            " JOIN block_chunks c ON c.block_id = o.block_id AND c.idx = o.idx"
-            " JOIN blocks b ON b.block_id = o.block_id WHERE o.stored_as = ? AND o.idx = ?"
-            " AND c.node_id = ? AND b.state = 'committed'",
-            (storage_block, index, node_id),
-        )
-    ]
-    return out
-
-
-def _places(
-    conn: sqlite3.Connection,
-    c: ChunkPlacement,
-    node_id: str,
-    storage: int,
-    file_id: int,
-    chunk_len: int,
-) -> bool:
-    """Whether a committed block of ``file_id`` places chunk file ``storage.index`` on
-    ``node_id`` with ``c``'s checksum and that chunk length."""
-    return any(
-        crc == c.checksum and fid == file_id and cl == chunk_len
-        for _, crc, fid, cl in holders(conn, storage, c.index, node_id)
+    conn: sqlite3.Connection, storage_block: int, index: int, node_id: str | None = None
+) -> list[tuple[int, str, int, int, int]]:
+    """The committed blocks that place chunk file ``storage_block.index`` on ``node_id``
+    (None: on any node), as (block_id, node_id, checksum, file_id, chunk_len): the block
+    itself (when it did not adopt that chunk from another) and the versions that adopted it."""
+    on_node = "" if node_id is None else " AND c.node_id = ?"
+    args = (storage_block, index) if node_id is None else (storage_block, index, node_id)
+    own = (
+        "SELECT c.block_id, c.node_id, c.checksum, b.file_id, b.chunk_len FROM block_chunks c"
+        " JOIN blocks b ON b.block_id = c.block_id WHERE c.block_id = ? AND c.idx = ?"
+        " AND b.state = 'committed' AND NOT EXISTS (SELECT 1 FROM"
+        " chunk_origins o WHERE o.block_id = c.block_id AND o.idx = c.idx)"
     )
+    adopters = (
+        "SELECT o.block_id, c.node_id, c.checksum, b.file_id, b.chunk_len FROM chunk_origins o"
+        " JOIN block_chunks c ON c.block_id = o.block_id AND c.idx = o.idx"
+        " JOIN blocks b ON b.block_id = o.block_id WHERE o.stored_as = ? AND o.idx = ?"
+        " AND b.state = 'committed'"
+    )
+    return [
+        (r[0], r[1], r[2], r[3], r[4])
+        for query in (own, adopters)
+        for r in conn.execute(query + on_node, args)
+    ]
 
 
 def _resolve_adopted(conn: sqlite3.Connection, info: BlockInfo, file_id: int) -> BlockInfo:
@@ -172,25 +154,21 @@ def _resolve_adopted(conn: sqlite3.Connection, info: BlockInfo, file_id: int) ->
             continue
         if c.stored_as == info.block_id:
             raise InvalidArgument(f"block {info.block_id:016x} cannot adopt its own chunk")
-        if not _places(conn, c, c.node_id, c.stored_as, file_id, info.chunk_len):
-            # Where that chunk file is placed now: by its own block or by a version that
-            # adopted it (the writer's record may predate a move, or its own last commit).
-            now = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT node_id FROM block_chunks WHERE block_id = ? AND idx = ?"
-                    " AND checksum = ? UNION SELECT c.node_id FROM chunk_origins o"
-                    " JOIN block_chunks c ON c.block_id = o.block_id AND c.idx = o.idx"
-                    " WHERE o.stored_as = ? AND o.idx = ? AND c.checksum = ?",
-                    (c.stored_as, c.index, c.checksum) * 2,
-                )
-                if _places(conn, c, r[0], c.stored_as, file_id, info.chunk_len)
-            ]
-            if not now:
-                raise InvalidArgument(
-                    f"block {info.block_id:016x} adopts chunk {c.stored_as:016x}.{c.index} on"
-                    f" {c.node_id!r}, which no committed block of file {file_id} places there"
-                )
+        # Where that chunk file is placed now, by its own block or by a version that adopted
+        # it (the writer's record may predate a move, or its own last commit).
+        now = sorted(
+            {
+                node
+                for _, node, crc, fid, cl in holders(conn, c.stored_as, c.index)
+                if crc == c.checksum and fid == file_id and cl == info.chunk_len
+            }
+        )
+        if not now:
+            raise InvalidArgument(
+                f"block {info.block_id:016x} adopts chunk {c.stored_as:016x}.{c.index} on"
+                f" {c.node_id!r}, which no committed block of file {file_id} places there"
+            )
+        if c.node_id not in now:
             c = ChunkPlacement(c.index, now[0], c.checksum, stored_as=c.stored_as)
         chunks.append(c)
     return dataclasses.replace(info, chunks=chunks)
