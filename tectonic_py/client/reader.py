@@ -14,7 +14,8 @@ announce itself for the old version's space to come back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
@@ -23,6 +24,8 @@ from tectonic_py.core.records import Attrs, BlockInfo
 
 if TYPE_CHECKING:
     from tectonic_py.client.tectonic_client import TectonicClient
+
+T = TypeVar("T")
 
 
 class FileReader:
@@ -93,15 +96,21 @@ class FileReader:
         self.attrs, self.size, self._blocks = attrs, attrs.size, fresh
         return changed
 
-    async def _pread(
-        self, offset: int, length: int, *, view: bool
-    ) -> bytes | bytearray | memoryview:
+    async def _relocating(self, offset: int, length: int, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()``, once more if it lost a block that is another version now."""
         try:
-            return await self._pread_once(offset, length, view=view)
+            return await read()
         except QuorumLost:
             if not await self._relocated(offset, length):
                 raise
-        return await self._pread_once(offset, length, view=view)
+        return await read()
+
+    async def _pread(
+        self, offset: int, length: int, *, view: bool
+    ) -> bytes | bytearray | memoryview:
+        return await self._relocating(
+            offset, length, lambda: self._pread_once(offset, length, view=view)
+        )
 
     async def _pread_once(
         self, offset: int, length: int, *, view: bool
@@ -139,17 +148,14 @@ class FileReader:
             raise InvalidArgument(f"bad read offset {offset}")
         dest = memoryview(dest).cast("B")
         length = max(0, min(dest.nbytes, self.size - offset))
-        dest = dest[:length]
         sequential = self._sequential(offset, length)
-        try:
-            await self._fill(offset, dest, sequential)
-        except QuorumLost:
-            if not await self._relocated(offset, length):
-                raise
-            length = max(0, min(length, self.size - offset))
-            dest = dest[:length]
-            await self._fill(offset, dest, sequential)
-        return length
+
+        async def fill() -> int:
+            n = max(0, min(length, self.size - offset))  # the size may change on a relocate
+            await self._fill(offset, dest[:n], sequential)
+            return n
+
+        return await self._relocating(offset, length, fill)
 
     async def _fill(self, offset: int, dest: memoryview, sequential: bool) -> None:
         """``dest`` gets the file's bytes from ``offset`` (zeros in holes), which lie inside
