@@ -287,7 +287,12 @@ async def _stop_a_store_mid_puts(cluster: LocalCluster, *, files: int, blocks: i
                 async with trio.open_nursery() as nursery:
                     for path in datas:
                         nursery.start_soon(put, path)
-                    await trio.sleep(0.2)
+                    # Mid-put means the client has a connection to the victim with puts on
+                    # it: stopped before that (a loaded machine), its connect fails instead
+                    # and no put stalls.
+                    chunks = cluster.chunkstore_dir(victim) / "chunks"
+                    while not any(p.is_file() for p in chunks.glob("*/*")):
+                        await trio.sleep(0.01)
                     os.kill(pid, signal.SIGSTOP)
                     t_stop = trio.current_time()
                     stopped.set()
