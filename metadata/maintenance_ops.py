@@ -13,7 +13,8 @@ op                   fields (and ``shard``)                                reply
 block.scan           after, limit                                          blocks, next
 block.set_chunk      block_id, index, old_node ("" = none), new_node,      {}
                      checksum
-block.forget         block_id, state, [file_id, file_index]                forgotten
+block.forget         block_id, state, [file_id, file_index]                forgotten, chunks
+                                                                           [[n, b, i], ...]
 block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
 block.bad_chunks     after, limit                                          chunks [[b, i, n]],
                                                                            next
@@ -158,22 +159,33 @@ def forget_block(
     state: str,
     file_id: int | None,
     file_index: int | None,
-) -> bool:
+) -> list[tuple[str, int, int]] | None:
     """Delete a block's record, if it is still in the state the GC saw (and, when given,
-    still of that file at that index); True if deleted."""
+    still of that file at that index); None if it was not. Returns the chunk files it
+    placed, as (node_id, stored-as block id, index), read in the same transaction: a copy
+    that repair or rebalance pointed the block at after the GC located it is among them."""
     row = conn.execute(
         "SELECT state, file_id, file_index FROM blocks WHERE block_id = ?", (block_id,)
     ).fetchone()
     if row is None or row[0] != state:
-        return False
+        return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
-        return False
+        return None
+    placed = [
+        (str(r[0]), int(r[1]), int(r[2]))
+        for r in conn.execute(
+            "SELECT c.node_id, COALESCE(o.stored_as, c.block_id), c.idx FROM block_chunks c"
+            " LEFT JOIN chunk_origins o ON o.block_id = c.block_id AND o.idx = c.idx"
+            " WHERE c.block_id = ? ORDER BY c.idx",
+            (block_id,),
+        )
+    ]
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM block_chunks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM node_blocks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM bad_chunks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM chunk_origins WHERE block_id = ?", (block_id,))
-    return True
+    return placed
 
 
 def reported_bad_chunks(
@@ -414,14 +426,14 @@ class MaintenanceOps:
         state = req.str("state", max_len=16)
         if state not in ("allocated", "committed"):
             raise InvalidArgument(f"block.forget: unknown state {state!r}")
-        done = await store.write(
+        placed = await store.write(
             forget_block,
             req.int("block_id", lo=1, hi=MAX_ID),
             state,
             req.int("file_id", None, lo=0, hi=MAX_ID),
             req.int("file_index", None, lo=-1, hi=MAX_ID),
         )
-        return {"forgotten": done}
+        return {"forgotten": placed is not None, "chunks": [list(c) for c in placed or []]}
 
     async def op_block__dead_chunks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

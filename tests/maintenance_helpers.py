@@ -95,8 +95,9 @@ async def open_inspector(cluster: LocalCluster) -> AsyncIterator[Maintenance]:
 
 
 @asynccontextmanager
-async def open_fresh_client(cluster: LocalCluster) -> AsyncIterator[TectonicClient]:
-    async with open_client(cluster.cluster_file, slow_chunk_s=5.0, chunk_timeout=10.0) as c:
+async def open_fresh_client(cluster: LocalCluster, **tuning: Any) -> AsyncIterator[TectonicClient]:
+    tuning = {"slow_chunk_s": 5.0, "chunk_timeout": 10.0, **tuning}
+    async with open_client(cluster.cluster_file, **tuning) as c:
         yield c
 
 

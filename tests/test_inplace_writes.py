@@ -51,6 +51,10 @@ POLICY = ECPolicy.parse(EC)  # rs-4-2: a block is 4 data chunks of CHUNK bytes +
 BLOCK = POLICY.k * CHUNK
 WRITES = 12
 PAGE = 4096
+# For the tests that count chunk files and bytes: a put hedged to a spare store (a loaded
+# machine) leaves a second copy of its chunk, which the chunk sweep collects after the hour
+# of ``grace``, not the superseded GC; a hedge delay no put reaches here keeps them out.
+NO_HEDGE = {"write_hedge_s": 600.0}
 
 
 async def _chunk_files(m: Maintenance) -> dict[str, int]:
@@ -95,7 +99,7 @@ async def test_small_pwrites_cost_one_data_chunk_and_parity(tmp_path):
         cluster.start()
         rng = random.Random(23)
         model = bytearray(data_of(4 * BLOCK, seed=3))
-        async with open_fresh_client(cluster) as client, open_inspector(cluster) as m:
+        async with open_fresh_client(cluster, **NO_HEDGE) as client, open_inspector(cluster) as m:
             await put(client, "/f", bytes(model))
             before = await total_used(m)
             # Pages that straddle no chunk boundary: each touches exactly one data chunk.
@@ -135,7 +139,7 @@ async def test_superseded_versions_come_back_soon_and_open_readers_keep_reading(
         cluster.start()
         rng = random.Random(5)
         model = bytearray(data_of(3 * BLOCK + 5000, seed=4))
-        async with open_fresh_client(cluster) as client, open_inspector(cluster) as m:
+        async with open_fresh_client(cluster, **NO_HEDGE) as client, open_inspector(cluster) as m:
             await put(client, "/f", bytes(model))
             baseline = await total_used(m)
             early = await client.open_read("/f")
@@ -361,8 +365,8 @@ def test_adopted_chunks_live_while_any_version_places_them(conn):
     v1_files = [(v1.block_id, i) for i in range(POLICY.n)]
     dead = maintenance_ops.dead_chunks
     # v1 and v2 forgotten (the GC queue): only the files v3 still places stay needed.
-    assert maintenance_ops.forget_block(conn, v1.block_id, "committed", None, None)
-    assert maintenance_ops.forget_block(conn, v2.block_id, "committed", None, None)
+    assert maintenance_ops.forget_block(conn, v1.block_id, "committed", None, None) is not None
+    assert maintenance_ops.forget_block(conn, v2.block_id, "committed", None, None) is not None
     for i in range(POLICY.n):
         assert (dead(conn, f"n{i}", [v1_files[i]]) == []) == (i in (2, 3)), i
         assert dead(conn, f"n{i}", [(v2.block_id, i)]) == [(v2.block_id, i)]
@@ -373,9 +377,25 @@ def test_adopted_chunks_live_while_any_version_places_them(conn):
     block_layer.repoint_chunk(conn, v3.block_id, 2, "n2", "n8", 1002)
     assert dead(conn, "n2", [v1_files[2]]) == [v1_files[2]]
     assert dead(conn, "n8", [(v3.block_id, 2)]) == []
-    assert maintenance_ops.forget_block(conn, v3.block_id, "committed", None, None)
+    assert maintenance_ops.forget_block(conn, v3.block_id, "committed", None, None) is not None
     assert dead(conn, "n3", [v1_files[3]]) == [v1_files[3]]
     assert conn.execute("SELECT count(*) FROM chunk_origins").fetchone()[0] == 0
+
+
+def test_forget_names_the_files_placed_when_it_ran(conn):
+    """The GC deletes what ``forget_block`` says the block placed, read in its transaction:
+    a chunk rebalance or repair pointed elsewhere after the GC located the block (a copy it
+    would otherwise leave on the new node for the chunk sweep's hour) is among them, and an
+    adopted chunk is named by the file it is stored as."""
+    v1 = _block(conn, 7, {})
+    v2 = _block(conn, 7, {1: (v1.block_id, 1001)})
+    block_layer.repoint_chunk(conn, v2.block_id, 5, "n5", "n9", 1005)
+    placed = maintenance_ops.forget_block(conn, v2.block_id, "committed", None, None)
+    assert placed is not None
+    assert ("n9", v2.block_id, 5) in placed and ("n5", v2.block_id, 5) not in placed
+    assert ("n1", v1.block_id, 1) in placed and ("n1", v2.block_id, 1) not in placed
+    assert len(placed) == POLICY.n
+    assert maintenance_ops.forget_block(conn, v2.block_id, "committed", None, None) is None
 
 
 def test_a_block_adopts_only_what_its_file_places(conn):

@@ -145,20 +145,20 @@ class GarbageCollector:
         return done
 
     async def collect_block(self, block_id: int, nodes: dict[str, NodeInfo]) -> bool:
-        """Forget a dropped block, then delete its chunks (one ``block.caps`` call for all
-        of them); True when it is gone for good."""
-        try:
-            info = (await self.m.meta.locate_blocks([block_id]))[0]
-        except FileNotFound:
-            return True  # never committed, or forgotten by an earlier (crashed) round
+        """Forget a dropped block, then delete the chunk files it placed when it was
+        forgotten (one ``block.caps`` call for all of them); True when it is gone for good.
+        The placements come from the forget itself, not a lookup before it: repair or
+        rebalance may point the block at a new copy in between, and that copy would stay."""
         r = await self.m.shard_call(
             self.m.meta._of(block_id), "block.forget", block_id=block_id, state="committed"
         )
-        self.m.counters.forgotten_blocks += bool(r["forgotten"])
+        if not r["forgotten"]:
+            return True  # never committed, or forgotten by an earlier (crashed) round
+        self.m.counters.forgotten_blocks += 1
         up = [
-            (c.node_id, c.storage_block(block_id), c.index)
-            for c in info.chunks
-            if c.node_id in nodes and nodes[c.node_id].state == "up"
+            (str(node_id), int(stored), int(index))
+            for node_id, stored, index in r["chunks"]
+            if node_id in nodes and nodes[node_id].state == "up"
         ]  # a chunk on a node that is down: the chunk sweep deletes it when the node is back
         # No capability for a chunk file that another version still places (adopted).
         caps = await self.m.chunk_caps("delete", up) if up else {}

@@ -9,7 +9,9 @@ at most ``rebalance_max_moves`` per round, paced by the shared bandwidth bucket.
 A move never lowers a block below full redundancy: the chunk is copied (read and verified
 against the Block layer's CRC, written to the target), then ``block.set_chunk`` points the
 block at the copy (refused if the chunk moved meanwhile), and only then is the source copy
-deleted (the metadata service grants that delete only now: ``block.caps``). A crash between steps leaves an extra copy, which the GC's chunk sweep removes. The
+deleted (the metadata service grants that delete only now: ``block.caps``). A copy whose
+``set_chunk`` is refused (the block was collected meanwhile) is deleted at once; a crash
+between steps leaves an extra copy, which the GC's chunk sweep removes. The
 target holds no chunk of the block and, where possible, is in a failure domain the block's
 other chunks do not use; a chunk whose only possible targets would share a domain stays.
 A reader holding the old placement finds the source copy gone and reads degraded (correct
@@ -126,14 +128,18 @@ class Rebalancer:
         block's own id, or an earlier version's for an adopted chunk) to ``dst`` under the
         block's own id, repoint it, then delete the source file unless a version still
         places it."""
+        copied = False
         try:
             data = await self.m.get_chunk(src, stored, index, crc)
             await self.m.put_chunk(dst, block_id, index, data, crc)
+            copied = True
             await self.m.set_chunk(block_id, index, src.node_id, dst.node_id, crc)
         except TectonicError as e:
             log.info(
                 "move of %016x.%d %s -> %s failed: %s", block_id, index, src.node_id, dst.node_id, e
             )
+            if copied:  # collected or moved meanwhile: the copy is nobody's
+                await self.m.discard_copy(dst, block_id, index)
             return 0
         try:
             await self.m.delete_chunk(src, stored, index)

@@ -276,9 +276,9 @@ class Repairer:
                     info.block_id, index, old.node_id if old else "", target.node_id, crc
                 )
             except TectonicError as e:
-                # Moved or collected meanwhile: our copy is unreferenced; the chunk sweep of
-                # the GC removes it after the grace period.
+                # Moved or collected meanwhile: our copy is unreferenced.
                 log.info("block %016x chunk %d: not recorded (%s)", info.block_id, index, e)
+                await self.m.discard_copy(target, info.block_id, index)
                 continue
             holders.add(target.node_id)
             used_domains.add(target.failure_domain)

@@ -219,6 +219,20 @@ class Maintenance:
         self.counters.deleted_chunks += existed
         return existed
 
+    async def discard_copy(self, node: NodeInfo, block_id: int, index: int) -> None:
+        """Delete a copy this process put whose ``set_chunk`` was refused (the block was
+        collected, or the chunk moved, meanwhile) now rather than after the chunk sweep's
+        grace; the metadata service grants the delete only if no block places it there."""
+        try:
+            await self.delete_chunk(node, block_id, index)
+        except TectonicError as e:
+            log.info(
+                "copy %s on %s stays for the chunk sweep: %s",
+                chunk_id(block_id, index),
+                node.node_id,
+                e,
+            )
+
     async def node_call(self, node: NodeInfo, op: str, **fields: Any) -> dict[str, Any]:
         """An op with no typed method (``scrub_report``, ``list``, ``node_stats``)."""
         resp = await self._on(node, op, lambda c: c.call(op, fields))
