@@ -7,7 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh
 set +e
-.venv/bin/python -m pytest "$@"
+# Two workers, a test file each (--dist loadfile: a file's daemons and fixtures stay in one
+# process): most tests wait on daemons, timeouts and mounts rather than compute, so the
+# suite takes about half as long on two cores. `-n 0` as an argument runs it serially.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
