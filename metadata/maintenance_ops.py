@@ -69,7 +69,7 @@ from typing import Any
 
 import msgpack
 
-from metadata.block_layer import holders, repoint_chunk
+from metadata.block_layer import holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
@@ -171,15 +171,8 @@ def forget_block(
         return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
-    placed = [
-        (str(r[0]), int(r[1]), int(r[2]))
-        for r in conn.execute(
-            "SELECT c.node_id, COALESCE(o.stored_as, c.block_id), c.idx FROM block_chunks c"
-            " LEFT JOIN chunk_origins o ON o.block_id = c.block_id AND o.idx = c.idx"
-            " WHERE c.block_id = ? ORDER BY c.idx",
-            (block_id,),
-        )
-    ]
+    chunks = locate(conn, [block_id])[0].chunks if state == "committed" else []
+    placed = [(c.node_id, c.storage_block(block_id), c.index) for c in chunks]
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM block_chunks WHERE block_id = ?", (block_id,))
     conn.execute("DELETE FROM node_blocks WHERE block_id = ?", (block_id,))
