@@ -171,11 +171,21 @@ _READ_OPS = frozenset(
 )
 
 
-# Mutations whose repeat after a lost reply does no harm: a second allocation is garbage the
-# GC collects; a commit of the same blocks at the same indexes, a size, a lease renewal land
-# the same. (name.create and file.close are repeated by their callers, who check the result.)
+# Mutations whose repeat after a lost reply does no harm: a second allocation, a second File
+# record (file.create: it is never named) are garbage the GC collects; a commit of the same
+# blocks at the same indexes, a size, a lease renewal, a link hint land the same. (name.create,
+# name.insert and file.close are repeated by their callers, who check the result.)
 _REPEATABLE_OPS = frozenset(
-    {"block.allocate", "block.grant", "block.commit", "file.commit", "file.set_size", "file.renew"}
+    {
+        "block.allocate",
+        "block.grant",
+        "block.commit",
+        "file.commit",
+        "file.create",
+        "file.link",
+        "file.set_size",
+        "file.renew",
+    }
 )
 
 
@@ -650,9 +660,11 @@ class MetadataClient(CheckpointCalls):
         )
         attrs = Attrs.from_wire(r["attrs"])
         try:
-            await self._shard(
-                self._of(dir_id), "name.insert", dir=dir_id, name=name, id=attrs.id, kind=kind
-            )
+            await self._insert_name(dir_id, name, attrs.id, kind)
+        except ShardUnavailable:
+            # The name may have landed: the orphan GC finds out and names or drops the record.
+            log.info("record %d left for orphan GC: its name's outcome is unknown", attrs.id)
+            raise
         except TectonicError:
             try:
                 await self._shard(shard, "file.drop", id=attrs.id)
@@ -660,6 +672,23 @@ class MetadataClient(CheckpointCalls):
                 log.info("record %d left for orphan GC: %s", attrs.id, e)
             raise
         return attrs, r["token"]
+
+    async def _insert_name(self, dir_id: int, name: str, child: int, kind: str) -> None:
+        """A new record's ``name.insert``, sent again after a lost reply (a server killed
+        under it): ``child`` was drawn just now, so a FileExists whose entry names it is the
+        first try's, landed."""
+        try:
+            await self._shard(
+                self._of(dir_id), "name.insert", repeat=True, dir=dir_id, name=name, id=child,
+                kind=kind,
+            )  # fmt: skip
+        except FileExists:
+            try:
+                r = await self._shard(self._of(dir_id), "name.lookup", dir=dir_id, name=name)
+            except FileNotFound:
+                raise FileExists(f"{name!r} exists in directory {dir_id}") from None
+            if r["id"] != child:
+                raise
 
     async def mkdir(
         self, dir_id: int, name: str, *, mode: int = 0o755, uid: int = 0, gid: int = 0
@@ -767,9 +796,15 @@ class MetadataClient(CheckpointCalls):
         r = await self._shard(self._of(file_id), "file.add_link", id=file_id)
         attrs = Attrs.from_wire(r["attrs"])
         try:
+            # Not sent again after a lost reply, unlike a new record's name: a FileExists
+            # naming this file could be the first try's or a name that was there before.
             await self._shard(
                 self._of(dir_id), "name.insert", dir=dir_id, name=name, id=file_id, kind=attrs.kind
             )
+        except ShardUnavailable:
+            # The name may have landed: a count too high keeps the file, one too low loses it.
+            log.warning("file %d keeps a link count its name may not have", file_id)
+            raise
         except TectonicError:
             with trio.CancelScope(shield=True):
                 await self._release(file_id, attrs.kind)

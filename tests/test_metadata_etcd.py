@@ -136,6 +136,39 @@ async def test_a_killed_metadata_server_is_taken_over(tmp_path):
         cluster.stop()
 
 
+async def test_directories_made_while_a_metadata_server_is_killed_all_land(tmp_path):
+    """mkdir is three mutations in two shards (the record, its name, the link). Some are on
+    the wire to the server killed here: each is sent again to the shard's new owner, and
+    every directory exists afterwards, named once and listable."""
+    cluster = _etcd_cluster(tmp_path / "c")
+    try:
+        cluster.start()
+        made: list[str] = []
+        async with open_client(cluster.cluster_file) as client:
+            await client.mkdir("/run")
+
+            async def maker(k: int) -> None:
+                for i in range(40):
+                    path = f"/run/m{k:02d}/step{i:02d}"
+                    await client.mkdir(path, parents=True)
+                    made.append(path)
+
+            async with trio.open_nursery() as nursery:
+                for k in range(32):
+                    nursery.start_soon(maker, k)
+                while len(made) < 100:
+                    await trio.sleep(0.01)
+                cluster.kill_metadata(1)
+            assert len(made) == 32 * 40
+            for k in range(32):
+                names = await client.listdir(f"/run/m{k:02d}")
+                assert sorted(e.name for e in names) == [f"step{i:02d}" for i in range(40)]
+                for i in range(40):
+                    assert (await client.stat(f"/run/m{k:02d}/step{i:02d}")).is_dir
+    finally:
+        cluster.stop()
+
+
 async def test_a_paused_server_never_commits_after_its_shards_moved(tmp_path):
     cluster = _etcd_cluster(tmp_path / "c")
     try:
