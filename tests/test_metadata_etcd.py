@@ -21,7 +21,7 @@ from metadata.etcd_engine import ShardReplica
 from metadata.ownership import Ownership
 from metadata.shard import ShardStore
 from tectonic_py.client.tectonic_client import open_client
-from tectonic_py.core.errors import WrongShard
+from tectonic_py.core.errors import FileNotFound, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.process_env import child_env
@@ -237,6 +237,19 @@ async def test_a_burst_rides_out_a_killed_etcd_member(tmp_path):
         cluster.stop()
 
 
+async def _wait_for_files(cluster_file, directory: str, count: int, run) -> None:
+    """Until ``directory`` names ``count`` files (or the run has ended: its output says why)."""
+    async with open_client(cluster_file) as client:
+        with trio.fail_after(120):
+            while run.poll() is None:
+                try:
+                    if len(await client.listdir(directory)) >= count:
+                        return
+                except FileNotFound:
+                    pass
+                await trio.sleep(0.1)
+
+
 def test_a_1024_rank_burst_rides_out_a_killed_etcd_member_and_metadata_server(tmp_path):
     """The load test's 1,024 ranks save 64 KiB each while one etcd member and then one
     metadata server are killed with SIGKILL: every rank's close returns (retries, not
@@ -248,11 +261,13 @@ def test_a_1024_rank_burst_rides_out_a_killed_etcd_member_and_metadata_server(tm
             sys.executable, "-m", "tectonic_py.cli.main", "loadtest", str(cluster.cluster_file),
             "--ranks", "1024", "--shard-size", "64KiB", "--json", "--no-plot", "--no-progress",
             "--results-dir", str(tmp_path / "results"), "--max-seconds", "300",
+            "--dir", "/lt",
         ]  # fmt: skip
         with subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()
         ) as run:
-            time.sleep(4)  # the burst is under way
+            # The burst is under way (a fixed wait was still the coordinator's mkdir in CI).
+            trio.run(_wait_for_files, cluster.cluster_file, "/lt/step_000001", 64, run)
             assert cluster.etcd is not None
             cluster.etcd.kill_member(1)
             time.sleep(1)
