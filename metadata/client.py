@@ -54,8 +54,10 @@ Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and r
 broken. A server that is restarting (kill -9, then its supervisor starts it again) refuses
 connections for a few seconds, so a connection failure is retried with backoff until
 ``reconnect_deadline`` (``RECONNECT_DEADLINE_S`` by default) has passed: for requests that are
-safe to repeat (reads) always, for mutations only when the request never left (connect
-failed), because a mutation whose reply was lost may have committed. ``Busy`` (admission
+safe to repeat (reads, and the mutations of ``_REPEATABLE_OPS`` or whose caller recognises a
+repeat's outcome: a create by its client-drawn token) always, for other mutations only when
+the request never left (connect failed), because a mutation whose reply was lost may have
+committed. ``Busy`` (admission
 control, a pinned rename) is retried with backoff a bounded number of times (both through
 ``tectonic_py.core.retry``). A server still unreachable at the deadline is
 ``ShardUnavailable``. Until some server has answered the client, only a few quick tries are
@@ -96,7 +98,7 @@ from tectonic_py.core.errors import (
     WrongShard,
     error_from_code,
 )
-from tectonic_py.core.ids import ROOT_ID, shard_of
+from tectonic_py.core.ids import ROOT_ID, new_id, shard_of
 from tectonic_py.core.records import (
     KIND_DIR,
     KIND_FILE,
@@ -173,8 +175,9 @@ _READ_OPS = frozenset(
 
 # Mutations whose repeat after a lost reply does no harm: a second allocation, a second File
 # record (file.create: it is never named) are garbage the GC collects; a commit of the same
-# blocks at the same indexes, a size, a lease renewal, a link hint land the same. (name.create,
-# name.insert and file.close are repeated by their callers, who check the result.)
+# blocks at the same indexes, a size, a lease renewal, a link hint land the same. (name.create
+# carries its writer token, name.insert a fresh record's id, file.close is checked by its
+# caller: each is sent again by the caller that knows how to read a repeat's outcome.)
 _REPEATABLE_OPS = frozenset(
     {
         "block.allocate",
@@ -724,14 +727,13 @@ class MetadataClient(CheckpointCalls):
             "gid": gid,
             "ec": ECPolicy.parse(ec or dir_ec).name,
             "chunk_size": chunk_size,
+            # Drawn here so that a create sent again after a lost reply (a server killed
+            # under it) is answered with the file its first try made, not FileExists.
+            "token": new_id(),
         }
         for _ in range(3):
             try:
-                # A non-exclusive create may be sent again after a lost reply: if the first
-                # one did create the file, the second finds it and opens it below.
-                r = await self._shard(
-                    self._of(dir_id), "name.create", repeat=not exclusive, **fields
-                )
+                r = await self._shard(self._of(dir_id), "name.create", repeat=True, **fields)
                 return Attrs.from_wire(r["attrs"]), int(r["token"])
             except FileExists:
                 if exclusive:

@@ -149,9 +149,11 @@ def create(
     now_ns: int,
     lease_ns: int,
     file_id: int = 0,
+    token: int = 0,
 ) -> tuple[Attrs, int]:
-    """A new, not yet named record; a file also gets its writer token. ``file_id`` is given
-    only for the root directory (fixed id)."""
+    """A new, not yet named record; a file also gets its writer token (``token``, when the
+    client drew it, so that a repeated create can recognise its own file). ``file_id`` is
+    given only for the root directory (fixed id)."""
     kind = spec["kind"]
     if kind not in ALL_KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}")
@@ -160,7 +162,7 @@ def create(
     if kind == KIND_SYMLINK and not 0 < len(target) <= MAX_SYMLINK_TARGET:
         raise InvalidArgument(f"a symlink target is 1..{MAX_SYMLINK_TARGET} bytes")
     fid = file_id or draw_id(conn, shard, total_shards)
-    token = new_id() if kind == KIND_FILE else 0
+    token = (token or new_id()) if kind == KIND_FILE else 0
     node = kind in NODE_KINDS
     conn.execute(
         "INSERT INTO files (id, kind, size, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, sealed,"
@@ -195,6 +197,12 @@ def create(
             "INSERT INTO devices (file_id, rdev) VALUES (?, ?)", (fid, int(spec.get("rdev", 0)))
         )
     return get(conn, fid, now_ns), token
+
+
+def writer_token(conn: sqlite3.Connection, file_id: int) -> int:
+    """The token of the file's current writer (0: none, sealed or not a file)."""
+    row = conn.execute("SELECT writer_token FROM files WHERE id = ?", (file_id,)).fetchone()
+    return int(row[0]) if row is not None and row[0] else 0
 
 
 def readlink(conn: sqlite3.Connection, file_id: int) -> bytes:

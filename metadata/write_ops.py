@@ -17,7 +17,7 @@ servers.
 ==================== ===================================================== ==============
 op                   fields (and ``shard``)                                reply
 ==================== ===================================================== ==============
-name.create          dir, name, mode, uid, gid, ec, chunk_size             attrs, token
+name.create          dir, name, mode, uid, gid, ec, chunk_size, [token]    attrs, token
 file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
 file.close           id, token, size, entries, [blocks]                    attrs
 ==================== ===================================================== ==============
@@ -41,7 +41,7 @@ from metadata import block_layer, file_layer, name_layer
 from metadata.shard import now_ns
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
-from tectonic_py.core.errors import InvalidArgument, WrongShard
+from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
 from tectonic_py.core.ids import MAX_ID, shard_of
 from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo, validate_name
 from tectonic_py.core.rpc_server import Request
@@ -59,12 +59,24 @@ def create_named(
     spec: dict[str, Any],
     now: int,
     lease_ns: int,
+    token: int = 0,
 ) -> tuple[Attrs, int]:
     """A regular file named ``name`` in ``dir_id`` (whose shard this is), with its writer
-    token: the File record (id drawn to hash here, named at once) and the Name entry."""
+    token: the File record (id drawn to hash here, named at once) and the Name entry.
+
+    ``token``, drawn by the client, makes the create safe to send again after a lost reply
+    (a server killed under it): a name that is taken by a file whose writer holds that very
+    token is the first try's, and the reply is the first try's."""
     name_layer.check_dir(conn, dir_id)
+    if token:
+        try:
+            found, _ = name_layer.lookup(conn, dir_id, name)
+        except FileNotFound:
+            found = 0
+        if found and file_layer.writer_token(conn, found) == token:
+            return file_layer.get(conn, found, now), token
     spec = {**spec, "kind": KIND_FILE, "parent": dir_id, "name": name}
-    attrs, token = file_layer.create(conn, shard, total_shards, spec, now, lease_ns)
+    attrs, token = file_layer.create(conn, shard, total_shards, spec, now, lease_ns, token=token)
     file_layer.link(conn, attrs.id, dir_id, name)
     name_layer.insert(conn, dir_id, name, attrs.id, KIND_FILE)
     return attrs, token
@@ -151,6 +163,7 @@ class WriteOps:
             spec,
             now_ns(),
             self.lease_ns,
+            req.int("token", 0, hi=MAX_ID),
         )
         return {"attrs": dict(attrs.__dict__), "token": token}
 

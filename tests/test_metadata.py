@@ -162,6 +162,27 @@ async def test_create_non_exclusive_truncates(mc):
     assert new.id != f.id
 
 
+async def test_a_create_sent_twice_is_answered_with_its_first_file(mc):
+    """name.create repeated after a lost reply (the same client-drawn token): the file its
+    first try made, not FileExists; any other create of that name, or a repeat after the
+    file changed writers, is FileExists."""
+    c = mc.client
+    shard = c._of(ROOT_ID)
+    fields = {"dir": ROOT_ID, "name": "f", "token": 12345}
+    first = await c._shard(shard, "name.create", **fields)
+    again = await c._shard(shard, "name.create", **fields)
+    assert again["attrs"]["id"] == first["attrs"]["id"] and again["token"] == 12345
+    with pytest.raises(FileExists):
+        await c._shard(shard, "name.create", **{**fields, "token": 54321})
+    with pytest.raises(FileExists):
+        await c._shard(shard, "name.create", dir=ROOT_ID, name="f")
+    await c.open_for_write(first["attrs"]["id"])  # a second writer takes the file
+    with pytest.raises(FileExists):
+        await c._shard(shard, "name.create", **fields)
+    names, _ = await c.readdir(ROOT_ID)
+    assert [e.name for e in names] == ["f"]
+
+
 async def test_writer_fencing(mc):
     c = mc.client
     await register_nodes(c, 3)

@@ -136,10 +136,10 @@ async def test_a_killed_metadata_server_is_taken_over(tmp_path):
         cluster.stop()
 
 
-async def test_directories_made_while_a_metadata_server_is_killed_all_land(tmp_path):
-    """mkdir is three mutations in two shards (the record, its name, the link). Some are on
-    the wire to the server killed here: each is sent again to the shard's new owner, and
-    every directory exists afterwards, named once and listable."""
+async def test_directories_and_files_made_while_a_metadata_server_is_killed_all_land(tmp_path):
+    """mkdir is three mutations in two shards (the record, its name, the link), an exclusive
+    create one. Some are on the wire to the server killed here: each is sent again to the
+    shard's new owner, and every directory and file exists afterwards, named once."""
     cluster = _etcd_cluster(tmp_path / "c")
     try:
         cluster.start()
@@ -151,6 +151,10 @@ async def test_directories_made_while_a_metadata_server_is_killed_all_land(tmp_p
                 for i in range(40):
                     path = f"/run/m{k:02d}/step{i:02d}"
                     await client.mkdir(path, parents=True)
+                    # O_EXCL, as tempfile.mkstemp opens: a repeat must not be FileExists.
+                    w = await client.create(f"{path}/x", exclusive=True)
+                    await w.write(path.encode())
+                    await w.close()
                     made.append(path)
 
             async with trio.open_nursery() as nursery:
@@ -164,7 +168,9 @@ async def test_directories_made_while_a_metadata_server_is_killed_all_land(tmp_p
                 names = await client.listdir(f"/run/m{k:02d}")
                 assert sorted(e.name for e in names) == [f"step{i:02d}" for i in range(40)]
                 for i in range(40):
-                    assert (await client.stat(f"/run/m{k:02d}/step{i:02d}")).is_dir
+                    path = f"/run/m{k:02d}/step{i:02d}"
+                    assert (await client.stat(path)).is_dir
+                    assert await (await client.open_read(f"{path}/x")).read() == path.encode()
     finally:
         cluster.stop()
 
