@@ -387,7 +387,9 @@ class FileWriter:
         """Make block ``index`` the open block, loading what it already holds."""
         await self._flush_open()
         valid = self.layout.block_data_len(index, self.size)
-        size = self._buffer_size(max(valid, 0))
+        # Past the first block a file is large: its next block starts whole, not doubling
+        # up from FIRST_BUFFER (a copy of about 31 MiB per 24 MiB block).
+        size = self._buffer_size(self.layout.block_size if index else max(valid, 0))
         buf = await self.client.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
         self._open_base, self._dirty_lo, self._dirty_hi = None, 0, 0
