@@ -228,7 +228,7 @@ class CheckpointCalls:
     async def _after_commit(self, dir_id: int, final: str, child: int, old_latest: int) -> None:
         """Best effort, after the commit: the step's name hint (as rename refreshes it) and
         the old ``latest`` link's record when it lived in another shard (a crash before
-        this leaves a record no name reaches, which the GC's mark-and-sweep collects)."""
+        this leaves a record no name reaches: kept, as an interrupted unlink's is)."""
         try:
             await self._shard(self._of(child), "file.link", id=child, parent=dir_id, name=final)
             if old_latest:

@@ -22,8 +22,10 @@ Sequencing across shards (what a crash in the middle leaves):
 * mkdir: File record (unnamed) in a shard drawn at random, so directories spread over every
   server -> Name entry -> link (marks it named). Crash: an unnamed record, found by
   ``file.orphans``.
-* unlink: Name entry removed -> File record unlinked (blocks queued for GC). Crash: a named
-  record no entry reaches; the GC's mark-and-sweep finds it. Never a dangling name.
+* unlink: one transaction in the directory's shard when the file's record is there (a file
+  created in that directory: ``name.unlink``). Else Name entry removed -> File record
+  unlinked in its own shard (blocks queued for GC). Crash between: a named record no entry
+  reaches, kept (never a dangling name).
 * rmdir: directory killed in its own shard (emptiness checked atomically, creates refused) ->
   Name entry removed -> record dropped. Crash: a dead, empty directory still listed; rmdir
   again completes it.
@@ -175,7 +177,7 @@ _READ_OPS = frozenset(
 
 # Mutations whose repeat after a lost reply does no harm: a second allocation, a second File
 # record (file.create: it is never named) are garbage the GC collects; a commit of the same
-# blocks at the same indexes, a size, a lease renewal, a link hint land the same. (name.create
+# blocks at the same indexes, a size, a lease renewal, a link hint, a drop land the same. (name.create
 # carries its writer token, name.insert a fresh record's id, file.close is checked by its
 # caller: each is sent again by the caller that knows how to read a repeat's outcome.)
 _REPEATABLE_OPS = frozenset(
@@ -185,6 +187,7 @@ _REPEATABLE_OPS = frozenset(
         "block.commit",
         "file.commit",
         "file.create",
+        "file.drop",
         "file.link",
         "file.set_size",
         "file.renew",
@@ -199,6 +202,7 @@ _COALESCED_OPS = frozenset(
         "name.lookup",
         "name.create",
         "name.remove",
+        "name.unlink",
         "file.get",
         "file.open",
         "file.close",
@@ -452,16 +456,32 @@ class MetadataClient(CheckpointCalls):
         the reconnect policy (or ``reconnect``): a read or an op safe to repeat
         (``_REPEATABLE_OPS``, or ``repeat``: the caller handles a repeat's outcome) always,
         any other mutation only if it never left this process. ``trace["repeatable"]`` says,
-        after a failure, whether the request may be sent again elsewhere; ``timeout`` bounds
-        each try (a server that took the connection but does not answer: a paused one)."""
+        after a failure, whether the request may be sent again elsewhere;
+        ``trace["resent"]``, that a try was sent after an earlier one had left and got no
+        reply (a caller reads a repeat's FileNotFound by it); ``timeout`` bounds each try (a
+        server that took the connection but does not answer: a paused one)."""
         idempotent = repeat or op in _READ_OPS or op in _REPEATABLE_OPS
         sent = False
         if trace is not None:
             trace["repeatable"] = True
 
+        def left() -> None:
+            if trace is not None:
+                trace["repeatable"] = idempotent
+                trace["resent"] = trace.get("resent", False) or trace.get("lost", False)
+
         async def once() -> dict[str, Any]:
             nonlocal sent
             sent = False
+            try:
+                return await attempt()
+            except (Unavailable, ShardUnavailable):
+                if sent and trace is not None:
+                    trace["lost"] = True  # it left and no answer came: it may have landed
+                raise
+
+        async def attempt() -> dict[str, Any]:
+            nonlocal sent
             try:
                 with trio.fail_after(timeout):
                     if _coalesces(op, fields):
@@ -470,12 +490,11 @@ class MetadataClient(CheckpointCalls):
                             return await self._coalescer(address).call(item)
                         finally:
                             sent = item.sent
-                            if trace is not None and sent:
-                                trace["repeatable"] = idempotent
+                            if sent:
+                                left()
                     conn = await self._connection(address)
                     sent = True
-                    if trace is not None:
-                        trace["repeatable"] = idempotent
+                    left()
                     return (await conn.call(op, fields)).fields
             except trio.TooSlowError:
                 raise ShardUnavailable(f"metadata server {address}: {op} timed out") from None
@@ -504,25 +523,38 @@ class MetadataClient(CheckpointCalls):
         return {"batches": sum(c.batches for c in cs), "ops": sum(c.batched_ops for c in cs)}
 
     async def _shard(
-        self, shard: int, op: str, *, repeat: bool = False, **fields: Any
+        self,
+        shard: int,
+        op: str,
+        *,
+        repeat: bool = False,
+        trace: dict[str, bool] | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
-        """``repeat``: as for ``_call`` (the caller handles a repeated mutation's outcome)."""
+        """``repeat``, ``trace``: as for ``_call`` (the caller handles a repeated mutation's
+        outcome; ``trace["resent"]`` says whether there was one)."""
         fields["shard"] = shard
         if self.config.metadata_engine == "sqlite":
-            return await self._call(self._shard_addr[shard], op, fields, repeat=repeat)
-        return await self._followed(shard, op, fields, repeat=repeat)
+            return await self._call(self._shard_addr[shard], op, fields, repeat=repeat, trace=trace)
+        return await self._followed(shard, op, fields, repeat=repeat, trace=trace)
 
     async def _followed(
-        self, shard: int, op: str, fields: dict[str, Any], *, repeat: bool = False
+        self,
+        shard: int,
+        op: str,
+        fields: dict[str, Any],
+        *,
+        repeat: bool = False,
+        trace: dict[str, bool] | None = None,
     ) -> dict[str, Any]:
         """Under the etcd engine shards move between servers: a refusal (``WrongShard``) or
         a server that cannot be reached sends the request where ``server.owners`` says the
         shard is now, until the reconnect deadline. A mutation that reached a server which
         then died is not sent again (it may have committed)."""
         give_up = trio.current_time() + self._follow_deadline
+        trace = {} if trace is None else trace  # one for all tries: "resent" spans servers
         while True:
             address = self._shard_addr[shard]
-            trace: dict[str, bool] = {}
             try:
                 return await self._call(
                     address,
@@ -827,13 +859,28 @@ class MetadataClient(CheckpointCalls):
         return entries, r["next"]
 
     async def unlink(self, dir_id: int, name: str) -> int:
-        """Remove a file's name; its blocks are queued for GC. Returns the file's id."""
+        """Remove a file's name; its blocks are queued for GC. Returns the file's id (0 when
+        a try whose reply was lost did it: the id went with the reply).
+
+        ``name.unlink`` is sent again after a lost reply (a server killed under it). A
+        repeat's FileNotFound is the first try's work: the name, and with it the link of a
+        record in the directory's shard (where a file created there lives), went in one
+        transaction. A record elsewhere (a hard link's, a file renamed in) is then left
+        linked, kept rather than lost."""
         validate_name(name)
-        r = await self._shard(
-            self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_FILE
-        )
+        trace: dict[str, bool] = {}
+        try:
+            r = await self._shard(
+                self._of(dir_id), "name.unlink", repeat=True, trace=trace, dir=dir_id, name=name
+            )
+        except FileNotFound:
+            if not trace.get("resent"):
+                raise
+            log.info("unlink of %r in %d: a try whose reply was lost did it", name, dir_id)
+            return 0
         file_id: int = r["id"]
-        await self._release(file_id, KIND_FILE)
+        if not r["released"]:
+            await self._release(file_id, KIND_FILE)
         return file_id
 
     async def _release(self, file_id: int, kind: str) -> None:
@@ -855,12 +902,19 @@ class MetadataClient(CheckpointCalls):
         if kind != KIND_DIR:
             raise NotADirectory(f"{name!r} is not a directory")
         try:
-            await self._shard(self._of(child), "file.kill_dir", id=child)
+            await self._shard(self._of(child), "file.kill_dir", repeat=True, id=child)
         except FileNotFound:
-            pass  # killed by an rmdir that did not finish: complete it
-        await self._shard(
-            self._of(dir_id), "name.remove", dir=dir_id, name=name, kind=KIND_DIR, expect_id=child
-        )
+            pass  # killed by an rmdir that did not finish (or by a try sent again): complete it
+        trace: dict[str, bool] = {}
+        try:
+            await self._shard(
+                self._of(dir_id), "name.remove", repeat=True, trace=trace, dir=dir_id,
+                name=name, kind=KIND_DIR, expect_id=child,
+            )  # fmt: skip
+        except FileNotFound:
+            if not trace.get("resent"):
+                raise  # "name" names another directory now, or nothing
+            # A try whose reply was lost removed the name of the directory killed above.
         self._dir_policy.pop(child, None)
         await self._release(child, KIND_DIR)
 

@@ -18,17 +18,20 @@ servers.
 op                   fields (and ``shard``)                                reply
 ==================== ===================================================== ==============
 name.create          dir, name, mode, uid, gid, ec, chunk_size, [token]    attrs, token
+name.unlink          dir, name                                             id, released
 file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
 file.close           id, token, size, entries, [blocks]                    attrs
 ==================== ===================================================== ==============
 
 ``name.create`` makes a regular file, named at once (no orphan window) and holding its writer
-token; FileExists if the name is taken. ``blocks`` are Block-layer records (``BlockInfo``
-wire maps) of blocks in this shard, committed in the same transaction as the entries that
-point at them. Blocks in other shards (a cluster whose files predate co-location) are
-committed there first by the client (``block.commit``), so a crash between the two leaves a
-committed block that no file references (GC), never an entry pointing at an uncommitted
-block. ``file.close`` is ``file.commit`` and then the seal of ``file_layer.seal``; a stale
+token; FileExists if the name is taken. ``name.unlink`` removes a file's name and, when its
+record is in this shard, takes the link off the record in the same transaction
+(``released``); otherwise the client does that in the record's shard (``file.unlink``).
+``blocks`` are Block-layer records (``BlockInfo`` wire maps) of blocks in this shard,
+committed in the same transaction as the entries that point at them. Blocks in other shards
+(a cluster whose files predate co-location) are committed there first by the client
+(``block.commit``), so a crash between the two leaves a committed block that no file
+references (GC), never an entry pointing at an uncommitted block. ``file.close`` is ``file.commit`` and then the seal of ``file_layer.seal``; a stale
 writer token refuses the whole transaction, blocks included.
 """
 
@@ -80,6 +83,19 @@ def create_named(
     file_layer.link(conn, attrs.id, dir_id, name)
     name_layer.insert(conn, dir_id, name, attrs.id, KIND_FILE)
     return attrs, token
+
+
+def unlink_named(
+    conn: sqlite3.Connection, shard: int, total_shards: int, dir_id: int, name: str, now: int
+) -> tuple[int, bool]:
+    """unlink: the Name entry and, when the file's record is in this shard (a file created
+    in this directory, as most are), the record's link too: ``(file_id, released)``. One
+    transaction, so a repeat after a lost reply (FileNotFound) leaves nothing undone."""
+    child = name_layer.remove(conn, dir_id, name, KIND_FILE)
+    if shard_of(child, total_shards) != shard:
+        return child, False
+    file_layer.unlink(conn, child, now)
+    return child, True
 
 
 def commit_with_blocks(
@@ -166,6 +182,21 @@ class WriteOps:
             req.int("token", 0, hi=MAX_ID),
         )
         return {"attrs": dict(attrs.__dict__), "token": token}
+
+    async def op_name__unlink(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        dir_id = req.int("dir", lo=1, hi=MAX_ID)
+        if shard_of(dir_id, self.total_shards) != store.shard:
+            raise WrongShard(f"name.unlink: directory {dir_id} is not in shard {store.shard}")
+        child, released = await store.write(
+            unlink_named,
+            store.shard,
+            self.total_shards,
+            dir_id,
+            validate_name(req.fields.get("name")),
+            now_ns(),
+        )
+        return {"id": child, "released": released}
 
     async def op_file__commit(self, req: Request) -> None:
         store = self._store(req)

@@ -21,7 +21,7 @@ from metadata.etcd_engine import ShardReplica
 from metadata.ownership import Ownership
 from metadata.shard import ShardStore
 from tectonic_py.client.tectonic_client import open_client
-from tectonic_py.core.errors import FileNotFound, WrongShard
+from tectonic_py.core.errors import FileNotFound, ShardUnavailable, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.process_env import child_env
@@ -171,6 +171,55 @@ async def test_directories_and_files_made_while_a_metadata_server_is_killed_all_
                     path = f"/run/m{k:02d}/step{i:02d}"
                     assert (await client.stat(path)).is_dir
                     assert await (await client.open_read(f"{path}/x")).read() == path.encode()
+    finally:
+        cluster.stop()
+
+
+async def _records(client) -> int:
+    """File-layer records in the whole namespace, over every live server's shards."""
+    total = 0
+    for server in client.meta.config.metadata_servers:
+        try:
+            total += (await client.meta._call(server.address, "server.stats", {}))["files"]
+        except ShardUnavailable:
+            continue
+    return total
+
+
+async def test_removals_while_a_metadata_server_is_killed_all_land_and_leak_nothing(tmp_path):
+    """unlink and rmdir in flight to the server killed here are sent again to the shards'
+    new owner: a repeat's FileNotFound is the first try's work. Every name goes, and so does
+    every record (a file's link goes with its name, in one transaction)."""
+    cluster = _etcd_cluster(tmp_path / "c")
+    try:
+        cluster.start()
+        removed: list[str] = []
+        async with open_client(cluster.cluster_file) as client:
+            for k in range(32):
+                await client.mkdir(f"/run/m{k:02d}", parents=True)
+            before = await _records(client)
+            for k in range(32):
+                for i in range(20):
+                    await client.mkdir(f"/run/m{k:02d}/step{i:02d}")
+                    await _put(client, f"/run/m{k:02d}/step{i:02d}/x", b"x")
+
+            async def remover(k: int) -> None:
+                for i in range(20):
+                    path = f"/run/m{k:02d}/step{i:02d}"
+                    await client.unlink(f"{path}/x")
+                    await client.rmdir(path)
+                    removed.append(path)
+
+            async with trio.open_nursery() as nursery:
+                for k in range(32):
+                    nursery.start_soon(remover, k)
+                while len(removed) < 100:
+                    await trio.sleep(0.01)
+                cluster.kill_metadata(1)
+            assert len(removed) == 32 * 20
+            for k in range(32):
+                assert await client.listdir(f"/run/m{k:02d}") == []
+            assert await _records(client) == before
     finally:
         cluster.stop()
 
