@@ -158,11 +158,16 @@ class WriteOps:
                 raise WrongShard(f"block {info.block_id:016x} is not in shard {shard}")
         return infos
 
+    def _dir_here(self, req: Request, shard: int) -> int:
+        """The request's directory, which must be in ``shard`` (where its entries are)."""
+        dir_id = req.int("dir", lo=1, hi=MAX_ID)
+        if shard_of(dir_id, self.total_shards) != shard:
+            raise WrongShard(f"{req.op}: directory {dir_id} is not in shard {shard}")
+        return dir_id
+
     async def op_name__create(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        dir_id = req.int("dir", lo=1, hi=MAX_ID)
-        if shard_of(dir_id, self.total_shards) != store.shard:
-            raise WrongShard(f"name.create: directory {dir_id} is not in shard {store.shard}")
+        dir_id = self._dir_here(req, store.shard)
         spec = {
             "mode": req.int("mode", 0o644, hi=MAX_MODE),
             "uid": req.int("uid", 0, hi=MAX_UGID),
@@ -185,15 +190,13 @@ class WriteOps:
 
     async def op_name__unlink(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        dir_id = req.int("dir", lo=1, hi=MAX_ID)
-        if shard_of(dir_id, self.total_shards) != store.shard:
-            raise WrongShard(f"name.unlink: directory {dir_id} is not in shard {store.shard}")
+        name = validate_name(req.fields.get("name"))
         child, released = await store.write(
             unlink_named,
             store.shard,
             self.total_shards,
-            dir_id,
-            validate_name(req.fields.get("name")),
+            self._dir_here(req, store.shard),
+            name,
             now_ns(),
         )
         return {"id": child, "released": released}

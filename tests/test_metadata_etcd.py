@@ -100,6 +100,17 @@ def _etcd_cluster(root) -> LocalCluster:
 TASKS = 16  # concurrent namespace changers while a metadata server is killed
 
 
+async def _kill_a_server_under(cluster, task, done: list[str]) -> None:
+    """``TASKS`` copies of ``task`` run; metadata server 1 is SIGKILLed once 60 steps are
+    ``done``, so that some of their requests are on the wire to it."""
+    async with trio.open_nursery() as nursery:
+        for k in range(TASKS):
+            nursery.start_soon(task, k)
+        while len(done) < 60:
+            await trio.sleep(0.01)
+        cluster.kill_metadata(1)
+
+
 async def _put(client, path: str, data: bytes) -> None:
     w = await client.create(path)
     await w.write(data)
@@ -160,12 +171,7 @@ async def test_directories_and_files_made_while_a_metadata_server_is_killed_all_
                     await w.close()
                     made.append(path)
 
-            async with trio.open_nursery() as nursery:
-                for k in range(TASKS):
-                    nursery.start_soon(maker, k)
-                while len(made) < 60:
-                    await trio.sleep(0.01)
-                cluster.kill_metadata(1)
+            await _kill_a_server_under(cluster, maker, made)
             assert len(made) == TASKS * 20
             for k in range(TASKS):
                 names = await client.listdir(f"/run/m{k:02d}")
@@ -216,12 +222,7 @@ async def test_removals_while_a_metadata_server_is_killed_all_land_and_leak_noth
                     await client.rmdir(path)
                     removed.append(path)
 
-            async with trio.open_nursery() as nursery:
-                for k in range(TASKS):
-                    nursery.start_soon(remover, k)
-                while len(removed) < 60:
-                    await trio.sleep(0.01)
-                cluster.kill_metadata(1)
+            await _kill_a_server_under(cluster, remover, removed)
             assert len(removed) == TASKS * 20
             for k in range(TASKS):
                 assert await client.listdir(f"/run/m{k:02d}") == []
