@@ -42,6 +42,7 @@ HOST = "127.0.0.1"
 MAX_TXN_OPS = 16384
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
 READY_TIMEOUT_S = 30.0
+FRESH_START_TRIES = 3  # a new cluster whose ports were taken before its members bound them
 
 
 def etcd_binary() -> str:
@@ -57,6 +58,17 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _fresh_members(n: int) -> list[dict[str, int]]:
+    return [{"client_port": _free_port(), "peer_port": _free_port()} for _ in range(n)]
+
+
+def _port_was_taken(log_path: Path) -> bool:
+    try:
+        return b"address already in use" in log_path.read_bytes()[-20_000:]
+    except OSError:
+        return False
 
 
 class EtcdCluster:
@@ -102,11 +114,27 @@ class EtcdCluster:
         until each answers its health check."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._load_state()
-        for i in range(self.size):
-            if self.pid(i) is None:
-                self._spawn(i)
-        for i in range(self.size):
-            self._wait_healthy(i)
+        for attempt in range(FRESH_START_TRIES):
+            try:
+                for i in range(self.size):
+                    if self.pid(i) is None:
+                        self._spawn(i)
+                for i in range(self.size):
+                    self._wait_healthy(i)
+                break
+            except ConfigError:
+                # A port picked free was taken before its member bound it (another process
+                # on this host started meanwhile): a cluster never started takes new ones.
+                if self._state.get("started") or attempt + 1 == FRESH_START_TRIES:
+                    raise
+                if not any(_port_was_taken(self._log(i)) for i in range(self.size)):
+                    raise
+                log.warning("an etcd member found its port taken; new ports for every member")
+                self.stop()
+                for i in range(self.size):
+                    shutil.rmtree(self.data_dir(i), ignore_errors=True)
+                self._state["members"] = _fresh_members(self.size)
+                self._save_state()
         self._state["started"] = True
         self._save_state()
         return self.endpoints
@@ -231,9 +259,7 @@ class EtcdCluster:
             return
         self._state = {
             "token": f"tectonic-{secrets.token_hex(8)}",
-            "members": [
-                {"client_port": _free_port(), "peer_port": _free_port()} for _ in range(self.size)
-            ],
+            "members": _fresh_members(self.size),
             "started": False,
         }
         self._save_state()

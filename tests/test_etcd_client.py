@@ -94,3 +94,26 @@ async def test_no_member_reachable_is_unavailable():
     async with EtcdClient(["127.0.0.1:9"], deadline=0.5) as c:
         with pytest.raises(Unavailable, match="unreachable"):
             await c.get(b"x")
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
+def test_a_new_cluster_whose_port_was_taken_starts_on_new_ports(tmp_path, monkeypatch):
+    """Another process bound a port between its pick and the member's bind (two test workers
+    starting clusters at once): a cluster never started picks new ports and starts."""
+    import socket
+
+    from tectonic_py import local_etcd
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real = local_etcd._free_port
+    picks = iter([port])
+    monkeypatch.setattr(local_etcd, "_free_port", lambda: next(picks, None) or real())
+    try:
+        with EtcdCluster(tmp_path / "etcd", members=1) as cluster:
+            assert str(port) not in cluster.endpoints[0]
+            assert cluster.pids()
+    finally:
+        taken.close()
