@@ -59,11 +59,11 @@ connections for a few seconds, so a connection failure is retried with backoff u
 safe to repeat (reads, and the mutations of ``_REPEATABLE_OPS`` or whose caller recognises a
 repeat's outcome: a create by its client-drawn token) always, for other mutations only when
 the request never left (connect failed), because a mutation whose reply was lost may have
-committed. ``Busy`` (admission
-control, a pinned rename) is retried with backoff a bounded number of times (both through
-``tectonic_py.core.retry``). A server still unreachable at the deadline is
-``ShardUnavailable``. Until some server has answered the client, only a few quick tries are
-made: nothing is known to be restarting, and a wrong cluster file should be said at once.
+committed. ``Busy`` (admission control, a pinned rename) is retried with backoff a bounded
+number of times (both through ``tectonic_py.core.retry``). A server still unreachable at the
+deadline is ``ShardUnavailable``. Until some server has answered the client, only a few quick
+tries are made: nothing is known to be restarting, and a wrong cluster file should be said at
+once.
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ _READ_OPS = frozenset(
 
 # Mutations whose repeat after a lost reply does no harm: a second allocation, a second File
 # record (file.create: it is never named) are garbage the GC collects; a commit of the same
-# blocks at the same indexes, a size, a lease renewal, a link hint, a drop land the same. (name.create
-# carries its writer token, name.insert a fresh record's id, file.close is checked by its
-# caller: each is sent again by the caller that knows how to read a repeat's outcome.)
+# blocks at the same indexes, a size, a lease renewal, a link hint, a drop land the same.
+# (name.create carries its writer token, name.insert a fresh record's id, file.close is
+# checked by its caller: each is sent again by the caller that can read a repeat's outcome.)
 _REPEATABLE_OPS = frozenset(
     {
         "block.allocate",
@@ -456,32 +456,22 @@ class MetadataClient(CheckpointCalls):
         the reconnect policy (or ``reconnect``): a read or an op safe to repeat
         (``_REPEATABLE_OPS``, or ``repeat``: the caller handles a repeat's outcome) always,
         any other mutation only if it never left this process. ``trace["repeatable"]`` says,
-        after a failure, whether the request may be sent again elsewhere;
-        ``trace["resent"]``, that a try was sent after an earlier one had left and got no
-        reply (a caller reads a repeat's FileNotFound by it); ``timeout`` bounds each try (a
-        server that took the connection but does not answer: a paused one)."""
+        after a failure, whether the request may be sent again elsewhere; ``trace["lost"]``,
+        that a try left and got no answer, so that an answer after it may be a repeat's (a
+        caller reads a repeat's FileNotFound by it); ``timeout`` bounds each try (a server
+        that took the connection but does not answer: a paused one)."""
         idempotent = repeat or op in _READ_OPS or op in _REPEATABLE_OPS
         sent = False
         if trace is not None:
             trace["repeatable"] = True
 
-        def left() -> None:
-            if trace is not None:
-                trace["repeatable"] = idempotent
-                trace["resent"] = trace.get("resent", False) or trace.get("lost", False)
+        def note_lost() -> None:
+            if sent and trace is not None:
+                trace["lost"] = True  # it left and no answer came: it may have landed
 
         async def once() -> dict[str, Any]:
             nonlocal sent
             sent = False
-            try:
-                return await attempt()
-            except (Unavailable, ShardUnavailable):
-                if sent and trace is not None:
-                    trace["lost"] = True  # it left and no answer came: it may have landed
-                raise
-
-        async def attempt() -> dict[str, Any]:
-            nonlocal sent
             try:
                 with trio.fail_after(timeout):
                     if _coalesces(op, fields):
@@ -490,14 +480,19 @@ class MetadataClient(CheckpointCalls):
                             return await self._coalescer(address).call(item)
                         finally:
                             sent = item.sent
-                            if sent:
-                                left()
+                            if trace is not None and sent:
+                                trace["repeatable"] = idempotent
                     conn = await self._connection(address)
                     sent = True
-                    left()
+                    if trace is not None:
+                        trace["repeatable"] = idempotent
                     return (await conn.call(op, fields)).fields
             except trio.TooSlowError:
+                note_lost()
                 raise ShardUnavailable(f"metadata server {address}: {op} timed out") from None
+            except (Unavailable, ShardUnavailable):
+                note_lost()
+                raise
 
         def may_repeat(e: TectonicError) -> bool:
             return isinstance(e, Unavailable) and (idempotent or not sent)
@@ -532,7 +527,7 @@ class MetadataClient(CheckpointCalls):
         **fields: Any,
     ) -> dict[str, Any]:
         """``repeat``, ``trace``: as for ``_call`` (the caller handles a repeated mutation's
-        outcome; ``trace["resent"]`` says whether there was one)."""
+        outcome; ``trace["lost"]`` says whether there may have been one)."""
         fields["shard"] = shard
         if self.config.metadata_engine == "sqlite":
             return await self._call(self._shard_addr[shard], op, fields, repeat=repeat, trace=trace)
@@ -550,9 +545,10 @@ class MetadataClient(CheckpointCalls):
         """Under the etcd engine shards move between servers: a refusal (``WrongShard``) or
         a server that cannot be reached sends the request where ``server.owners`` says the
         shard is now, until the reconnect deadline. A mutation that reached a server which
-        then died is not sent again (it may have committed)."""
+        then died is sent again only if it is safe to repeat (``_call``): it may have
+        committed."""
         give_up = trio.current_time() + self._follow_deadline
-        trace = {} if trace is None else trace  # one for all tries: "resent" spans servers
+        trace = {} if trace is None else trace  # one for all tries: "lost" spans servers
         while True:
             address = self._shard_addr[shard]
             try:
@@ -874,7 +870,7 @@ class MetadataClient(CheckpointCalls):
                 self._of(dir_id), "name.unlink", repeat=True, trace=trace, dir=dir_id, name=name
             )
         except FileNotFound:
-            if not trace.get("resent"):
+            if not trace.get("lost"):
                 raise
             log.info("unlink of %r in %d: a try whose reply was lost did it", name, dir_id)
             return 0
@@ -912,7 +908,7 @@ class MetadataClient(CheckpointCalls):
                 name=name, kind=KIND_DIR, expect_id=child,
             )  # fmt: skip
         except FileNotFound:
-            if not trace.get("resent"):
+            if not trace.get("lost"):
                 raise  # "name" names another directory now, or nothing
             # A try whose reply was lost removed the name of the directory killed above.
         self._dir_policy.pop(child, None)
