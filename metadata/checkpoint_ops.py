@@ -126,13 +126,6 @@ def staging_entries(
     ]
 
 
-def _dir_entry(conn: sqlite3.Connection, dir_id: int, name: str) -> tuple[int, str] | None:
-    row = conn.execute(
-        "SELECT child_id, kind FROM names WHERE dir_id = ? AND name = ?", (dir_id, name)
-    ).fetchone()
-    return None if row is None else (int(row[0]), str(row[1]))
-
-
 def commit_step(
     conn: sqlite3.Connection,
     shard: int,
@@ -148,22 +141,22 @@ def commit_step(
     client must unlink it in another shard (0 if none)."""
     staging, final, retire, latest = names
     name_layer.check_dir(conn, dir_id)
-    found = _dir_entry(conn, dir_id, staging)
+    found = name_layer.entry(conn, dir_id, staging)
     if found is None:
         raise FileNotFound(f"no staging directory {staging!r} in directory {dir_id}")
     if found[1] != KIND_DIR:
         raise NotADirectory(f"{staging!r} is not a directory")
-    old_latest = _dir_entry(conn, dir_id, latest) if latest else None
+    old_latest = name_layer.entry(conn, dir_id, latest) if latest else None
     if old_latest is not None and old_latest[1] != KIND_SYMLINK:
         raise FileExists(f"{latest!r} exists in directory {dir_id} and is not a symbolic link")
-    victim = _dir_entry(conn, dir_id, final)
+    victim = name_layer.entry(conn, dir_id, final)
     retired = 0
     if victim is not None:
         if not replace:
             raise FileExists(f"{final!r} exists in directory {dir_id}: the step is committed")
         if victim[1] != KIND_DIR:
             raise NotADirectory(f"{final!r} exists and is not a directory")
-        if _dir_entry(conn, dir_id, retire) is not None:
+        if name_layer.entry(conn, dir_id, retire) is not None:
             raise FileExists(f"{retire!r} exists in directory {dir_id}")
         retired = name_layer.remove(conn, dir_id, final, KIND_DIR, victim[0])
         name_layer.insert(conn, dir_id, retire, retired, KIND_DIR)
@@ -189,7 +182,7 @@ def _point_latest(
     (``name_layer.make_node``), the old one's entry dropped and its record with it when it
     lives here; otherwise its id is returned for the client to unlink in its shard."""
     old = 0
-    if _dir_entry(conn, dir_id, latest) is not None:
+    if name_layer.entry(conn, dir_id, latest) is not None:
         old = name_layer.remove(conn, dir_id, latest, KIND_FILE)
     spec = {
         "kind": KIND_SYMLINK,

@@ -70,7 +70,8 @@ def check_dir(conn: sqlite3.Connection, dir_id: int) -> None:
         raise NotADirectory(f"{dir_id} is not a directory")
 
 
-def _entry(conn: sqlite3.Connection, dir_id: int, name: str) -> tuple[int, str] | None:
+def entry(conn: sqlite3.Connection, dir_id: int, name: str) -> tuple[int, str] | None:
+    """``(child_id, kind)`` of the entry, None if the name is free."""
     row = conn.execute(
         "SELECT child_id, kind FROM names WHERE dir_id = ? AND name = ?", (dir_id, name)
     ).fetchone()
@@ -97,7 +98,7 @@ def _pinned(conn: sqlite3.Connection, dir_id: int, name: str) -> None:
 
 def lookup(conn: sqlite3.Connection, dir_id: int, name: str) -> tuple[int, str]:
     check_dir(conn, dir_id)
-    found = _entry(conn, dir_id, name)
+    found = entry(conn, dir_id, name)
     if found is None:
         raise FileNotFound(f"no entry {name!r} in directory {dir_id}")
     return found
@@ -109,7 +110,7 @@ def insert(conn: sqlite3.Connection, dir_id: int, name: str, child_id: int, kind
     check_dir(conn, dir_id)
     if kind not in ALL_KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}")
-    if _entry(conn, dir_id, name) is not None:
+    if entry(conn, dir_id, name) is not None:
         raise FileExists(f"{name!r} exists in directory {dir_id}")
     conn.execute(
         "INSERT INTO names (dir_id, name, child_id, kind) VALUES (?, ?, ?, ?)",
@@ -136,7 +137,7 @@ def make_node(
             f"make_node makes symlinks and special files, not {spec.get('kind')!r}"
         )
     check_dir(conn, dir_id)
-    if _entry(conn, dir_id, name) is not None:
+    if entry(conn, dir_id, name) is not None:
         raise FileExists(f"{name!r} exists in directory {dir_id}")
     attrs, _ = file_layer.create(
         conn, shard, total_shards, {**spec, "parent": dir_id, "name": name}, now_ns, 0
@@ -176,7 +177,7 @@ def remove(conn: sqlite3.Connection, dir_id: int, name: str, kind: str, expect_i
     name since the caller emptied and killed the one it meant.
     """
     check_dir(conn, dir_id)
-    found = _entry(conn, dir_id, name)
+    found = entry(conn, dir_id, name)
     if found is None:
         raise FileNotFound(f"no entry {name!r} in directory {dir_id}")
     child, child_kind = found
@@ -219,14 +220,14 @@ def rename_local(
     """
     check_dir(conn, src_dir)
     check_dir(conn, dst_dir)
-    found = _entry(conn, src_dir, src_name)
+    found = entry(conn, src_dir, src_name)
     if found is None:
         raise FileNotFound(f"no entry {src_name!r} in directory {src_dir}")
     child, kind = found
     _pinned(conn, src_dir, src_name)
     if kind == KIND_DIR and child == dst_dir:
         raise InvalidArgument("cannot move a directory into itself")
-    victim = _entry(conn, dst_dir, dst_name)
+    victim = entry(conn, dst_dir, dst_name)
     if victim is not None and victim[0] == child:
         return {"id": child, "kind": kind, "victim_id": 0, "victim_kind": ""}
     _replace_check(kind, victim, replace_dir)
@@ -263,7 +264,7 @@ def rename_prepare(
 ) -> dict[str, Any]:
     """Step 1 of a cross-shard rename: pin the source entry with an intent record."""
     check_dir(conn, src_dir)
-    found = _entry(conn, src_dir, src_name)
+    found = entry(conn, src_dir, src_name)
     if found is None:
         raise FileNotFound(f"no entry {src_name!r} in directory {src_dir}")
     _pinned(conn, src_dir, src_name)
@@ -293,7 +294,7 @@ def rename_apply(
     if now_ns > deadline_ns:
         raise Timeout("rename intent expired before it was applied")
     check_dir(conn, dst_dir)
-    victim = _entry(conn, dst_dir, dst_name)
+    victim = entry(conn, dst_dir, dst_name)
     if victim is not None and victim[0] == child:
         return {"victim_id": 0, "victim_kind": ""}
     _replace_check(kind, victim, replace_dir)

@@ -31,8 +31,9 @@ record is in this shard, takes the link off the record in the same transaction
 committed in the same transaction as the entries that point at them. Blocks in other shards
 (a cluster whose files predate co-location) are committed there first by the client
 (``block.commit``), so a crash between the two leaves a committed block that no file
-references (GC), never an entry pointing at an uncommitted block. ``file.close`` is ``file.commit`` and then the seal of ``file_layer.seal``; a stale
-writer token refuses the whole transaction, blocks included.
+references (GC), never an entry pointing at an uncommitted block. ``file.close`` is
+``file.commit`` and then the seal of ``file_layer.seal``; a stale writer token refuses the
+whole transaction, blocks included.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from metadata import block_layer, file_layer, name_layer
 from metadata.shard import now_ns
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
-from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
+from tectonic_py.core.errors import FileExists, InvalidArgument, WrongShard
 from tectonic_py.core.ids import MAX_ID, shard_of
 from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo, validate_name
 from tectonic_py.core.rpc_server import Request
@@ -71,13 +72,11 @@ def create_named(
     (a server killed under it): a name that is taken by a file whose writer holds that very
     token is the first try's, and the reply is the first try's."""
     name_layer.check_dir(conn, dir_id)
-    if token:
-        try:
-            found, _ = name_layer.lookup(conn, dir_id, name)
-        except FileNotFound:
-            found = 0
-        if found and file_layer.writer_token(conn, found) == token:
-            return file_layer.get(conn, found, now), token
+    taken = name_layer.entry(conn, dir_id, name)
+    if taken is not None:
+        if token and file_layer.writer_token(conn, taken[0]) == token:
+            return file_layer.get(conn, taken[0], now), token
+        raise FileExists(f"{name!r} exists in directory {dir_id}")
     spec = {**spec, "kind": KIND_FILE, "parent": dir_id, "name": name}
     attrs, token = file_layer.create(conn, shard, total_shards, spec, now, lease_ns, token=token)
     file_layer.link(conn, attrs.id, dir_id, name)
