@@ -5,10 +5,12 @@ re-added until the cluster heals. Real etcd processes, started and stopped here.
 from __future__ import annotations
 
 import shutil
+import socket
 
 import pytest
 import trio
 
+from tectonic_py import local_etcd
 from tectonic_py.core.errors import InvalidArgument, Unavailable
 from tectonic_py.core.etcd_client import (
     Compare,
@@ -96,14 +98,9 @@ async def test_no_member_reachable_is_unavailable():
             await c.get(b"x")
 
 
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
 def test_a_new_cluster_whose_port_was_taken_starts_on_new_ports(tmp_path, monkeypatch):
     """Another process bound a port between its pick and the member's bind (two test workers
     starting clusters at once): a cluster never started picks new ports and starts."""
-    import socket
-
-    from tectonic_py import local_etcd
-
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

@@ -111,6 +111,16 @@ async def _kill_a_server_under(cluster, task, done: list[str]) -> None:
         cluster.kill_metadata(1)
 
 
+async def _served_by(client, survivor: str) -> None:
+    """Until ``survivor`` owns all 8 shards (a dead server's lease lapsed, its shards moved)."""
+    with trio.fail_after(20):
+        while True:
+            owners = (await client.meta._call(survivor, "server.owners", {}))["owners"]
+            if len(owners) == 8 and set(owners.values()) == {survivor}:
+                return
+            await trio.sleep(0.1)
+
+
 async def _put(client, path: str, data: bytes) -> None:
     w = await client.create(path)
     await w.write(data)
@@ -128,12 +138,7 @@ async def test_a_killed_metadata_server_is_taken_over(tmp_path):
             cluster.kill_metadata(0)  # the registry's server
             survivor = cluster.metadata_address(1)
             start = trio.current_time()
-            with trio.fail_after(20):
-                while True:
-                    owners = (await client.meta._call(survivor, "server.owners", {}))["owners"]
-                    if len(owners) == 8 and set(owners.values()) == {survivor}:
-                        break
-                    await trio.sleep(0.1)
+            await _served_by(client, survivor)
             took = trio.current_time() - start
             # Every shard (the registry's too) is served: names in all of them, old and new.
             for i in range(16):
@@ -152,8 +157,9 @@ async def test_a_killed_metadata_server_is_taken_over(tmp_path):
 
 async def test_directories_and_files_made_while_a_metadata_server_is_killed_all_land(tmp_path):
     """mkdir is three mutations in two shards (the record, its name, the link), an exclusive
-    create one. Some of 16 tasks' are on the wire to the server killed here: each is sent again to the
-    shard's new owner, and every directory and file exists afterwards, named once."""
+    create one. Some of the tasks' are on the wire to the server killed here: each is sent
+    again to the shard's new owner, and every directory and file exists afterwards, named
+    once."""
     cluster = _etcd_cluster(tmp_path / "c")
     try:
         cluster.start()
@@ -227,11 +233,7 @@ async def test_removals_while_a_metadata_server_is_killed_all_land_and_leak_noth
             for k in range(TASKS):
                 assert await client.listdir(f"/run/m{k:02d}") == []
             survivor = cluster.metadata_address(0)
-            with trio.fail_after(20):
-                while set(
-                    (await client.meta._call(survivor, "server.owners", {}))["owners"].values()
-                ) != {survivor}:
-                    await trio.sleep(0.1)
+            await _served_by(client, survivor)
             assert await _records(client, [survivor]) == before
     finally:
         cluster.stop()
