@@ -24,6 +24,7 @@ import trio
 
 from chunkstore.layout import file_size_for
 from tectonic_py.core import framing, rpc_client, sockets
+from tectonic_py.core.auth import Credential
 from tectonic_py.core.checksum import KEEP_GIL_MAX
 from tectonic_py.core.checksum import checksum as crc32c
 from tectonic_py.core.errors import ChecksumMismatch, ChunkCorrupt, TectonicError, Unavailable
@@ -217,7 +218,7 @@ class ChunkPool:
 
     def __init__(
         self,
-        secret: bytes,
+        secret: bytes | Credential,
         nursery: trio.Nursery,
         per_node: int = 1,
         *,

@@ -53,7 +53,7 @@ from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
 from chunkstore.spares import SpareFiles
-from tectonic_py.core import buffers, capability, framing, rpc_client, rpc_server, sockets
+from tectonic_py.core import auth, buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.errors import (
     Busy,
@@ -71,6 +71,21 @@ log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 MAX_CHUNK = 64 * MiB
+
+# Who may call what (core/auth.py roles). A client writes and reads chunks, with capabilities
+# for its puts; deleting, listing and inspecting a store are the maintenance daemon's and the
+# operator's: a GPU node's key cannot delete a chunk even with a delete capability in hand.
+_DATA = frozenset({auth.ROLE_CLIENT, auth.ROLE_MAINTENANCE, auth.ROLE_ADMIN})
+_UPKEEP = frozenset({auth.ROLE_MAINTENANCE, auth.ROLE_ADMIN})
+OP_ROLES: dict[str, frozenset[str]] = {
+    "put": _DATA,
+    "get": _DATA,
+    "delete": _UPKEEP,
+    "stat": _UPKEEP,
+    "list": _UPKEEP,
+    "node_stats": _UPKEEP,
+    "scrub_report": _UPKEEP,
+}
 LIST_LIMIT = 10_000
 
 
@@ -234,6 +249,7 @@ class ChunkStoreServer:
             },
             config.limits,
             payload_room={"put": layout.put_room},
+            roles=OP_ROLES,
         )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
@@ -594,7 +610,7 @@ class ChunkStoreServer:
                         conn = await rpc_client.Connection.connect(
                             host,
                             port,
-                            self.config.secret,
+                            auth.Credential.from_secret(self.config.secret, auth.ROLE_NODE),
                             nursery=nursery,
                             limits=self.config.limits,
                         )

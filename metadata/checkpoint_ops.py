@@ -59,7 +59,7 @@ from tectonic_py.core.errors import (
     NotADirectory,
     WrongShard,
 )
-from tectonic_py.core.ids import MAX_ID, shard_of
+from tectonic_py.core.ids import shard_of
 from tectonic_py.core.records import KIND_DIR, KIND_FILE, KIND_SYMLINK, validate_name
 from tectonic_py.core.rpc_server import Request
 
@@ -210,9 +210,7 @@ class CheckpointOps:
 
     async def op_block__durability(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        ids = req.list("ids", max_len=MAX_BLOCKS)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= MAX_ID for i in ids):
-            raise InvalidArgument("block.durability: ids must be block ids")
+        ids = req["ids"]
         for bid in ids:
             if shard_of(bid, self.total_shards) != store.shard:
                 raise WrongShard(f"block {bid:016x} is not in shard {store.shard}")
@@ -220,35 +218,24 @@ class CheckpointOps:
 
     async def op_file__states(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        ids = req.list("ids", max_len=MAX_STATES)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= MAX_ID for i in ids):
-            raise InvalidArgument("file.states: ids must be file ids")
+        ids = req["ids"]
         return {"states": store.read(file_states, ids, now_ns())}
 
     async def op_name__staging(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        after = req.list("after", [0, ""], max_len=2)
-        if (
-            len(after) != 2
-            or not isinstance(after[0], int)
-            or isinstance(after[0], bool)
-            or not 0 <= after[0] <= MAX_ID
-            or not isinstance(after[1], str)
-        ):
-            raise InvalidArgument("name.staging: after must be [dir_id, name]")
-        limit = req.int("limit", 1000, lo=1, hi=MAX_STATES)
-        rows = store.read(staging_entries, (after[0], after[1]), limit)
+        limit = req["limit"]
+        rows = store.read(staging_entries, req["after"], limit)
         nxt = [rows[-1][0], rows[-1][1]] if len(rows) == limit else None
         return {"entries": [list(r) for r in rows], "next": nxt}
 
     async def op_name__commit(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        dir_id = req.int("dir", lo=1, hi=MAX_ID)
-        staging = validate_name(req.fields.get("staging"))
-        final = validate_name(req.fields.get("final"))
-        replace = req.bool("replace", False)
-        retire = validate_name(req.fields.get("retire")) if replace else ""
-        latest = req.str("latest", "", max_len=255)
+        dir_id = req["dir"]
+        staging = req["staging"]
+        final = req["final"]
+        replace = req["replace"]
+        retire = validate_name(req["retire"]) if replace else ""
+        latest = req["latest"]
         if latest:
             validate_name(latest)
         names = [staging, final] + [n for n in (retire, latest) if n]

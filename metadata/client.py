@@ -393,7 +393,7 @@ class MetadataClient(CheckpointCalls):
         self._follow_deadline = max(reconnect_deadline, 1.0) + 2 * FOLLOW_CALL_TIMEOUT_S
         self._reached = False  # some metadata server has answered this client
         self._nursery = nursery
-        self._secret = config.secret()
+        self._secret = config.credential()
         self._shard_addr = {
             s: server.address for server in config.metadata_servers for s in server.shards
         }

@@ -41,6 +41,7 @@ from tectonic_py.core.errors import (
     InvalidArgument,
     IsADirectory,
     NotADirectory,
+    PermissionDenied,
     StaleWriterToken,
     TectonicError,
     XattrNotFound,
@@ -428,8 +429,21 @@ def revive_dir(conn: sqlite3.Connection, dir_id: int) -> None:
     conn.execute("UPDATE files SET nlink = 2 WHERE id = ? AND kind = ?", (dir_id, KIND_DIR))
 
 
-def drop(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
-    """Delete a record whatever its state (rmdir's last step, a dead directory's remains)."""
+def drop(
+    conn: sqlite3.Connection, file_id: int, now_ns: int, only_unreachable: bool = False
+) -> None:
+    """Delete a record whatever its state (rmdir's last step, a dead directory's remains);
+    ``only_unreachable``: only a dead directory or a record never named (a client's drop:
+    it must not destroy a file that a name still reaches), else ``PermissionDenied``."""
+    if only_unreachable:
+        row = conn.execute(
+            "SELECT kind, nlink, named FROM files WHERE id = ?", (file_id,)
+        ).fetchone()
+        if row is not None and row[2] and not (row[0] == KIND_DIR and row[1] == 0):
+            raise PermissionDenied(
+                f"permission denied: file.drop of {file_id}, which a name may still reach,"
+                " needs role maintenance; a client removes a name with unlink or rmdir"
+            )
     _delete_record(conn, file_id, now_ns)
 
 

@@ -73,7 +73,7 @@ from metadata.block_layer import holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
-from tectonic_py.core.ids import MAX_CHUNK_INDEX, MAX_ID, NODE_ID_RE, shard_of
+from tectonic_py.core.ids import NODE_ID_RE, shard_of
 from tectonic_py.core.rpc_server import Request
 
 MAX_SCAN = 10_000
@@ -349,41 +349,12 @@ def recover_lease(
 # --- handlers --------------------------------------------------------------------------------
 
 
-def _pairs(req: Request, field: str, width: int) -> list[tuple[int, ...]]:
-    items = req.list(field, max_len=MAX_SCAN)
-    out = []
-    for item in items:
-        if (
-            not isinstance(item, list | tuple)
-            or len(item) != width
-            or not all(
-                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in item
-            )
-        ):
-            raise InvalidArgument(f"{req.op}: {field} must be lists of {width} integers")
-        out.append(tuple(item))
-    return out
-
-
-def _chunk_triples(req: Request, shard: int, total_shards: int) -> list[tuple[str, int, int]]:
-    """``chunks`` as (node_id, block_id, index), every block of this shard: a block of
-    another shard is absent here, which must never read as "gone, so deletable"."""
-    out = []
-    for item in req.list("chunks", max_len=MAX_SCAN):
-        if not (
-            isinstance(item, list | tuple)
-            and len(item) == 3
-            and isinstance(item[0], str)
-            and NODE_ID_RE.match(item[0])
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
-            and 0 < item[1] <= MAX_ID
-            and 0 <= item[2] <= MAX_CHUNK_INDEX
-        ):
-            raise InvalidArgument(f"{req.op}: chunks must be [node_id, block_id, index]")
-        if shard_of(item[1], total_shards) != shard:
-            raise WrongShard(f"block {item[1]:016x} is not in shard {shard}")
-        out.append((item[0], item[1], item[2]))
-    return out
+def _in_shard(chunks: list[tuple[str, int, int]], shard: int, total_shards: int) -> None:
+    """Every chunk's block must be in this shard: a block of another shard is absent here,
+    which must never read as "gone, so deletable"."""
+    for _, block_id, _ in chunks:
+        if shard_of(block_id, total_shards) != shard:
+            raise WrongShard(f"block {block_id:016x} is not in shard {shard}")
 
 
 class MaintenanceOps:
@@ -398,76 +369,63 @@ class MaintenanceOps:
 
     async def op_block__scan(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        blocks, nxt = store.read(
-            scan_blocks, req.int("after", 0, hi=MAX_ID), req.int("limit", 1000, lo=1, hi=MAX_SCAN)
-        )
+        blocks, nxt = store.read(scan_blocks, req["after"], req["limit"])
         return {"blocks": blocks, "next": nxt}
 
     async def op_block__set_chunk(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             set_chunk,
-            req.int("block_id", lo=1, hi=MAX_ID),
-            req.int("index", hi=255),
-            req.str("old_node", "", max_len=64),
-            req.str("new_node", max_len=64),
-            req.int("checksum", hi=2**32 - 1),
+            req["block_id"],
+            req["index"],
+            req["old_node"],
+            req["new_node"],
+            req["checksum"],
         )
 
     async def op_block__forget(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        state = req.str("state", max_len=16)
-        if state not in ("allocated", "committed"):
-            raise InvalidArgument(f"block.forget: unknown state {state!r}")
+        state = req["state"]
         placed = await store.write(
             forget_block,
-            req.int("block_id", lo=1, hi=MAX_ID),
+            req["block_id"],
             state,
-            req.int("file_id", None, lo=0, hi=MAX_ID),
-            req.int("file_index", None, lo=-1, hi=MAX_ID),
+            req["file_id"],
+            req["file_index"],
         )
         return {"forgotten": placed is not None, "chunks": [list(c) for c in placed or []]}
 
     async def op_block__dead_chunks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        node = req.str("node_id", max_len=64)
-        chunks = [(b, i) for b, i in _pairs(req, "chunks", 2)]
+        node = req["node_id"]
+        chunks = [(b, i) for b, i in req["chunks"]]
         return {"dead": [list(c) for c in store.read(dead_chunks, node, chunks)]}
 
     async def op_block__bad_chunks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         chunks, nxt = store.read(
             reported_bad_chunks,
-            req.int("after", 0, hi=MAX_ID),
-            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+            req["after"],
+            req["limit"],
         )
         return {"chunks": [list(c) for c in chunks], "next": nxt}
 
     async def op_block__node_chunks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        after = req.list("after", [0, -1], max_len=2)
-        if (
-            len(after) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in after)
-            or not 0 <= after[0] <= MAX_ID
-            or not -1 <= after[1] <= 255
-        ):
-            raise InvalidArgument("block.node_chunks: after must be [block_id, index]")
         chunks = store.read(
             node_chunks,
-            req.str("node_id", max_len=64),
-            (after[0], after[1]),
-            req.int("upto", MAX_ID, hi=MAX_ID),
-            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+            req["node_id"],
+            req["after"],
+            req["upto"],
+            req["limit"],
         )
         return {"chunks": [list(c) for c in chunks]}
 
     async def op_block__caps(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        op = req.str("action", max_len=8)
-        if op not in capability.OPS:
-            raise InvalidArgument(f"block.caps: unknown op {op!r}")
-        chunks = _chunk_triples(req, store.shard, self.total_shards)
+        op = req["action"]
+        chunks = req["chunks"]
+        _in_shard(chunks, store.shard, self.total_shards)
         ttl = capability.DELETE_TTL_S if op == "delete" else REPAIR_PUT_TTL_S
         return {
             "caps": [
@@ -482,29 +440,26 @@ class MaintenanceOps:
         store = self._store(req)
         rows = store.read(
             gc_queue,
-            req.int("older_than_ns", hi=2**63 - 1),
-            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
-            req.int("superseded_before_ns", 0, hi=2**63 - 1),
+            req["older_than_ns"],
+            req["limit"],
+            req["superseded_before_ns"],
         )
         return {"blocks": [list(r) for r in rows]}
 
     async def op_file__gc_ack(self, req: Request) -> None:
         store = self._store(req)
-        ids = req.list("block_ids", max_len=MAX_SCAN)
-        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_ID for b in ids):
-            raise InvalidArgument("file.gc_ack: block_ids must be block ids")
-        await store.write(gc_ack, ids)
+        await store.write(gc_ack, req["block_ids"])
 
     async def op_file__referenced(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"referenced": store.read(referenced, _pairs(req, "refs", 3))}
+        return {"referenced": store.read(referenced, req["refs"])}
 
     async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         rows = store.read(
             expired_leases,
-            req.int("before_ns", hi=2**63 - 1),
-            req.int("limit", 1000, lo=1, hi=MAX_SCAN),
+            req["before_ns"],
+            req["limit"],
         )
         return {"files": [list(r) for r in rows]}
 
@@ -512,9 +467,9 @@ class MaintenanceOps:
         store = self._store(req)
         outcome = await store.write(
             recover_lease,
-            req.int("id", lo=1, hi=MAX_ID),
-            req.int("token", lo=1, hi=MAX_ID),
-            req.int("before_ns", hi=2**63 - 1),
+            req["id"],
+            req["token"],
+            req["before_ns"],
             now_ns(),
         )
         return {"outcome": outcome}

@@ -86,6 +86,7 @@ from typing import Any
 import trio
 
 from metadata import backup, block_layer, file_layer, name_layer
+from metadata.api import OPS
 from metadata.checkpoint_ops import CheckpointOps
 from metadata.etcd_shards import EtcdSettings, EtcdShards
 from metadata.maintenance_ops import MaintenanceOps
@@ -93,24 +94,23 @@ from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
 from metadata.write_ops import WriteOps
 from tectonic_py.core import capability, rpc_client, rpc_server, sockets
+from tectonic_py.core.auth import ROLE_CLIENT, ROLE_NODE, Credential, Keyring
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
     ConfigError,
     FileNotFound,
     InvalidArgument,
+    PermissionDenied,
     StaleWriterToken,
     TectonicError,
     WrongShard,
 )
-from tectonic_py.core.ids import MAX_ID, ROOT_ID, shard_of
+from tectonic_py.core.ids import ROOT_ID, shard_of
 from tectonic_py.core.records import (
-    ALL_KINDS,
     KIND_DIR,
-    MAX_SYMLINK_TARGET,
     NODE_KINDS,
     Attrs,
-    validate_name,
 )
 from tectonic_py.core.rpc_server import Request, error_to_header
 
@@ -118,31 +118,12 @@ log = logging.getLogger(__name__)
 
 LEASE_NS = 60 * 1_000_000_000
 RECOVERY_INTERVAL_S = 5.0
-MAX_MODE = 0o7777
-MAX_UGID = 2**32 - 1
-MAX_BATCH_OPS = 512
 _BATCHABLE_PREFIXES = ("name.", "file.", "block.")
 
 
 def _attrs(attrs: Attrs) -> dict[str, Any]:
     """Attrs as a wire map; a shallow copy (``asdict`` deep-copies, a hot spot in profiles)."""
     return dict(attrs.__dict__)
-
-
-def _id(req: Request, name: str) -> int:
-    return req.int(name, lo=1, hi=MAX_ID)
-
-
-def _name(req: Request, field: str = "name") -> str:
-    value = req.fields.get(field)
-    return validate_name(value)
-
-
-def _kind(req: Request) -> str:
-    kind = req.str("kind", max_len=8)
-    if kind not in ALL_KINDS:
-        raise InvalidArgument(f"{req.op}: unknown kind {kind!r}")
-    return kind
 
 
 def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
@@ -210,12 +191,12 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             if REGISTRY_SHARD in self.stores:
                 self.registry = Registry(self.stores[REGISTRY_SHARD], node_timeout)
         self.address = ""
-        handlers: dict[str, Callable[[Request], Awaitable[Any]]] = {}
-        for attr in dir(self):
-            if attr.startswith("op_"):
-                op = attr[3:].replace("__", ".", 1)
-                handlers[op] = getattr(self, attr)
-        self.rpc = rpc_server.RpcServer(f"metadata[{shards[0]}..]", secret, handlers)
+        self.rpc = rpc_server.RpcServer(
+            f"metadata[{shards[0]}..]",
+            Keyring.from_secret(secret),
+            OPS.bind(self),
+            roles=OPS.roles_by_op(),
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -267,7 +248,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         log.info("created the root directory in shard %d", root_shard)
 
     def _store(self, req: Request) -> ShardStore:
-        shard = req.int("shard", hi=2**31)
+        shard = req["shard"]
         if self.etcd_shards is not None:
             return self.etcd_shards.check(shard)
         store = self.stores.get(shard)
@@ -279,7 +260,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_name__lookup(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        child, kind = store.read(name_layer.lookup, _id(req, "dir"), _name(req))
+        child, kind = store.read(name_layer.lookup, req["dir"], req["name"])
         reply: dict[str, Any] = {"id": child, "kind": kind}
         # The child's record is often on this server too: answer lookup in one round trip.
         child_store = self.stores.get(shard_of(child, self.total_shards))
@@ -292,35 +273,33 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_name__insert(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(
-            name_layer.insert, _id(req, "dir"), _name(req), _id(req, "id"), _kind(req)
-        )
+        await store.write(name_layer.insert, req["dir"], req["name"], req["id"], req["kind"])
 
     async def op_name__make_node(self, req: Request) -> dict[str, Any]:
         """A symlink or special file: record and entry in the directory's shard, at once."""
         store = self._store(req)
-        dir_id = _id(req, "dir")
+        dir_id = req["dir"]
         if shard_of(dir_id, self.total_shards) != store.shard:
             raise InvalidArgument("name.make_node: the directory is not in this shard")
-        kind = _kind(req)
+        kind = req["kind"]
         if kind not in NODE_KINDS:
             raise InvalidArgument(f"name.make_node: {kind!r} is not a symlink or special file")
         spec = {
             "kind": kind,
-            "mode": req.int("mode", 0o777, hi=MAX_MODE),
-            "uid": req.int("uid", 0, hi=MAX_UGID),
-            "gid": req.int("gid", 0, hi=MAX_UGID),
+            "mode": req["mode"],
+            "uid": req["uid"],
+            "gid": req["gid"],
             "ec": DEFAULT_POLICY.name,
             "chunk_size": DEFAULT_CHUNK_SIZE,
-            "target": req.bytes("target", b"", max_len=MAX_SYMLINK_TARGET),
-            "rdev": req.int("rdev", 0, hi=2**64 - 1),
+            "target": req["target"],
+            "rdev": req["rdev"],
         }
         attrs = await store.write(
             name_layer.make_node,
             store.shard,
             self.total_shards,
             dir_id,
-            _name(req),
+            req["name"],
             spec,
             now_ns(),
         )
@@ -328,25 +307,25 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_name__list(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        after = req.str("after", "", max_len=1024)
-        limit = req.int("limit", 1000, lo=1, hi=name_layer.MAX_PAGE)
-        entries, cursor = store.read(name_layer.list_entries, _id(req, "dir"), after, limit)
+        after = req["after"]
+        limit = req["limit"]
+        entries, cursor = store.read(name_layer.list_entries, req["dir"], after, limit)
         return {"entries": [[e.name, e.id, e.kind] for e in entries], "next": cursor}
 
     async def op_name__remove(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         child = await store.write(
             name_layer.remove,
-            _id(req, "dir"),
-            _name(req),
-            _kind(req),
-            req.int("expect_id", 0, hi=MAX_ID),
+            req["dir"],
+            req["name"],
+            req["kind"],
+            req["expect_id"],
         )
         return {"id": child}
 
     async def op_name__rename(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        src_dir, dst_dir = _id(req, "src_dir"), _id(req, "dst_dir")
+        src_dir, dst_dir = req["src_dir"], req["dst_dir"]
         if (
             shard_of(dst_dir, self.total_shards) != store.shard
             or shard_of(src_dir, self.total_shards) != store.shard
@@ -355,61 +334,61 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         return await store.write(
             name_layer.rename_local,
             src_dir,
-            _name(req, "src_name"),
+            req["src_name"],
             dst_dir,
-            _name(req, "dst_name"),
-            req.int("replace_dir", 0, hi=MAX_ID),
+            req["dst_name"],
+            req["replace_dir"],
         )
 
     async def op_name__rename_prepare(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        dst_address = req.str("dst_address", max_len=300)
+        dst_address = req["dst_address"]
         sockets.parse_address(dst_address)
         return await store.write(
             name_layer.rename_prepare,
-            _id(req, "src_dir"),
-            _name(req, "src_name"),
-            _id(req, "dst_dir"),
-            _name(req, "dst_name"),
+            req["src_dir"],
+            req["src_name"],
+            req["dst_dir"],
+            req["dst_name"],
             dst_address,
-            req.int("deadline_ns", hi=2**63 - 1),
+            req["deadline_ns"],
         )
 
     async def op_name__rename_apply(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return await store.write(
             name_layer.rename_apply,
-            _id(req, "dst_dir"),
-            _name(req, "dst_name"),
-            _id(req, "id"),
-            _kind(req),
-            req.int("deadline_ns", hi=2**63 - 1),
+            req["dst_dir"],
+            req["dst_name"],
+            req["id"],
+            req["kind"],
+            req["deadline_ns"],
             now_ns(),
-            req.int("replace_dir", 0, hi=MAX_ID),
+            req["replace_dir"],
         )
 
     async def op_name__rename_finish(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(name_layer.rename_finish, _id(req, "intent"), req.bool("applied"))
+        await store.write(name_layer.rename_finish, req["intent"], req["applied"])
 
     async def op_name__intents(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"intents": store.read(name_layer.intents, req.int("before_ns", hi=2**63 - 1))}
+        return {"intents": store.read(name_layer.intents, req["before_ns"])}
 
     # --- File layer ---------------------------------------------------------------------------
 
     async def op_file__create(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        parent = _id(req, "parent")
+        parent = req["parent"]
         spec = {
-            "kind": _kind(req),
-            "mode": req.int("mode", 0o644, hi=MAX_MODE),
-            "uid": req.int("uid", 0, hi=MAX_UGID),
-            "gid": req.int("gid", 0, hi=MAX_UGID),
-            "ec": req.str("ec", DEFAULT_POLICY.name, max_len=16),
-            "chunk_size": req.int("chunk_size", DEFAULT_CHUNK_SIZE, lo=4096, hi=64 * 2**20),
+            "kind": req["kind"],
+            "mode": req["mode"],
+            "uid": req["uid"],
+            "gid": req["gid"],
+            "ec": req["ec"],
+            "chunk_size": req["chunk_size"],
             "parent": parent,
-            "name": _name(req),
+            "name": req["name"],
         }
         attrs, token = await store.write(
             file_layer.create, store.shard, self.total_shards, spec, now_ns(), self.lease_ns
@@ -418,7 +397,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_file__get(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        file_id = _id(req, "id")
+        file_id = req["id"]
         return {
             "attrs": _attrs(store.read(file_layer.get, file_id, now_ns())),
             "parent": store.read(file_layer.parent_of, file_id),
@@ -428,8 +407,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         store = self._store(req)
         token = await store.write(
             file_layer.open_for_write,
-            _id(req, "id"),
-            req.bool("truncate", False),
+            req["id"],
+            req["truncate"],
             now_ns(),
             self.lease_ns,
         )
@@ -439,8 +418,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         store = self._store(req)
         await store.write(
             file_layer.renew_lease,
-            _id(req, "id"),
-            req.int("token", hi=MAX_ID),
+            req["id"],
+            req["token"],
             now_ns(),
             self.lease_ns,
         )
@@ -449,9 +428,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         store = self._store(req)
         attrs = await store.write(
             file_layer.seal,
-            _id(req, "id"),
-            req.int("token", hi=MAX_ID),
-            req.int("size", hi=2**62),
+            req["id"],
+            req["token"],
+            req["size"],
             now_ns(),
         )
         return {"attrs": _attrs(attrs)}
@@ -460,9 +439,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         store = self._store(req)
         attrs = await store.write(
             file_layer.set_size,
-            _id(req, "id"),
-            req.int("token", hi=MAX_ID),
-            req.int("size", hi=2**62),
+            req["id"],
+            req["token"],
+            req["size"],
             now_ns(),
         )
         return {"attrs": _attrs(attrs)}
@@ -470,103 +449,96 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
     async def op_file__setattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         changes = {
-            "mode": req.int("mode", None, hi=MAX_MODE),
-            "uid": req.int("uid", None, hi=MAX_UGID),
-            "gid": req.int("gid", None, hi=MAX_UGID),
-            "atime_ns": req.int("atime_ns", None, hi=2**63 - 1),
-            "mtime_ns": req.int("mtime_ns", None, hi=2**63 - 1),
-            "ec": req.str("ec", None, max_len=16),
+            "mode": req["mode"],
+            "uid": req["uid"],
+            "gid": req["gid"],
+            "atime_ns": req["atime_ns"],
+            "mtime_ns": req["mtime_ns"],
+            "ec": req["ec"],
         }
-        attrs = await store.write(file_layer.setattr_, _id(req, "id"), changes, now_ns())
+        attrs = await store.write(file_layer.setattr_, req["id"], changes, now_ns())
         return {"attrs": _attrs(attrs)}
 
     async def op_file__link(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(file_layer.link, _id(req, "id"), _id(req, "parent"), _name(req))
+        await store.write(file_layer.link, req["id"], req["parent"], req["name"])
 
     async def op_file__add_link(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        attrs = await store.write(file_layer.add_link, _id(req, "id"), now_ns())
+        attrs = await store.write(file_layer.add_link, req["id"], now_ns())
         return {"attrs": _attrs(attrs)}
 
     async def op_file__readlink(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"target": store.read(file_layer.readlink, _id(req, "id"))}
+        return {"target": store.read(file_layer.readlink, req["id"])}
 
     async def op_file__unlink(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(file_layer.unlink, _id(req, "id"), now_ns())
+        await store.write(file_layer.unlink, req["id"], now_ns())
 
     async def op_file__kill_dir(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(file_layer.kill_dir, _id(req, "id"))
+        await store.write(file_layer.kill_dir, req["id"])
 
     async def op_file__revive_dir(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(file_layer.revive_dir, _id(req, "id"))
+        await store.write(file_layer.revive_dir, req["id"])
 
     async def op_file__drop(self, req: Request) -> None:
         store = self._store(req)
-        file_id = _id(req, "id")
+        file_id = req["id"]
         if file_id == ROOT_ID:
             raise InvalidArgument("the root directory cannot be removed")
-        await store.write(file_layer.drop, file_id, now_ns())
+        # A client may drop only what no name reaches: a dead directory (rmdir's last step) or
+        # an unnamed record (a create it could not finish); anything named is unlink's.
+        only_unreachable = req.role == ROLE_CLIENT
+        await store.write(file_layer.drop, file_id, now_ns(), only_unreachable)
 
     async def op_file__blocks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"blocks": [list(p) for p in store.read(file_layer.blocks, _id(req, "id"))]}
+        return {"blocks": [list(p) for p in store.read(file_layer.blocks, req["id"])]}
 
     async def op_file__getxattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        value = store.read(file_layer.getxattr, _id(req, "id"), req.str("name", max_len=255))
+        value = store.read(file_layer.getxattr, req["id"], req["name"])
         return {"value": value}
 
     async def op_file__setxattr(self, req: Request) -> None:
         store = self._store(req)
         await store.write(
             file_layer.setxattr,
-            _id(req, "id"),
-            req.str("name", max_len=255),
-            req.bytes("value", max_len=file_layer.MAX_XATTR_VALUE),
+            req["id"],
+            req["name"],
+            req["value"],
         )
 
     async def op_file__listxattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"names": store.read(file_layer.listxattr, _id(req, "id"))}
+        return {"names": store.read(file_layer.listxattr, req["id"])}
 
     async def op_file__removexattr(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(file_layer.removexattr, _id(req, "id"), req.str("name", max_len=255))
+        await store.write(file_layer.removexattr, req["id"], req["name"])
 
     async def op_file__orphans(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {
             "orphans": store.read(
                 file_layer.orphans,
-                req.int("older_than_ns", hi=2**63 - 1),
-                req.int("limit", 1000, lo=1, hi=10_000),
+                req["older_than_ns"],
+                req["limit"],
             )
         }
 
     async def op_file__collect_orphan(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"deleted": await store.write(file_layer.collect_orphan, _id(req, "id"), now_ns())}
+        return {"deleted": await store.write(file_layer.collect_orphan, req["id"], now_ns())}
 
     async def op_file__gc_blocks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {
-            "block_ids": store.read(file_layer.gc_blocks, req.int("limit", 1000, lo=1, hi=10_000))
-        }
+        return {"block_ids": store.read(file_layer.gc_blocks, req["limit"])}
 
     # --- Block layer --------------------------------------------------------------------------
-
-    def _node_list(self, req: Request, field: str = "nodes") -> list[str]:
-        from tectonic_py.core.ids import NODE_ID_RE
-
-        nodes = req.list(field, max_len=256)
-        if not all(isinstance(n, str) and NODE_ID_RE.match(n) for n in nodes):
-            raise InvalidArgument(f"{req.op}: {field} must be node ids")
-        return nodes
 
     async def op_block__allocate(self, req: Request) -> dict[str, Any]:
         """A block id and the capability to write its chunks, for the file's writer only.
@@ -576,16 +548,16 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         whether a non-zero token is still the file's is checked when the block is committed
         (a fenced writer can only waste an allocation, which the GC reclaims)."""
         store = self._store(req)
-        file_id = _id(req, "file_id")
-        if req.int("token", 0, hi=MAX_ID) == 0:
+        file_id = req["file_id"]
+        if req["token"] == 0:
             raise StaleWriterToken(f"block.allocate for file {file_id} without a writer token")
-        nodes = self._node_list(req)
+        nodes = req["nodes"]
         block_id = await store.write(
             block_layer.allocate,
             store.shard,
             self.total_shards,
             file_id,
-            req.str("ec", max_len=16),
+            req["ec"],
             nodes,
             now_ns(),
         )
@@ -594,8 +566,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_block__grant(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        block_id = _id(req, "block_id")
-        nodes = await store.write(block_layer.grant_more, block_id, self._node_list(req))
+        block_id = req["block_id"]
+        nodes = await store.write(block_layer.grant_more, block_id, req["nodes"])
         return {
             "nodes": nodes,
             "capability": capability.issue(self.capability_key, block_id, nodes),
@@ -603,8 +575,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_block__commit(self, req: Request) -> None:
         store = self._store(req)
-        file_id = _id(req, "file_id")
-        infos = [block_layer.info_from_wire(b) for b in req.list("blocks", max_len=10_000)]
+        file_id = req["file_id"]
+        infos = [block_layer.info_from_wire(b) for b in req["blocks"]]
         for info in infos:
             if shard_of(info.block_id, self.total_shards) != store.shard:
                 raise WrongShard(f"block {info.block_id:016x} is not in shard {store.shard}")
@@ -617,18 +589,16 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_block__locate(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        ids = req.list("ids", max_len=100_000)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= MAX_ID for i in ids):
-            raise InvalidArgument("block.locate: ids must be block ids")
+        ids = req["ids"]
         return {"blocks": [b.to_wire() for b in store.read(block_layer.locate, ids)]}
 
     async def op_block__by_node(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         chunks = store.read(
             block_layer.by_node,
-            req.str("node_id", max_len=64),
-            req.int("after", 0, hi=MAX_ID),
-            req.int("limit", 10_000, lo=1, hi=100_000),
+            req["node_id"],
+            req["after"],
+            req["limit"],
         )
         return {"chunks": [list(c) for c in chunks]}
 
@@ -636,21 +606,21 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         store = self._store(req)
         await store.write(
             block_layer.replace_chunk,
-            _id(req, "block_id"),
-            req.int("index", hi=255),
-            req.str("old_node", max_len=64),
-            req.str("new_node", max_len=64),
-            req.int("checksum", hi=2**32 - 1),
+            req["block_id"],
+            req["index"],
+            req["old_node"],
+            req["new_node"],
+            req["checksum"],
         )
 
     async def op_block__report_bad_chunk(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         recorded = await store.write(
             block_layer.report_bad_chunk,
-            _id(req, "block_id"),
-            req.int("index", hi=255),
-            req.str("node_id", max_len=64),
-            req.str("reason", "corrupt", max_len=64),
+            req["block_id"],
+            req["index"],
+            req["node_id"],
+            req["reason"],
             now_ns(),
         )
         return {"recorded": recorded}
@@ -668,16 +638,16 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         registry = self._registry()
         await registry.heartbeat(
             {
-                "node_id": req.str("node_id", max_len=64),
-                "address": req.str("address", max_len=300),
-                "failure_domain": req.str("failure_domain", max_len=128),
-                "capacity": req.int("capacity", 0, hi=2**63 - 1),
-                "free": req.int("free", 0, hi=2**63 - 1),
-                "chunk_count": req.int("chunk_count", 0, hi=2**63 - 1),
-                "queue_depth": req.int("queue_depth", 0, hi=2**31),
-                "fs_id": req.str("fs_id", "", max_len=300),
-                "fs_total": req.int("fs_total", 0, hi=2**63 - 1),
-                "fs_free": req.int("fs_free", 0, hi=2**63 - 1),
+                "node_id": req["node_id"],
+                "address": req["address"],
+                "failure_domain": req["failure_domain"],
+                "capacity": req["capacity"],
+                "free": req["free"],
+                "chunk_count": req["chunk_count"],
+                "queue_depth": req["queue_depth"],
+                "fs_id": req["fs_id"],
+                "fs_total": req["fs_total"],
+                "fs_free": req["fs_free"],
             }
         )
 
@@ -702,8 +672,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         """Independent requests in one frame, run at once (module docstring): one frame and
         one pass of the RPC loop for many ranks' calls, and their mutations in the same
         group-commit transactions. An item's error is its own, never the batch's."""
-        items = req.list("ops", max_len=MAX_BATCH_OPS)
+        items = req["ops"]
         calls: list[tuple[Callable[[Request], Awaitable[Any]], Request]] = []
+        refused: dict[int, PermissionDenied] = {}
         for item in items:
             if (
                 not isinstance(item, list)
@@ -716,11 +687,16 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             handler = self.rpc.handlers.get(op)
             if handler is None or not op.startswith(_BATCHABLE_PREFIXES):
                 raise InvalidArgument(f"batch: {op!r} cannot be batched")
-            calls.append((handler, Request(op, fields, None, req.peer)))
+            refusal = self.rpc.refusal(op, req.role, req.peer)
+            if refusal is not None:
+                refused[len(calls)] = refusal
+            calls.append((handler, Request(op, fields, None, req.peer, role=req.role)))
         results: list[dict[str, Any]] = [{} for _ in calls]
 
         async def run(i: int, handler: Callable[[Request], Awaitable[Any]], r: Request) -> None:
             try:
+                if i in refused:
+                    raise refused[i]
                 reply = await handler(r)
                 results[i] = {"f": reply or {}}
             except Exception as e:  # noqa: BLE001 (every item's error goes back as its own)
@@ -734,7 +710,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     async def op_server__backup(self, req: Request) -> dict[str, Any]:
         """An online snapshot of every hosted shard into ``dest`` on this server's host."""
-        dest = Path(req.str("dest"))
+        dest = Path(req["dest"])
         return await trio.to_thread.run_sync(
             backup.backup_shards,
             self.data_dir,
@@ -796,7 +772,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             else:
                 host, port = sockets.parse_address(intent["dst_address"])
                 with trio.fail_after(10):
-                    async with rpc_client.open_connection(host, port, self.secret) as conn:
+                    node = Credential.from_secret(self.secret, ROLE_NODE)
+                    async with rpc_client.open_connection(host, port, node) as conn:
                         resp = await conn.call(
                             "name.lookup",
                             {

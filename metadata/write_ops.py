@@ -43,15 +43,10 @@ from typing import Any
 
 from metadata import block_layer, file_layer, name_layer
 from metadata.shard import now_ns
-from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
-from tectonic_py.core.ec_policy import DEFAULT_POLICY
-from tectonic_py.core.errors import FileExists, InvalidArgument, WrongShard
-from tectonic_py.core.ids import MAX_ID, shard_of
-from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo, validate_name
+from tectonic_py.core.errors import FileExists, WrongShard
+from tectonic_py.core.ids import shard_of
+from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo
 from tectonic_py.core.rpc_server import Request
-
-MAX_MODE = 0o7777
-MAX_UGID = 2**32 - 1
 
 
 def create_named(
@@ -126,21 +121,6 @@ def close(
     return file_layer.seal(conn, file_id, token, size, now)
 
 
-def _entries(req: Request) -> list[tuple[int, int]]:
-    entries = []
-    for item in req.list("entries", [], max_len=100_000):
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-            or not 0 <= item[0] < 2**40
-            or not 1 <= item[1] <= MAX_ID
-        ):
-            raise InvalidArgument(f"{req.op}: entries must be [index, block_id] pairs")
-        entries.append((item[0], item[1]))
-    return entries
-
-
 class WriteOps:
     """Mixin of ``MetadataServer``: the combined ops of the write path (module docstring)."""
 
@@ -151,7 +131,7 @@ class WriteOps:
         raise NotImplementedError
 
     def _local_blocks(self, req: Request, shard: int) -> list[BlockInfo]:
-        infos = [block_layer.info_from_wire(b) for b in req.list("blocks", [], max_len=10_000)]
+        infos = [block_layer.info_from_wire(b) for b in req["blocks"]]
         for info in infos:
             if shard_of(info.block_id, self.total_shards) != shard:
                 raise WrongShard(f"block {info.block_id:016x} is not in shard {shard}")
@@ -159,7 +139,7 @@ class WriteOps:
 
     def _dir_here(self, req: Request, shard: int) -> int:
         """The request's directory, which must be in ``shard`` (where its entries are)."""
-        dir_id = req.int("dir", lo=1, hi=MAX_ID)
+        dir_id = req["dir"]
         if shard_of(dir_id, self.total_shards) != shard:
             raise WrongShard(f"{req.op}: directory {dir_id} is not in shard {shard}")
         return dir_id
@@ -168,28 +148,28 @@ class WriteOps:
         store = self._store(req)
         dir_id = self._dir_here(req, store.shard)
         spec = {
-            "mode": req.int("mode", 0o644, hi=MAX_MODE),
-            "uid": req.int("uid", 0, hi=MAX_UGID),
-            "gid": req.int("gid", 0, hi=MAX_UGID),
-            "ec": req.str("ec", DEFAULT_POLICY.name, max_len=16),
-            "chunk_size": req.int("chunk_size", DEFAULT_CHUNK_SIZE, lo=4096, hi=64 * 2**20),
+            "mode": req["mode"],
+            "uid": req["uid"],
+            "gid": req["gid"],
+            "ec": req["ec"],
+            "chunk_size": req["chunk_size"],
         }
         attrs, token = await store.write(
             create_named,
             store.shard,
             self.total_shards,
             dir_id,
-            validate_name(req.fields.get("name")),
+            req["name"],
             spec,
             now_ns(),
             self.lease_ns,
-            req.int("token", 0, hi=MAX_ID),
+            req["token"],
         )
         return {"attrs": dict(attrs.__dict__), "token": token}
 
     async def op_name__unlink(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        name = validate_name(req.fields.get("name"))
+        name = req["name"]
         child, released = await store.write(
             unlink_named,
             store.shard,
@@ -204,10 +184,10 @@ class WriteOps:
         store = self._store(req)
         await store.write(
             commit_with_blocks,
-            req.int("id", lo=1, hi=MAX_ID),
-            req.int("token", hi=MAX_ID),
+            req["id"],
+            req["token"],
             self._local_blocks(req, store.shard),
-            _entries(req),
+            req["entries"],
             now_ns(),
         )
 
@@ -215,11 +195,11 @@ class WriteOps:
         store = self._store(req)
         attrs = await store.write(
             close,
-            req.int("id", lo=1, hi=MAX_ID),
-            req.int("token", hi=MAX_ID),
-            req.int("size", hi=2**62),
+            req["id"],
+            req["token"],
+            req["size"],
             self._local_blocks(req, store.shard),
-            _entries(req),
+            req["entries"],
             now_ns(),
         )
         return {"attrs": dict(attrs.__dict__)}

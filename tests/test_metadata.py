@@ -565,7 +565,7 @@ async def test_max_length_name_accepted(mc):
 async def test_malformed_requests_and_unknown_shards(mc):
     addr = mc.config.metadata_servers[0].address
     host, port = sockets.parse_address(addr)
-    secret = mc.config.secret()
+    secret = mc.config.credential()
     async with rpc_client.open_connection(host, port, secret) as conn:
         with pytest.raises(WrongShard):
             await conn.call("file.get", {"shard": 7, "id": 5})

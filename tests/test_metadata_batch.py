@@ -48,7 +48,7 @@ async def test_batch_items_fail_alone(mc):
     def create(name):
         return ["name.create", {"shard": shard, "dir": d.id, "name": name}]
 
-    async with rpc_client.open_connection(host, port, mc.config.secret()) as conn:
+    async with rpc_client.open_connection(host, port, mc.config.credential()) as conn:
         r = await conn.call(
             "batch",
             {

@@ -355,7 +355,7 @@ async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
         with pytest.raises(BadCapability):
             capability.verify(key, hedge, b, nodes[0], op="delete", index=0)
         with pytest.raises(BadCapability):  # signed with the key, never with the secret
-            capability.verify(mc.config.secret(), hedge, b, nodes[3], op="delete", index=0)
+            capability.verify(mc.config.credential().key, hedge, b, nodes[3], op="delete", index=0)
         # Repair's put of a committed block's chunk; then the repoint frees the old copy.
         (put,) = await caps("put", (nodes[3], b, 0))
         assert put is not None
@@ -416,9 +416,9 @@ async def test_a_client_of_a_real_cluster_cannot_delete_a_live_chunk(tmp_path):
             with pytest.raises(BadCapability, match="grants no delete"):
                 await m.delete_chunk(node, block.block_id, chunk.index)
             forged = capability.issue(
-                config.secret(), block.block_id, [node.node_id], op="delete", index=chunk.index
+                config.credential().key, block.block_id, [node.node_id], op="delete", index=chunk.index
             )
-            put_cap = capability.issue(config.secret(), block.block_id, [node.node_id])
+            put_cap = capability.issue(config.credential().key, block.block_id, [node.node_id])
             c = await m.pool.client(node.address)
             for cap in (b"", forged, put_cap):
                 with pytest.raises(BadCapability):

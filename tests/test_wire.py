@@ -409,7 +409,8 @@ async def test_a_send_waiting_on_a_full_socket_gets_unavailable_when_the_connect
             sock, framing.pack_frame({"op": "hello", "proto": auth.PROTO, "nonce": sn}, 0)
         )
         header, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
-        mac = auth.mac(secret, b"server", header["nonce"], sn)
+        key = auth.role_key(secret, header["role"])
+        mac = auth.mac(key, b"server|" + header["role"].encode(), header["nonce"], sn)
         await framing.send_all(sock, framing.pack_frame({"op": "welcome", "mac": mac}, 0))
         await trio.sleep_forever()
 

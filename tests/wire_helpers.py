@@ -15,18 +15,23 @@ import trio
 from tectonic_py.core import auth, framing
 
 
-async def raw_session(port: int, secret: bytes) -> tuple[trio.socket.SocketType, auth.FrameSession]:
-    """A plain socket to ``127.0.0.1:port`` that has completed the HMAC handshake, and the
-    session that seals and checks its frames (``send_sealed``, ``read_sealed``)."""
+async def raw_session(
+    port: int, secret: bytes, role: str = auth.ROLE_ADMIN
+) -> tuple[trio.socket.SocketType, auth.FrameSession]:
+    """A plain socket to ``127.0.0.1:port`` that has completed the HMAC handshake as
+    ``role`` (its key derived from the cluster secret), and the session that seals and
+    checks its frames (``send_sealed``, ``read_sealed``)."""
+    key = auth.role_key(secret, role)
     sock = trio.socket.socket()
     await sock.connect(("127.0.0.1", port))
     hello, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
     cn = b"c" * 32
-    mac = auth.mac(secret, b"client", hello["nonce"], cn)
-    await framing.send_all(sock, framing.pack_frame({"op": "auth", "nonce": cn, "mac": mac}, 0))
+    mac = auth.mac(key, b"client|" + role.encode(), hello["nonce"], cn)
+    frame = framing.pack_frame({"op": "auth", "role": role, "nonce": cn, "mac": mac}, 0)
+    await framing.send_all(sock, frame)
     welcome, _ = await framing.read_prefix_and_header(sock, framing.DEFAULT_LIMITS)
     assert welcome["op"] == "welcome"
-    return sock, auth.FrameSession.derive(secret, hello["nonce"], cn, server=False)
+    return sock, auth.FrameSession.derive(key, hello["nonce"], cn, server=False, role=role)
 
 
 async def raw_authenticated(port: int, secret: bytes) -> trio.socket.SocketType:

@@ -53,6 +53,7 @@ from metadata.client import MetadataClient
 from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
+from tectonic_py.core.auth import Credential
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Timeout, Unavailable
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 _SCRUB_REPORT_TIMEOUT_S = 3.0
 
 
-async def probe_metadata_server(address: str, secret: bytes) -> str | None:
+async def probe_metadata_server(address: str, secret: bytes | Credential) -> str | None:
     """None if the server completes the authenticated handshake, else why not (one line)."""
     host, port = parse_address(address)
     try:
@@ -107,7 +108,7 @@ async def degraded_blocks(m: Maintenance, nodes: list[NodeInfo]) -> list[dict[st
 async def gather(config: ClusterConfig) -> dict[str, Any]:
     """The whole status as one JSON-ready object. Unavailable if the registry is unreachable:
     without it nothing about the nodes is known, and a half-empty table would mislead."""
-    secret = config.secret()
+    secret = config.credential()
     servers: list[dict[str, Any]] = [
         {"address": s.address, "shards": sorted(s.shards), "state": "up", "error": None}
         for s in config.metadata_servers

@@ -134,7 +134,7 @@ class TectonicClient:
         self.node_view = NodeView(meta, nursery, node_backoff_s)
         self.codec = Codec(codec_threads)
         self.pool = ChunkPool(
-            config.secret(),
+            config.credential(),
             nursery,
             conns_per_node,
             reachability=self.node_view,

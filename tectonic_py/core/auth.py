@@ -1,11 +1,32 @@
-"""Mutual challenge-response over the cluster secret, then a MAC on every frame.
+"""Mutual challenge-response over a role's key, then a MAC on every frame.
+
+Roles: every connection speaks as one role, proved by the key it holds, and the servers let
+each role call only what it is declared to (metadata/api for the metadata service, the chunk
+store's table for its ops):
+
+=============  ==============================================================================
+role           who holds its key
+=============  ==============================================================================
+client         GPU nodes: the mount, put/get/ls/rm, the load test, DCP, fsspec
+maintenance    the maintenance daemon: repair, GC, inventory, rebalance, lease recovery
+admin          the operator's CLI: everything, backup and restore, forced lease recovery
+node           the servers among themselves: heartbeats, a rename's cross-shard lookup
+=============  ==============================================================================
+
+A role's key is ``role_key(cluster secret, role)``: HMAC-SHA256 of the role's name under the
+cluster secret, written as hex. Servers hold the cluster secret and derive every role's key
+(``Keyring``); ``tectonic cluster up`` writes each role's key to a file of its own, and a GPU
+node gets only the client's. The derivation is one-way, so a client key yields neither the
+secret nor another role's key. A cluster directory made before roles (one secret, no key
+files) keeps working: a process given the secret itself derives the key of its role.
 
 Handshake (frames of ``tectonic_py.core.framing``, no payloads, headers of at most
 ``HANDSHAKE_LIMITS.max_header`` bytes)::
 
-1. server -> client ``{"op": "hello", "proto": 2, "nonce": 32 random bytes}``
-2. client -> server ``{"op": "auth", "nonce": cn, "mac": HMAC(secret, "client" | sn | cn)}``
-3. server -> client ``{"op": "welcome", "mac": HMAC(secret, "server" | cn | sn)}``,
+1. server -> client ``{"op": "hello", "proto": 3, "nonce": 32 random bytes}``
+2. client -> server ``{"op": "auth", "role": r, "nonce": cn,
+   "mac": HMAC(key_r, "client" | r | sn | cn)}``
+3. server -> client ``{"op": "welcome", "mac": HMAC(key_r, "server" | r | cn | sn)}``,
    or an ``auth`` error frame and the connection is closed (and logged).
 
 The client checks the server's MAC too, so neither side talks to an impostor. Each side
@@ -15,7 +36,7 @@ Frames after the handshake: the handshake alone proves who opened the connection
 sends what follows on it; a relay that passed it through could send its own requests. So
 every later frame carries the ``framing.FLAG_TAG`` flag and a 16-byte tag after its
 payload: AES-256-GCM with no plaintext (GMAC) over the frame's prefix, header and payload,
-keyed per direction by ``HMAC(secret, "frame key" | role | sn | cn)`` and with the frame's
+keyed per direction by ``HMAC(key_r, "frame key" | direction | sn | cn)`` and with the frame's
 sequence number in that direction (0, 1, 2...) as the nonce. A forged, altered, replayed,
 dropped or reordered frame fails the check and ends the connection. GMAC is used because
 it runs at memory speed where AES-NI and carry-less multiply exist (every x86-64 and
@@ -35,6 +56,7 @@ import hmac
 import os
 import secrets
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +79,7 @@ from tectonic_py.core.framing import (
     send_pieces,
 )
 
-PROTO = 2  # 2: frames after the handshake carry a tag
+PROTO = 3  # 2: frames after the handshake carry a tag; 3: the auth frame names its role
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 # The handshake's frames are ~100 bytes: a peer that has not authenticated may send no more.
@@ -86,35 +108,114 @@ def load_secret(path: str | os.PathLike[str], *, what: str = "secret file") -> b
     return data
 
 
-def mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
-    """The MAC one side sends: ``role`` (b"client" or b"server") binds it to its direction."""
-    return hmac.new(secret, role + b"|" + a + b"|" + b, hashlib.sha256).digest()
+ROLE_CLIENT = "client"
+ROLE_MAINTENANCE = "maintenance"
+ROLE_ADMIN = "admin"
+ROLE_NODE = "node"
+ROLES = (ROLE_CLIENT, ROLE_MAINTENANCE, ROLE_ADMIN, ROLE_NODE)
 
 
-async def answer_handshake(sock: trio.socket.SocketType, secret: bytes) -> FrameSession:
-    """The server's half; returns the connection's ``FrameSession``. Raises
-    ``ProtocolError`` for a frame that is not a well-formed auth frame and ``AuthError`` for
-    a wrong MAC; the caller sends the error and closes."""
+def role_key(secret: bytes, role: str) -> bytes:
+    """The key of ``role`` under the cluster secret (module docstring), as the hex text its
+    key file holds."""
+    if role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; the roles are {', '.join(ROLES)}")
+    return hmac.new(secret, b"role key|" + role.encode(), hashlib.sha256).hexdigest().encode()
+
+
+@dataclass(frozen=True)
+class Credential:
+    """What a connecting process proves: its role and that role's key."""
+
+    role: str
+    key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"unknown role {self.role!r}; the roles are {', '.join(ROLES)}")
+
+    @classmethod
+    def from_secret(cls, secret: bytes, role: str) -> Credential:
+        """A process that holds the cluster secret itself (a server, a cluster directory made
+        before roles) speaks as ``role`` with the key derived for it."""
+        return cls(role, role_key(secret, role))
+
+    def __repr__(self) -> str:  # never the key
+        return f"Credential(role={self.role!r})"
+
+
+class Keyring:
+    """The roles a server accepts and their keys: every role's, derived from the cluster
+    secret (the servers hold it), unless the server is built with fewer."""
+
+    def __init__(self, keys: Mapping[str, bytes]) -> None:
+        self._keys = dict(keys)
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> Keyring:
+        return cls({role: role_key(secret, role) for role in ROLES})
+
+    def key(self, role: object) -> bytes:
+        key = self._keys.get(role) if isinstance(role, str) else None
+        if key is None:
+            raise AuthError(f"role {role!r} is not accepted here")
+        return key
+
+    def __repr__(self) -> str:
+        return f"Keyring(roles={sorted(self._keys)})"
+
+
+def as_credential(who: bytes | Credential, role: str = ROLE_ADMIN) -> Credential:
+    """A credential, or the cluster secret itself (then speaking as ``role``)."""
+    return who if isinstance(who, Credential) else Credential.from_secret(who, role)
+
+
+def as_keyring(keys: bytes | Keyring) -> Keyring:
+    """A keyring, or the cluster secret itself (every role accepted)."""
+    return keys if isinstance(keys, Keyring) else Keyring.from_secret(keys)
+
+
+def mac(key: bytes, direction: bytes, a: bytes, b: bytes) -> bytes:
+    """The MAC one side sends: ``direction`` (b"client|" or b"server|" and the role) binds
+    it to its direction and role."""
+    return hmac.new(key, direction + b"|" + a + b"|" + b, hashlib.sha256).digest()
+
+
+async def answer_handshake(sock: trio.socket.SocketType, keys: Keyring) -> FrameSession:
+    """The server's half; returns the connection's ``FrameSession``, its ``role`` the one
+    the peer proved. Raises ``ProtocolError`` for a frame that is not a well-formed auth
+    frame and ``AuthError`` for a wrong MAC or a role not accepted; the caller sends the
+    error and closes."""
     sn = secrets.token_bytes(NONCE_BYTES)
     await send_all(sock, pack_frame({"op": "hello", "proto": PROTO, "nonce": sn}, 0))
     header, plen = await read_prefix_and_header(sock, HANDSHAKE_LIMITS)
     if plen or header.get("op") != "auth":
         raise ProtocolError("expected an auth frame")
-    cn, their_mac = header.get("nonce"), header.get("mac")
-    if not (isinstance(cn, bytes) and isinstance(their_mac, bytes) and len(cn) == NONCE_BYTES):
+    cn, their_mac, role = header.get("nonce"), header.get("mac"), header.get("role")
+    if not (
+        isinstance(cn, bytes)
+        and isinstance(their_mac, bytes)
+        and len(cn) == NONCE_BYTES
+        and isinstance(role, str)
+    ):
         raise ProtocolError("malformed auth frame")
-    if not hmac.compare_digest(their_mac, mac(secret, b"client", sn, cn)):
-        raise AuthError("authentication failed")
-    await send_all(sock, pack_frame({"op": "welcome", "mac": mac(secret, b"server", cn, sn)}, 0))
-    return FrameSession.derive(secret, sn, cn, server=True)
+    key = keys.key(role)
+    tag = role.encode()
+    if not hmac.compare_digest(their_mac, mac(key, b"client|" + tag, sn, cn)):
+        raise AuthError(f"authentication failed (as role {role})")
+    welcome = {"op": "welcome", "mac": mac(key, b"server|" + tag, cn, sn)}
+    await send_all(sock, pack_frame(welcome, 0))
+    return FrameSession.derive(key, sn, cn, server=True, role=role)
 
 
 async def offer_handshake(
-    sock: trio.socket.SocketType, secret: bytes, address: str
+    sock: trio.socket.SocketType, who: bytes | Credential, address: str
 ) -> FrameSession:
-    """The client's half; returns the connection's ``FrameSession``. Raises
-    ``ProtocolError`` for an unexpected frame, ``AuthError`` when the server refuses us or
-    fails its own MAC (``address`` names it in the error)."""
+    """The client's half; returns the connection's ``FrameSession``. ``who``: the
+    credential, or the cluster secret itself (then as role admin). Raises ``ProtocolError``
+    for an unexpected frame, ``AuthError`` when the server refuses us or fails its own MAC
+    (``address`` names it in the error)."""
+    cred = as_credential(who)
     header, plen = await read_prefix_and_header(sock, HANDSHAKE_LIMITS)
     sn = header.get("nonce")
     if header.get("op") != "hello" or plen or not isinstance(sn, bytes) or len(sn) != NONCE_BYTES:
@@ -122,18 +223,23 @@ async def offer_handshake(
     if header.get("proto") != PROTO:
         raise ProtocolError(f"{address}: protocol {header.get('proto')} unsupported")
     cn = secrets.token_bytes(NONCE_BYTES)
-    await send_all(
-        sock, pack_frame({"op": "auth", "nonce": cn, "mac": mac(secret, b"client", sn, cn)}, 0)
-    )
+    tag = cred.role.encode()
+    auth = {
+        "op": "auth",
+        "role": cred.role,
+        "nonce": cn,
+        "mac": mac(cred.key, b"client|" + tag, sn, cn),
+    }
+    await send_all(sock, pack_frame(auth, 0))
     header, plen = await read_prefix_and_header(sock, HANDSHAKE_LIMITS)
     if "err" in header:
         raise error_from_code(str(header["err"]), f"{address}: {header.get('msg', '')}")
     their_mac = header.get("mac")
     if header.get("op") != "welcome" or not isinstance(their_mac, bytes):
         raise ProtocolError(f"{address}: bad welcome")
-    if not hmac.compare_digest(their_mac, mac(secret, b"server", cn, sn)):
+    if not hmac.compare_digest(their_mac, mac(cred.key, b"server|" + tag, cn, sn)):
         raise AuthError(f"{address}: server failed authentication")
-    return FrameSession.derive(secret, sn, cn, server=False)
+    return FrameSession.derive(cred.key, sn, cn, server=False, role=cred.role)
 
 
 # --- frames after the handshake ------------------------------------------------------------
@@ -162,22 +268,25 @@ class FrameSession:
     caller holds the connection's send lock from ``seal`` until the frame is written) and
     checked in the order they come off it (one reader per connection)."""
 
-    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+    def __init__(self, send_key: bytes, recv_key: bytes, role: str = ROLE_ADMIN) -> None:
+        self.role = role  # the role the client side proved in the handshake
         self._send_key, self._recv_key = send_key, recv_key
         self._send, self._recv = AESGCM(send_key), AESGCM(recv_key)
         self.send_seq = 0
         self.recv_seq = 0
 
     @classmethod
-    def derive(cls, secret: bytes, sn: bytes, cn: bytes, *, server: bool) -> FrameSession:
-        """Keys from the secret and both nonces (an HKDF expand step keyed by the secret):
-        fresh for every connection, and one per direction so that no (key, nonce) pair is
-        ever used twice."""
+    def derive(
+        cls, key: bytes, sn: bytes, cn: bytes, *, server: bool, role: str = ROLE_ADMIN
+    ) -> FrameSession:
+        """Keys from the role's key and both nonces (an HKDF expand step keyed by it): fresh
+        for every connection, and one per direction so that no (key, nonce) pair is ever
+        used twice."""
         c2s, s2c = (
-            hmac.new(secret, b"frame key|" + role + b"|" + sn + cn, hashlib.sha256).digest()
-            for role in (b"client", b"server")
+            hmac.new(key, b"frame key|" + side + b"|" + sn + cn, hashlib.sha256).digest()
+            for side in (b"client", b"server")
         )
-        return cls(s2c, c2s) if server else cls(c2s, s2c)
+        return cls(s2c, c2s, role) if server else cls(c2s, s2c, role)
 
     def seal(self, head: Buffer, payload: Buffer | None) -> bytes:
         """The tag of the next frame this side sends."""

@@ -3,7 +3,8 @@
 Example::
 
     name = "local"
-    secret_file = "secret"          # relative paths are relative to this file
+    role = "client"                 # what this file's holder may do (core/auth.py roles)
+    key_file = "keys/client.key"    # that role's key; relative paths are relative to this file
     shards = 64                     # logical metadata shards, fixed at creation
     default_ec = "rs-6-3"
     chunk_size = 4194304            # bytes per data chunk of a full block
@@ -17,6 +18,12 @@ Example::
     endpoints = ["http://127.0.0.1:2379", "http://127.0.0.1:22379"]
     prefix = "/tectonic/local"
 
+A cluster file names either a role's key (``key_file``, what ``tectonic cluster up`` writes:
+``cluster.toml`` for the operator as admin, ``client.toml`` for GPU nodes as client,
+``maintenance.toml`` for the maintenance daemon) or, as files written before roles did, the
+cluster secret itself (``secret_file``): its holder then speaks as ``role`` (admin when the
+file names none) with the key derived for it.
+
 The server hosting shard 0 also keeps the node registry (chunk store membership). Under the
 etcd engine a server's ``shards`` are the ones it claims first: when it dies another server
 takes them over, and clients ask any server (``server.owners``) where a shard went.
@@ -24,14 +31,16 @@ takes them over, and clients ask any server (``server.owners``) where a shard we
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
-from tectonic_py.core.auth import load_secret
+from tectonic_py.core.auth import ROLE_ADMIN, ROLES, Credential, load_secret
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.sockets import parse_address
@@ -50,7 +59,7 @@ class MetadataServer:
 @dataclass
 class ClusterConfig:
     name: str
-    secret_file: Path
+    secret_file: Path | None  # the cluster secret (files written before roles), or None
     shards: int
     metadata_servers: list[MetadataServer]
     default_ec: str = "rs-6-3"
@@ -59,11 +68,17 @@ class ClusterConfig:
     etcd_endpoints: list[str] = field(default_factory=list)
     etcd_prefix: str = ""
     path: Path | None = field(default=None, compare=False)
+    role: str = ROLE_ADMIN
+    key_file: Path | None = None  # the role's own key (module docstring)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"unknown role {self.role!r}; the roles are {', '.join(ROLES)}")
+        if (self.secret_file is None) == (self.key_file is None):
+            raise ConfigError("a cluster file names one of key_file and secret_file")
         if not 1 <= self.shards <= 65536:
             raise ConfigError(f"shards must be 1..65536, not {self.shards}")
         if not self.metadata_servers:
@@ -98,20 +113,37 @@ class ClusterConfig:
     def registry_address(self) -> str:
         return self.server_for_shard(REGISTRY_SHARD)
 
-    def secret(self) -> bytes:
-        return load_secret(self.secret_file)
+    def credential(self) -> Credential:
+        """The role this file's holder speaks as, and its key (read now, checked as a
+        secret file is: mode 0600, long enough)."""
+        if self.key_file is not None:
+            return Credential(self.role, load_secret(self.key_file, what=f"{self.role} key file"))
+        assert self.secret_file is not None
+        return Credential.from_secret(load_secret(self.secret_file), self.role)
+
+    def with_role(self, role: str, key_file: Path) -> ClusterConfig:
+        """The same cluster as seen by another role (``tectonic cluster up`` writes one file
+        per role)."""
+        return dataclasses.replace(self, role=role, key_file=key_file, secret_file=None)
 
     def to_toml(self) -> str:
         base = self.path.parent if self.path else None
-        secret = self.secret_file
-        if base is not None:
-            try:
-                secret = secret.relative_to(base)
-            except ValueError:
-                pass
-        doc = {
-            "name": self.name,
-            "secret_file": str(secret),
+
+        def relative(p: Path) -> str:
+            if base is not None:
+                try:
+                    return str(p.relative_to(base))
+                except ValueError:
+                    pass
+            return str(p)
+
+        doc: dict[str, Any] = {"name": self.name, "role": self.role}
+        if self.key_file is not None:
+            doc["key_file"] = relative(self.key_file)
+        else:
+            assert self.secret_file is not None
+            doc["secret_file"] = relative(self.secret_file)
+        doc |= {
             "shards": self.shards,
             "default_ec": self.default_ec,
             "chunk_size": self.chunk_size,
@@ -156,9 +188,16 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
             f"cluster file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})"
         ) from None
     try:
-        secret = Path(doc["secret_file"])
-        if not secret.is_absolute():
-            secret = path.parent / secret
+
+        def near(name: str) -> Path | None:
+            if name not in doc:
+                return None
+            p = Path(str(doc[name]))
+            return p if p.is_absolute() else path.parent / p
+
+        secret, key_file = near("secret_file"), near("key_file")
+        if secret is None and key_file is None:
+            raise KeyError("key_file")
         servers = [
             MetadataServer(str(s["address"]), [int(x) for x in s["shards"]])
             for s in doc["metadata_servers"]
@@ -170,6 +209,8 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
             etcd_prefix=str(engine.get("prefix", "")),
             name=str(doc.get("name", "tectonic")),
             secret_file=secret,
+            key_file=key_file,
+            role=str(doc.get("role", ROLE_ADMIN)),
             shards=int(doc["shards"]),
             metadata_servers=servers,
             default_ec=str(doc.get("default_ec", "rs-6-3")),

@@ -64,6 +64,13 @@ class AuthError(TectonicError):
     code = "auth"
 
 
+class PermissionDenied(TectonicError):
+    """The connection's role may not call this operation (tectonic_py/core/auth.py roles,
+    metadata/api for which role may call what). Nothing was changed."""
+
+    code = "permission"
+
+
 class UnknownOp(TectonicError):
     """The server has no handler for the requested operation."""
 

@@ -22,7 +22,13 @@ from typing import Any
 import trio
 
 from tectonic_py.core.aio import acquire_soon, open_service_nursery
-from tectonic_py.core.auth import FrameSession, offer_handshake, require_tag, send_sealed
+from tectonic_py.core.auth import (
+    Credential,
+    FrameSession,
+    offer_handshake,
+    require_tag,
+    send_sealed,
+)
 from tectonic_py.core.errors import ProtocolError, TectonicError, Unavailable, error_from_code
 from tectonic_py.core.framing import (
     DEFAULT_LIMITS,
@@ -80,7 +86,7 @@ class Connection:
         cls,
         host: str,
         port: int,
-        secret: bytes,
+        secret: bytes | Credential,
         *,
         nursery: trio.Nursery,
         limits: Limits = DEFAULT_LIMITS,
@@ -233,7 +239,7 @@ class Connection:
 
 @asynccontextmanager
 async def open_connection(
-    host: str, port: int, secret: bytes, *, limits: Limits = DEFAULT_LIMITS
+    host: str, port: int, secret: bytes | Credential, *, limits: Limits = DEFAULT_LIMITS
 ) -> AsyncIterator[Connection]:
     """A connection that owns its receiver task; closed on exit."""
     async with open_service_nursery() as nursery:

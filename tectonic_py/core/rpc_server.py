@@ -41,7 +41,9 @@ from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.auth import (
     FrameCheck,
     FrameSession,
+    Keyring,
     answer_handshake,
+    as_keyring,
     require_tag,
     sealed_pieces,
     send_sealed,
@@ -51,6 +53,7 @@ from tectonic_py.core.errors import (
     AuthError,
     Busy,
     InvalidArgument,
+    PermissionDenied,
     ProtocolError,
     TectonicError,
     UnknownOp,
@@ -89,7 +92,7 @@ MAX_QUEUED_REPLIES = 64  # small replies a connection's outbox holds before send
 class Request:
     """One decoded request as a handler sees it: validated typed access to its fields."""
 
-    __slots__ = ("buffer", "fields", "op", "payload", "peer")
+    __slots__ = ("buffer", "fields", "op", "payload", "peer", "role")
 
     def __init__(
         self,
@@ -98,14 +101,21 @@ class Request:
         payload: memoryview | None,
         peer: str,
         buffer: memoryview | None = None,
+        role: str = "admin",
     ) -> None:
         self.op = op
         self.fields = fields
         self.payload = payload
         self.peer = peer
+        self.role = role  # what the connection proved in its handshake (core/auth.py)
         # For ops with a ``payload_room``: the whole page-aligned buffer the payload was
         # received into, at the offset the room asked for (the handler may write around it).
         self.buffer = buffer
+
+    def __getitem__(self, name: str) -> Any:
+        """A field as the op's declaration checked it (metadata/api): for handlers whose
+        dispatch validated ``fields`` already."""
+        return self.fields[name]
 
     _MISSING: Any = object()
 
@@ -317,17 +327,23 @@ class RpcServer:
     def __init__(
         self,
         name: str,
-        secret: bytes,
+        keys: bytes | Keyring,
         handlers: Mapping[str, Handler],
         limits: Limits = DEFAULT_LIMITS,
         payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
+        roles: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
-        """``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
+        """``keys``: the roles accepted and their keys (the cluster secret: every role).
+        ``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
         ``offset`` of a page-aligned buffer of ``size`` bytes, given to the handler as
-        ``Request.buffer`` (the chunk store receives a put where its file image needs it)."""
+        ``Request.buffer`` (the chunk store receives a put where its file image needs it).
+        ``roles[op]``: the roles that may call ``op``; any other role's call is refused
+        with ``PermissionDenied`` (logged, its handler never runs), and so is an op that has
+        a handler but no entry. None: every role may call every op (tests' servers)."""
         self.name = name
         self.payload_room = dict(payload_room or {})
-        self._secret = secret
+        self._keys = as_keyring(keys)
+        self.roles = None if roles is None else dict(roles)
         self.handlers = dict(handlers)
         self.limits = limits
         self.stats = ServerStats()
@@ -396,7 +412,7 @@ class RpcServer:
     async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> FrameSession | None:
         """The server's half of ``auth``; a peer that fails it is told why, logged, closed."""
         try:
-            return await answer_handshake(sock, self._secret)
+            return await answer_handshake(sock, self._keys)
         except (ProtocolError, AuthError) as e:
             self.stats.auth_failures += 1
             if isinstance(e, AuthError):
@@ -443,9 +459,12 @@ class RpcServer:
                     op, rid, fields, plen, check = head
                     handler = self.handlers.get(op)
                     try:
-                        if handler is None:
+                        refusal = self.refusal(op, session.role, peer)
+                        if handler is None or refusal is not None:
                             await check.drain(sock, plen)
-                            await self._send_error(outbox, rid, UnknownOp(f"unknown op {op!r}"))
+                            await self._send_error(
+                                outbox, rid, refusal or UnknownOp(f"unknown op {op!r}")
+                            )
                             continue
                         received = await self._receive_payload(outbox, check, op, rid, plen)
                     except ProtocolError as e:
@@ -461,7 +480,7 @@ class RpcServer:
                         outbox,
                         inflight,
                         handler,
-                        Request(op, fields, payload, peer, whole),
+                        Request(op, fields, payload, peer, whole, session.role),
                         rid,
                         charge,
                         buf,
@@ -471,6 +490,20 @@ class RpcServer:
             except (PeerClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             nursery.cancel_scope.cancel()
+
+    def refusal(self, op: str, role: str, peer: str) -> PermissionDenied | None:
+        """The error of a call ``role`` may not make (logged), or None: the servers' one
+        check of who may call what; a refused call changes nothing."""
+        if self.roles is None or op not in self.handlers:
+            return None
+        allowed = self.roles.get(op, frozenset())
+        if role in allowed:
+            return None
+        needs = " or ".join(sorted(allowed - {"admin"})) or (
+            "admin" if allowed else "a declaration"
+        )
+        log.warning("%s: %s as role %s called %s: refused", self.name, peer, role, op)
+        return PermissionDenied(f"permission denied: {op} needs role {needs}")
 
     async def _refuse_frame(
         self,

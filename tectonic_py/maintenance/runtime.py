@@ -125,7 +125,7 @@ class Maintenance:
         self.config = config
         self.settings = settings
         self.meta = meta
-        self.secret = config.secret()
+        self.secret = config.credential()
         self.pool = ChunkPool(self.secret, nursery)
         self.bucket = TokenBucket(settings.bandwidth)
         self.counters = Counters()
