@@ -93,7 +93,6 @@ class TectonicClient:
       requests keep running and never count as failed;
     * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
       parity fetches (first k good chunks win);
-    * ``codec_threads``: zfec/CRC worker threads (the cores);
     * ``max_reconstructions``: degraded decodes at once;
     * ``connect_timeout``: a connect to a chunk store not answered in this long fails (a
       cut link drops SYNs silently);
@@ -117,9 +116,7 @@ class TectonicClient:
         write_hedge_s: float = 5.0,
         slow_chunk_s: float = 10.0,
         read_hedge_s: float = 2.0,
-        codec_threads: int = 2,
         max_reconstructions: int = 2,
-        conns_per_node: int = 1,
         connect_timeout: float = 3.0,
         node_backoff_s: float = 10.0,
     ) -> None:
@@ -135,11 +132,10 @@ class TectonicClient:
         self.nursery = nursery
         self.stats = ClientStats()
         self.node_view = NodeView(meta, nursery, node_backoff_s)
-        self.codec = Codec(codec_threads)
+        self.codec = Codec()
         self.pool = ChunkPool(
             config.secret(),
             nursery,
-            conns_per_node,
             reachability=self.node_view,
             attempts=self.stats.node_attempts,
             connect_timeout=connect_timeout,
