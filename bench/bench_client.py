@@ -33,7 +33,7 @@ import trio
 
 from bench.common import cpu_with, write_repeated
 from tectonic_py.client.tectonic_client import open_client
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
 

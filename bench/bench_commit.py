@@ -30,7 +30,7 @@ import trio
 
 from tectonic_py.cli.commit import commit_paths
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 SUBDIRS = 4
 WRITERS = 64

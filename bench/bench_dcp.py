@@ -34,7 +34,7 @@ from typing import Any
 
 from bench.bench_fuse import tectonic_mounted
 from bench.common import print_results, process_cpu
-from tectonic_py.dcp import DEFAULT_WRITE_THREADS
+from tectonic_py.native.dcp import DEFAULT_WRITE_THREADS
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -136,7 +136,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict[str, Any], phase: str
     from torch.distributed.device_mesh import init_device_mesh
 
     from tectonic_py.client.sync_client import shared_client
-    from tectonic_py.dcp import TectonicReader, TectonicWriter
+    from tectonic_py.native.dcp import TectonicReader, TectonicWriter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as bench_fuse: torch's spinning pool would take the cores
@@ -225,7 +225,7 @@ def _spawn(ranks: int, job: dict[str, Any], phase: str, out: Path) -> list[dict[
 
 
 def measure(size: int, ranks: int, threads: int, workdir: Path) -> dict[str, Any]:
-    from tectonic_py.local_cluster import LocalCluster
+    from tectonic_py.launch.local_cluster import LocalCluster
 
     results: dict[str, Any] = {}
     with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:

@@ -1,7 +1,7 @@
 """The two metadata engines side by side, in one run: creates per second, the checkpoint
 burst's pause, and (etcd) how long a dead metadata server's shards go unserved.
 
-For each engine a fresh local cluster (``tectonic_py.local_cluster``; under etcd a 3-member
+For each engine a fresh local cluster (``tectonic_py.launch.local_cluster``; under etcd a 3-member
 etcd on loopback) and, on it:
 
 1. creates: ``tasks`` client tasks create and close ``creates`` empty files in ONE directory
@@ -31,7 +31,7 @@ import trio
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ids import shard_of
 from tectonic_py.core.process_env import child_env
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 
 async def _creates(client: TectonicClient, count: int, tasks: int) -> float:

@@ -274,7 +274,7 @@ def measure(size: int, workdir: Path) -> dict[str, Any]:
     import torch
 
     from bench.nullfs import nullfs_mounted
-    from tectonic_py.local_cluster import LocalCluster
+    from tectonic_py.launch.local_cluster import LocalCluster
 
     # One OpenMP thread, as bench.mount_workloads does for every mount: on 2 cores torch's
     # spinning pool takes the core the FUSE daemon needs (see that module's docstring).

@@ -52,7 +52,7 @@ def chunk_bytes(cluster_root: Path) -> int:
 
 
 def measure(size: int, writes: int, reclaim: bool, timeout: float, workdir: Path) -> dict[str, Any]:
-    from tectonic_py.local_cluster import LocalCluster
+    from tectonic_py.launch.local_cluster import LocalCluster
 
     rng = random.Random(23)
     model = bytearray(rng.randbytes(size))

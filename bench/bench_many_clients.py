@@ -25,7 +25,7 @@ from tectonic_py.client.tectonic_client import (
     DEFAULT_WINDOW_BYTES,
     open_client,
 )
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024

@@ -33,7 +33,7 @@ import trio
 from bench.common import write_repeated
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.ec_policy import ECPolicy
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 MiB = 1024 * 1024
 PIECE = 4 * MiB

@@ -41,7 +41,7 @@ from typing import Any
 
 from bench.bench_fuse import tectonic_mounted
 from bench.mount_workloads import torch_workload
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024

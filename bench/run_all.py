@@ -374,7 +374,7 @@ def _tectonic(
     results: dict[str, Any],
 ) -> dict[str, Any]:
     """tectonic-py on a fresh local cluster: one stream, the FUSE mount, then the bursts."""
-    from tectonic_py.local_cluster import LocalCluster
+    from tectonic_py.launch.local_cluster import LocalCluster
 
     out: dict[str, Any] = {}
     results["tectonic"] = out  # filled part by part, saved after each

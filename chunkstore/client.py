@@ -14,7 +14,6 @@ bytes (ChunkCorrupt).
 from __future__ import annotations
 
 import builtins
-import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -205,8 +204,7 @@ class Reachability(Protocol):
 
 
 class ChunkPool:
-    """Persistent, pooled connections to chunk stores, ``per_node`` per address, each behind
-    a ``ChunkClient``.
+    """Persistent connections to chunk stores, one per address, each behind a ``ChunkClient``.
 
     Connections are opened on first use and replaced when broken; their receiver tasks live
     in ``nursery``. A connection multiplexes many requests, so one connection per node
@@ -220,7 +218,6 @@ class ChunkPool:
         self,
         secret: bytes | Credential,
         nursery: trio.Nursery,
-        per_node: int = 1,
         *,
         reachability: Reachability | None = None,
         attempts: dict[str, int] | None = None,
@@ -229,14 +226,12 @@ class ChunkPool:
     ) -> None:
         self._secret = secret
         self._nursery = nursery
-        self._per_node = max(1, per_node)
         self._view = reachability
         self.attempts: dict[str, int] = attempts if attempts is not None else {}
         self.connect_timeout = connect_timeout
         self._crc = crc
         self._clients: dict[str, list[ChunkClient]] = {}
         self._locks: dict[str, trio.Lock] = {}
-        self._rr = itertools.count()
 
     async def client(self, address: str) -> ChunkClient:
         """A client on a live connection to ``address``, for one request (counted)."""
@@ -296,13 +291,13 @@ class ChunkPool:
             raise Unavailable("chunk store address unknown (node not registered)")
         clients = self._clients.setdefault(address, [])
         clients[:] = [c for c in clients if c.conn.broken is None]
-        if len(clients) >= self._per_node:
-            return clients[next(self._rr) % len(clients)], False
+        if clients:
+            return clients[-1], False
         self._check_backoff(address)
         lock = self._locks.setdefault(address, trio.Lock())
         async with lock:
             clients[:] = [c for c in clients if c.conn.broken is None]
-            if len(clients) >= self._per_node:
+            if clients:
                 return clients[-1], False
             self._check_backoff(address)
             self._attempt(address)

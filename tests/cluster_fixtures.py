@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 TEST_CHUNK_SIZE = 64 * 1024
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from metadata.etcd_shards import EtcdSettings
-from tectonic_py.local_etcd import EtcdCluster
+from tectonic_py.launch.local_etcd import EtcdCluster
 
 HAVE_ETCD = shutil.which("etcd") is not None
 needs_etcd = pytest.mark.skipif(not HAVE_ETCD, reason="etcd-server is not installed")

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from cluster_fixtures import suite_cluster
 
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FUSE_CHUNK_SIZE = 1024 * 1024

@@ -17,7 +17,7 @@ from metadata.client import MetadataClient
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
 T = TypeVar("T")

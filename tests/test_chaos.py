@@ -39,7 +39,7 @@ from tectonic_py.core.errors import TectonicError
 from tectonic_py.core.ids import chunk_id
 from tectonic_py.core.records import BlockInfo
 from tectonic_py.core.units import parse_size
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from tectonic_py.core.errors import (
     InvalidName,
     StaleWriterToken,
 )
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 
 def _data(n: int, seed: int = 0) -> bytes:

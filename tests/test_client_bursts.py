@@ -12,7 +12,7 @@ import signal
 import trio
 
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 MiB = 1024 * 1024
 

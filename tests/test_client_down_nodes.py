@@ -18,7 +18,7 @@ from cluster_fixtures import suite_cluster
 
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.errors import InvalidArgument
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 BLOCKS = 12
 

@@ -19,7 +19,7 @@ from chunkstore import layout as chunk_layout
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.errors import NoSpace, QuorumLost
 from tectonic_py.core.ids import chunk_id
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 MiB = 1024 * 1024
 

@@ -10,7 +10,7 @@ import pytest
 
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 
 async def test_restart_brings_back_data_on_the_same_ports(tmp_path):

@@ -17,7 +17,7 @@ from fuse_fixtures import Mount
 
 from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.core.errors import FileExists, InvalidArgument, InvalidName, WrongShard
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 
 async def _write(client: TectonicClient, path: str, data: bytes) -> None:

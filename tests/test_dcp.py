@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tectonic_py.client.sync_client import BlockingClient
-from tectonic_py.dcp import TectonicReader, TectonicWriter, checkpoint_path
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
+from tectonic_py.native.dcp import TectonicReader, TectonicWriter, checkpoint_path
 
 # dcp.save and dcp.load in one process (no_dist=True) warn that they assume so.
 single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -185,8 +185,8 @@ def test_a_reader_keeps_a_few_block_pieces_in_flight(
     """Items spanning many blocks are fetched a block piece at a time, at most
     READ_PIECES_IN_FLIGHT at once, and come back whole (every rank of a job loads at once:
     all of a rank's items in flight queued the checkpoint on the stores)."""
-    from tectonic_py import dcp as tdcp
     from tectonic_py.client.reader import FileReader
+    from tectonic_py.native import dcp as tdcp
 
     saved = {f"t{i}": torch.randn(1 << 19) for i in range(4)}  # 2 MiB each: ~6 blocks
     with BlockingClient(local_cluster.cluster_file) as client:

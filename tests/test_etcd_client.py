@@ -10,7 +10,6 @@ import socket
 import pytest
 import trio
 
-from tectonic_py import local_etcd
 from tectonic_py.core.errors import InvalidArgument, Unavailable
 from tectonic_py.core.etcd_client import (
     Compare,
@@ -20,7 +19,8 @@ from tectonic_py.core.etcd_client import (
     put_op,
     range_op,
 )
-from tectonic_py.local_etcd import EtcdCluster
+from tectonic_py.launch import local_etcd
+from tectonic_py.launch.local_etcd import EtcdCluster
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

@@ -20,7 +20,7 @@ from cluster_fixtures import suite_cluster
 
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 from tectonic_py.mount.operations import Operations
 
 CTX = SimpleNamespace(uid=1000, gid=1000, pid=1, umask=0o022)

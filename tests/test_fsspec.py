@@ -29,8 +29,8 @@ from fsspec.tests.abstract import (
 )
 
 from tectonic_py.client.sync_client import CLUSTER_ENV, close_shared_clients
-from tectonic_py.fsspec import TectonicFileSystem
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
+from tectonic_py.native.fsspec import TectonicFileSystem
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from tectonic_py.cli.main import build_parser
 from tectonic_py.core import cluster_file
 from tectonic_py.core.ids import ROOT_ID, chunk_id
 from tectonic_py.core.records import BlockInfo, ChunkPlacement
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 from tectonic_py.maintenance.inventory import Inventory
 from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings

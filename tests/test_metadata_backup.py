@@ -17,7 +17,7 @@ from metadata import backup
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError, FileNotFound, InvalidArgument
 from tectonic_py.core.process_env import child_env
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 from tests.cluster_fixtures import suite_cluster
 
 

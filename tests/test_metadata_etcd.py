@@ -25,7 +25,7 @@ from tectonic_py.core.errors import FileNotFound, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.process_env import child_env
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 pytestmark = needs_etcd
 

@@ -1,5 +1,5 @@
 """``tectonic cluster up/down``: the embedded local cluster as a command, a thin layer over
-``tectonic_py.local_cluster.LocalCluster``.
+``tectonic_py.launch.local_cluster.LocalCluster``.
 
 ``up`` runs in the foreground until Ctrl-C (or SIGTERM/SIGHUP), then stops every daemon
 cleanly. ``up --detach`` starts the same supervisor as a background process in its own
@@ -36,7 +36,7 @@ import psutil
 from tectonic_py.core import cluster_file
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError, TectonicError, Timeout
-from tectonic_py.local_cluster import LocalCluster
+from tectonic_py.launch.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """The ``tectonic`` command: one entry point, one subcommand module per part of the system.
 
-Each module in ``_COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its
+Each module in ``_COMMAND_MODULES`` (the servers' own ``main`` modules among them, imported
+like any other: the CLI is the top layer) exposes ``register(subparsers)``, which adds its
 subcommands with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. User
 mistakes and domain failures (``TectonicError``) print one clear line and exit non-zero;
 only a genuine bug prints a traceback.
@@ -17,26 +18,28 @@ INFO even without ``-v`` (start, ready, shutdown), which is what a service log n
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from chunkstore import main as chunkstore_main
+from metadata import main as metadata_main
+from tectonic_py.cli import cluster, commit, data, loadtest, maintenance, mount, status
 from tectonic_py.cli.common import Parser
 from tectonic_py.core.errors import TectonicError
 
 _COMMAND_MODULES = [
-    "chunkstore.main",  # tectonic chunkstore
-    "metadata.main",  # tectonic metadata
-    "tectonic_py.cli.cluster",  # tectonic cluster up/down
-    "tectonic_py.cli.data",  # tectonic put/get/ls/rm/stat/mkdir/status
-    "tectonic_py.cli.commit",  # tectonic commit
-    "tectonic_py.cli.mount",  # tectonic mount/umount
-    "tectonic_py.cli.status",  # tectonic status
-    "tectonic_py.cli.maintenance",  # tectonic maintenance / repair
-    "tectonic_py.cli.loadtest",  # tectonic loadtest
+    chunkstore_main,  # tectonic chunkstore
+    metadata_main,  # tectonic metadata
+    cluster,  # tectonic cluster up/down
+    data,  # tectonic put/get/ls/rm/stat/mkdir/status
+    commit,  # tectonic commit
+    mount,  # tectonic mount/umount
+    status,  # tectonic status
+    maintenance,  # tectonic maintenance / repair
+    loadtest,  # tectonic loadtest
 ]
 
 
@@ -57,13 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for module in _COMMAND_MODULES:
         module.register(sub)
     return parser
 

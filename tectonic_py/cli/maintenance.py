@@ -23,7 +23,8 @@ from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
-from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, run_services
+from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
+from tectonic_py.maintenance.services import run_services
 
 log = logging.getLogger(__name__)
 

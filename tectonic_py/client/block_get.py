@@ -14,25 +14,54 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
+from tectonic_py.client.buffers import BlockCache
+from tectonic_py.client.codec import Codec
+from tectonic_py.client.node_view import NodeView
+from tectonic_py.client.stats import ClientStats
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import QuorumLost, TectonicError
-from tectonic_py.core.records import BlockInfo
-
-if TYPE_CHECKING:
-    from tectonic_py.client.block_io import BlockIO
+from tectonic_py.core.records import BlockInfo, ChunkPlacement
 
 Buffer = bytes | bytearray | memoryview
+
+
+class ChunkSource(Protocol):
+    """What a fetch needs of the client's block I/O (``BlockIO``): one verified chunk get,
+    the bad-chunk report, where the chunks' nodes are and which to avoid, the buffer it
+    fills, the decode limiter and codec, the hedge delays and the counters."""
+
+    cache: BlockCache
+    node_view: NodeView
+    codec: Codec
+    stats: ClientStats
+    reconstruct: trio.CapacityLimiter
+    read_hedge_s: float
+    slow_chunk_s: float
+
+    def address_of(self, pl: ChunkPlacement) -> str: ...
+
+    async def get_into(
+        self,
+        info: BlockInfo,
+        pl: ChunkPlacement,
+        into: memoryview,
+        offset: int = 0,
+        *,
+        limit: float = math.inf,
+    ) -> None: ...
+
+    def report_bad(self, info: BlockInfo, pl: ChunkPlacement, error: BaseException) -> None: ...
 
 
 class BlockFetch:
     """One whole-block fetch; ``run`` returns the block's ``data_len`` bytes."""
 
-    def __init__(self, io: BlockIO, info: BlockInfo) -> None:
+    def __init__(self, io: ChunkSource, info: BlockInfo) -> None:
         self.io = io
         self.info = info
         self.policy = ECPolicy.parse(info.ec)

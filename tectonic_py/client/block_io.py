@@ -65,6 +65,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class BlockWrite:
+    """One block for ``store_block``: whose it is (file, writer token, scheme, index in the
+    file), its bytes, and for a new version of a committed block the version it was loaded
+    from (``base``) and the range of the block that changed since (``dirty``)."""
+
+    file_id: int
+    token: int
+    policy: ECPolicy
+    file_index: int
+    block: memoryview  # the buffer: at least k * chunk_len bytes, padded here
+    data_len: int
+    base: BlockInfo | None = None
+    dirty: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class IOTuning:
     """The block I/O knobs of ``open_client`` (``TectonicClient`` explains each)."""
 
@@ -112,29 +128,19 @@ class BlockIO:
         q = self.tuning.write_quorum if self.tuning.write_quorum is not None else policy.k + 1
         return max(policy.k, min(q, policy.n))
 
-    async def store_block(
-        self,
-        file_id: int,
-        token: int,
-        policy: ECPolicy,
-        file_index: int,
-        block: memoryview,
-        data_len: int,
-        base: BlockInfo | None = None,
-        dirty: tuple[int, int] | None = None,
-    ) -> BlockInfo:
-        """Encode one block held in ``block`` (>= k * chunk_len bytes) and make its chunks
-        durable on chunk stores; returns the record to commit. ``base``: the committed
-        version this block was loaded from, of which only bytes ``dirty`` (a range of the
-        block) changed: its untouched data chunks are adopted where the module docstring
-        allows. Raises QuorumLost when fewer than the write quorum of chunks could be
-        written, DiskFull when that was mostly for want of space."""
+    async def store_block(self, write: BlockWrite) -> BlockInfo:
+        """Encode one block and make its chunks durable on chunk stores; returns the record
+        to commit. Of a new version (``write.base``) the untouched data chunks are adopted
+        where the module docstring allows. Raises QuorumLost when fewer than the write
+        quorum of chunks could be written, DiskFull when that was mostly for want of space."""
+        file_id, token, policy = write.file_id, write.token, write.policy
+        data_len, base = write.data_len, write.base
         k = policy.k
         cl = max(1, chunk_len_for(data_len, k))
-        padded = block[: k * cl]
+        padded = write.block[: k * cl]
         padded[data_len:] = bytes(k * cl - data_len)
         enc = await self.codec.encode(policy, padded, cl)
-        adopted = self._adoptable(file_id, policy, data_len, cl, base, dirty, enc.checksums)
+        adopted = self._adoptable(file_id, policy, data_len, cl, base, write.dirty, enc.checksums)
         if adopted:
             assert base is not None
             old = {c.index: c for c in base.chunks}
@@ -201,7 +207,7 @@ class BlockIO:
             chunk_len=cl,
             data_len=data_len,
             chunks=[results[i] for i in sorted(results)],
-            file_index=file_index,
+            file_index=write.file_index,
         )
 
     def _adoptable(

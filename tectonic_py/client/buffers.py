@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
@@ -18,8 +19,17 @@ from tectonic_py.client.stats import ClientStats
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.records import BlockInfo
 
-if TYPE_CHECKING:
-    from tectonic_py.client.writer import FileWriter
+
+class Holder(Protocol):
+    """A writer holding a buffer of the window in its open block, as the pool sees it: when
+    it last wrote, and whether a spill of its open block is already under way."""
+
+    last_write: float
+    spilling: bool
+
+    async def spill_open(self) -> None:
+        """Flush the open block and give its buffer back."""
+        ...
 
 
 class BufferPool:
@@ -46,8 +56,9 @@ class BufferPool:
         self._spare: dict[int, list[bytearray]] = {}
         self._spare_bytes = 0
         self._lot = trio.lowlevel.ParkingLot()
-        self.holders: set[FileWriter] = set()
-        self.spill: Any = None  # set by the client: starts a writer's spill task
+        self.holders: set[Holder] = set()
+        # Set by the client: starts the task that flushes a holder's open block.
+        self.spill: Callable[[Holder], None] | None = None
 
     @property
     def charged(self) -> int:

@@ -10,22 +10,46 @@ chunks after a short grace (``superseded_grace``) rather than an hour. So the re
 fetches the file's block list again and, when that block changed, reads the new version
 (what a local file system shows too: writes are visible to open readers). No reader has to
 announce itself for the old version's space to come back.
+
+A reader sees its client only through ``ReadPath`` (the block reads, the cache, the
+readahead depth and a fresh block list), not the path API.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
+from tectonic_py.client.buffers import BlockCache
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, QuorumLost
 from tectonic_py.core.records import Attrs, BlockInfo
 
-if TYPE_CHECKING:
-    from tectonic_py.client.tectonic_client import TectonicClient
-
 T = TypeVar("T")
+
+
+class ReadPath(Protocol):
+    """What a reader needs of its client: block reads through the cache, the readahead
+    depth, and the file's block list fetched again (after a lost block)."""
+
+    @property
+    def cache(self) -> BlockCache: ...
+
+    @property
+    def readahead_blocks(self) -> int: ...
+
+    async def file_blocks(self, file_id: int) -> tuple[Attrs, list[BlockInfo]]:
+        """The file's attrs and its committed blocks, as of now."""
+        ...
+
+    async def read_part(
+        self, info: BlockInfo, block_offset: int, length: int, *, view: bool = False
+    ) -> bytes | bytearray | memoryview: ...
+
+    async def read_range(self, info: BlockInfo, block_offset: int, out: memoryview) -> None: ...
+
+    def prefetch(self, infos: Sequence[BlockInfo]) -> None: ...
 
 
 class FileReader:
@@ -40,7 +64,7 @@ class FileReader:
 
     STREAMS = 4
 
-    def __init__(self, client: TectonicClient, attrs: Attrs, blocks: dict[int, BlockInfo]) -> None:
+    def __init__(self, client: ReadPath, attrs: Attrs, blocks: dict[int, BlockInfo]) -> None:
         self.client = client
         self.attrs = attrs
         self.file_id = attrs.id
@@ -79,8 +103,7 @@ class FileReader:
         """Fetch the block list again after a block of ``[offset, offset + length)`` could
         not be read; True if one of those blocks is another version now (module docstring)."""
         try:
-            attrs = await self.client.meta.getattr(self.file_id)
-            blocks = await self.client.meta.block_list(self.file_id) if attrs.size else []
+            attrs, blocks = await self.client.file_blocks(self.file_id)
         except FileNotFound:
             return False
         fresh = {b.file_index: b for b in blocks}

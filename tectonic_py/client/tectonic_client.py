@@ -17,6 +17,8 @@ readahead), ``block_io`` (one block to and from chunk stores, with ``block_put``
 ``block_get``), ``buffers`` (the writers' window and the readers' block cache),
 ``node_view`` (which chunk stores to plan around), ``bad_chunks`` (reports for repair),
 ``codec`` and ``stripe``. Connections to chunk stores are ``chunkstore.client.ChunkPool``.
+Writers and readers see the client through the narrow ``writer.WritePath`` (``_WritePath``
+here) and ``reader.ReadPath``, so none of the modules this one wires together imports it.
 
 Down nodes are planned around, not timed out on: ``NodeView`` keeps the registry's "down"
 marks and the stores this client just failed to reach, so a dead store costs one timeout
@@ -36,12 +38,13 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from chunkstore.client import ChunkPool
-from tectonic_py.client.block_io import BlockIO, IOTuning
+from tectonic_py.client.block_io import BlockIO, BlockWrite, IOTuning
 from tectonic_py.client.buffers import BlockCache, BufferPool
 from tectonic_py.client.codec import Codec
 from tectonic_py.client.node_view import NodeView
@@ -90,7 +93,6 @@ class TectonicClient:
       requests keep running and never count as failed;
     * ``read_hedge_s``: data chunks of a block still missing after this are hedged with
       parity fetches (first k good chunks win);
-    * ``codec_threads``: zfec/CRC worker threads (the cores);
     * ``max_reconstructions``: degraded decodes at once;
     * ``connect_timeout``: a connect to a chunk store not answered in this long fails (a
       cut link drops SYNs silently);
@@ -114,9 +116,7 @@ class TectonicClient:
         write_hedge_s: float = 5.0,
         slow_chunk_s: float = 10.0,
         read_hedge_s: float = 2.0,
-        codec_threads: int = 2,
         max_reconstructions: int = 2,
-        conns_per_node: int = 1,
         connect_timeout: float = 3.0,
         node_backoff_s: float = 10.0,
     ) -> None:
@@ -132,11 +132,10 @@ class TectonicClient:
         self.nursery = nursery
         self.stats = ClientStats()
         self.node_view = NodeView(meta, nursery, node_backoff_s)
-        self.codec = Codec(codec_threads)
+        self.codec = Codec()
         self.pool = ChunkPool(
             config.credential(),
             nursery,
-            conns_per_node,
             reachability=self.node_view,
             attempts=self.stats.node_attempts,
             connect_timeout=connect_timeout,
@@ -158,6 +157,7 @@ class TectonicClient:
         self.blocks = BlockIO(
             meta, self.pool, self.node_view, self.codec, self.cache, self.stats, nursery, tuning
         )
+        self._write_path = _WritePath(meta, self.blocks, self.buffers, nursery)
         self._closed = False
 
     def statistics(self) -> ClientStats:
@@ -169,22 +169,11 @@ class TectonicClient:
         self._closed = True
         await self.pool.aclose()
 
-    # --- block I/O (``BlockIO``), for writers, readers and the mount --------------------------
+    # --- block I/O (``BlockIO``), for readers (``ReadPath``) and the mount ---------------------
 
-    async def store_block(
-        self,
-        file_id: int,
-        token: int,
-        policy: ECPolicy,
-        file_index: int,
-        block: memoryview,
-        data_len: int,
-        base: BlockInfo | None = None,
-        dirty: tuple[int, int] | None = None,
-    ) -> BlockInfo:
-        return await self.blocks.store_block(
-            file_id, token, policy, file_index, block, data_len, base, dirty
-        )
+    async def file_blocks(self, file_id: int) -> tuple[Attrs, list[BlockInfo]]:
+        attrs = await self.meta.getattr(file_id)
+        return attrs, await self.meta.block_list(file_id) if attrs.size else []
 
     async def read_block(self, info: BlockInfo) -> memoryview:
         return await self.blocks.read_block(info)
@@ -301,7 +290,7 @@ class TectonicClient:
         attrs, token = await self.meta.create(
             dir_id, name, mode=mode, uid=uid, gid=gid, exclusive=exclusive, ec=ec
         )
-        return FileWriter(self, attrs, token, {})
+        return FileWriter(self._write_path, attrs, token, {})
 
     async def open_writer(self, file_id: int, *, truncate: bool = False) -> FileWriter:
         token = await self.meta.open_for_write(file_id, truncate=truncate)
@@ -309,7 +298,7 @@ class TectonicClient:
         blocks: dict[int, BlockInfo] = {}
         if not truncate and attrs.size:
             blocks = {b.file_index: b for b in await self.meta.block_list(file_id)}
-        return FileWriter(self, attrs, token, blocks)
+        return FileWriter(self._write_path, attrs, token, blocks)
 
     async def open_reader(self, file_id: int) -> FileReader:
         attrs = await self.meta.getattr(file_id)
@@ -326,7 +315,39 @@ class TectonicClient:
         unlinked stays readable)."""
         return FileReader(self, writer.attrs, writer.committed_blocks())
 
-    # --- write side: one block to chunk stores ----------------------------------------------
+
+@dataclass(frozen=True)
+class _WritePath:
+    """What every writer of a client is given (``writer.WritePath``): the block I/O, the
+    metadata calls of a writer token, the window and the nursery."""
+
+    meta: Any
+    blocks: BlockIO
+    buffers: BufferPool
+    nursery: trio.Nursery
+
+    async def store_block(self, block: BlockWrite) -> BlockInfo:
+        return await self.blocks.store_block(block)
+
+    async def read_block(self, info: BlockInfo) -> memoryview:
+        return await self.blocks.read_block(info)
+
+    async def commit_blocks(self, file_id: int, token: int, blocks: Sequence[BlockInfo]) -> None:
+        await self.meta.commit_blocks(file_id, token, blocks)
+
+    async def set_size(self, file_id: int, token: int, size: int) -> Attrs:
+        attrs: Attrs = await self.meta.set_size(file_id, token, size)
+        return attrs
+
+    async def seal(self, file_id: int, token: int, size: int, blocks: Sequence[BlockInfo]) -> Attrs:
+        attrs: Attrs = await self.meta.close(file_id, token, size, blocks)
+        return attrs
+
+    async def renew_lease(self, file_id: int, token: int) -> None:
+        await self.meta.renew_lease(file_id, token)
+
+    def superseded(self, old: BlockInfo) -> None:
+        self.blocks.cache.discard(old.block_id)
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Bytes go into the *open block*, a buffer of up to one block (k chunks of C bytes) taken
 from the client-wide ``BufferPool``: it starts at ``FIRST_BUFFER`` and doubles as the block
-fills, so a small file holds (and is charged) about its own size. When the open block is full it is handed to a flush task in the
-client's nursery (``BlockIO.store_block``, then the commit: Block layer, then File layer at
-its ``file_index``, with the writer token). Several blocks are in flight at once inside the
+fills, so a small file holds (and is charged) about its own size. When the open block is
+full it is handed to a flush task in the client's nursery (``BlockIO.store_block``, then the
+commit: Block layer, then File layer at its ``file_index``, with the writer token). Several blocks are in flight at once inside the
 window, which keeps the cores busy (one encoding while another's chunks are on the wire); a
 writer that outruns the cluster waits in ``write`` for a buffer, so nothing buffers without
 bound.
@@ -22,6 +22,10 @@ that last block with the seal in one metadata call. Commits of one index are ord
 per-index generation, so an older, slower flush of a block never overwrites a newer one. A
 writer whose token was stolen gets ``StaleWriterToken`` from its next commit, and from
 every call after (errors are sticky).
+
+A writer sees its client only through ``WritePath``: store a block, commit blocks, seal, and
+the window and nursery it borrows, so it can be read (and tested) without the path API and
+the client's modules need not import each other in a circle.
 """
 
 from __future__ import annotations
@@ -29,17 +33,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Sequence
+from typing import Protocol, TypeVar
 
 import trio
 
+from tectonic_py.client.block_io import BlockWrite
+from tectonic_py.client.buffers import BufferPool
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, TectonicError
 from tectonic_py.core.records import Attrs, BlockInfo
-
-if TYPE_CHECKING:
-    from tectonic_py.client.tectonic_client import TectonicClient
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +57,55 @@ FIRST_BUFFER = 1024 * 1024
 BUFFER_PAD = 4096  # >= k - 1: chunk_len_for pads data_len up to a multiple of k
 GROW_WAIT_S = 0.5  # a growing writer waits this long for room, then takes it over the window
 
+T = TypeVar("T")
+
+
+class WritePath(Protocol):
+    """What a writer needs of its client: the window its buffers come from, the nursery its
+    flush tasks run in, and the block and metadata calls of one file's writes."""
+
+    @property
+    def buffers(self) -> BufferPool: ...
+
+    @property
+    def nursery(self) -> trio.Nursery: ...
+
+    async def store_block(self, block: BlockWrite) -> BlockInfo:
+        """Make one block durable on chunk stores (not yet part of the file)."""
+        ...
+
+    async def read_block(self, info: BlockInfo) -> memoryview:
+        """A committed block, for read-modify-write and reading back (a view: copy it)."""
+        ...
+
+    async def commit_blocks(self, file_id: int, token: int, blocks: Sequence[BlockInfo]) -> None:
+        """Put stored blocks into the file at their indexes, under the writer token."""
+        ...
+
+    async def set_size(self, file_id: int, token: int, size: int) -> Attrs:
+        """Set the file's size (fsync, truncate)."""
+        ...
+
+    async def seal(self, file_id: int, token: int, size: int, blocks: Sequence[BlockInfo]) -> Attrs:
+        """Commit the last blocks, seal the file and release the token: one transaction."""
+        ...
+
+    async def renew_lease(self, file_id: int, token: int) -> None:
+        """Keep the writer token's lease alive."""
+        ...
+
+    def superseded(self, old: BlockInfo) -> None:
+        """A newer version of ``old`` is committed: no reader should get it from a cache."""
+        ...
+
 
 class FileWriter:
     """An open file being written; holds the writer token (see the module docstring)."""
 
     def __init__(
-        self, client: TectonicClient, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
+        self, path: WritePath, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
     ) -> None:
-        self.client = client
+        self.path = path
         self.attrs = attrs
         self.file_id = attrs.id
         self.token = token
@@ -199,7 +244,7 @@ class FileWriter:
                 continue
             avail = max(0, min(piece.length, info.data_len - piece.block_offset))
             if avail:
-                data = await self.client.read_block(info)
+                data = await self.path.read_block(info)
                 dst[:avail] = data[piece.block_offset : piece.block_offset + avail]
         return bytes(out)
 
@@ -211,7 +256,7 @@ class FileWriter:
         await self._drain()
         self._check()
         layout = self.layout
-        await self._meta_call(self.client.meta.set_size(self.file_id, self.token, size))
+        await self._meta_call(self.path.set_size(self.file_id, self.token, size))
         if size < self.size:
             for index in [i for i in self._committed if layout.block_start(i) >= size]:
                 del self._committed[index]
@@ -234,15 +279,7 @@ class FileWriter:
             gen = next(self._gen)
             self._begin(index)
             try:
-                info = await self.client.store_block(
-                    self.file_id,
-                    self.token,
-                    self.policy,
-                    index,
-                    memoryview(self._open_buf),
-                    n,
-                    *self._take_dirty(),
-                )
+                info = await self.path.store_block(self._block(index, self._open_buf, n))
                 await self._commit(index, gen, info)
                 if self._committed.get(index) is info:
                     self._open_base = info  # later writes to the open block change this one
@@ -258,7 +295,7 @@ class FileWriter:
             # last stamp left them, so ``attrs`` shows at fsync (and close) the mtime the
             # file keeps (the seal stamps none).
             self.attrs = await self._meta_call(
-                self.client.meta.set_size(self.file_id, self.token, self.size)
+                self.path.set_size(self.file_id, self.token, self.size)
             )
             self._synced_size = self.size
             self._stamped = False
@@ -276,7 +313,7 @@ class FileWriter:
             # generation is the newest).
             blocks = [last[1]] if last is not None else []
             self._final = await self._meta_call(
-                self.client.meta.close(self.file_id, self.token, self.size, blocks)
+                self.path.seal(self.file_id, self.token, self.size, blocks)
             )
             if last is not None:
                 self._note_committed(last[0], last[1])
@@ -293,15 +330,7 @@ class FileWriter:
         index, n = self._open_index, self._open_len
         gen = next(self._gen)
         try:
-            info = await self.client.store_block(
-                self.file_id,
-                self.token,
-                self.policy,
-                index,
-                memoryview(self._open_buf),
-                n,
-                *self._take_dirty(),
-            )
+            info = await self.path.store_block(self._block(index, self._open_buf, n))
         except TectonicError as e:
             self._fail(e)
             raise
@@ -320,6 +349,13 @@ class FileWriter:
         self._dirty_lo = self._dirty_hi = 0
         return base, dirty if base is not None else None
 
+    def _block(self, index: int, buf: bytearray, n: int) -> BlockWrite:
+        """The open block, for ``store_block``, with what changed of its base; resets that."""
+        base, dirty = self._take_dirty()
+        return BlockWrite(
+            self.file_id, self.token, self.policy, index, memoryview(buf), n, base, dirty
+        )
+
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
@@ -331,7 +367,7 @@ class FileWriter:
             self._error = error
             log.info("writer of file %d failed: %s", self.file_id, error)
 
-    async def _meta_call(self, coro: Any) -> Any:
+    async def _meta_call(self, coro: Awaitable[T]) -> T:
         try:
             return await coro
         except TectonicError as e:
@@ -362,7 +398,7 @@ class FileWriter:
         if len(buf) >= min(need + self.policy.k, self.layout.block_size):
             return
         size = self._buffer_size(need)
-        pool = self.client.buffers
+        pool = self.path.buffers
         new: bytearray | None = None
         with trio.move_on_after(GROW_WAIT_S):
             new = await pool.acquire(size, size * self.policy.n // self.policy.k)
@@ -373,9 +409,9 @@ class FileWriter:
         self._open_buf = new
 
     def _release_open(self) -> None:
-        self.client.buffers.holders.discard(self)
+        self.path.buffers.holders.discard(self)
         if self._open_buf is not None:
-            self.client.buffers.release(self._open_buf, self._charge(self._open_buf))
+            self.path.buffers.release(self._open_buf, self._charge(self._open_buf))
         self._open_buf = None
         self._open_index = None
         self._open_len = 0
@@ -390,10 +426,10 @@ class FileWriter:
         # Past the first block a file is large: its next block starts whole, not doubling
         # up from FIRST_BUFFER (a copy of about 31 MiB per 24 MiB block).
         size = self._buffer_size(self.layout.block_size if index else max(valid, 0))
-        buf = await self.client.buffers.acquire(size, size * self.policy.n // self.policy.k)
+        buf = await self.path.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
         self._open_base, self._dirty_lo, self._dirty_hi = None, 0, 0
-        self.client.buffers.holders.add(self)
+        self.path.buffers.holders.add(self)
         if valid <= 0:
             return
         await self._wait_index(index)
@@ -402,7 +438,7 @@ class FileWriter:
         have = 0
         if info is not None:
             have = min(info.data_len, valid)
-            data = await self.client.read_block(info)
+            data = await self.path.read_block(info)
             buf[:have] = data[:have]
             if have == info.data_len == valid:
                 self._open_base = info
@@ -415,41 +451,37 @@ class FileWriter:
         base, changed = self._take_dirty()
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
         self._open_base = None
-        self.client.buffers.holders.discard(self)
+        self.path.buffers.holders.discard(self)
         if buf is None:
             return
         if not dirty or n == 0 or index is None:
-            self.client.buffers.release(buf, self._charge(buf))
+            self.path.buffers.release(buf, self._charge(buf))
             return
         gen = next(self._gen)
         self._begin(index)
-        self.client.nursery.start_soon(self._flush_task, index, buf, n, gen, base, changed)
+        block = BlockWrite(
+            self.file_id, self.token, self.policy, index, memoryview(buf), n, base, changed
+        )
+        self.path.nursery.start_soon(self._flush_task, block, buf, gen)
         now = time.monotonic()
         if now - self._renewed > LEASE_RENEW_S:
             self._renewed = now
-            self.client.nursery.start_soon(self._renew_lease)
+            self.path.nursery.start_soon(self._renew_lease)
 
     async def _renew_lease(self) -> None:
         """Keep the writer token's lease alive during a long write (GC recovers files whose
         writer's lease ran out); a stolen token shows up here as StaleWriterToken."""
         try:
-            await self.client.meta.renew_lease(self.file_id, self.token)
+            await self.path.renew_lease(self.file_id, self.token)
         except TectonicError as e:
             self._fail(e)
 
-    async def _flush_task(
-        self,
-        index: int,
-        buf: bytearray,
-        n: int,
-        gen: int,
-        base: BlockInfo | None = None,
-        changed: tuple[int, int] | None = None,
-    ) -> None:
+    async def _flush_task(self, block: BlockWrite, buf: bytearray, gen: int) -> None:
+        """Store and commit one block handed off by ``_flush_open``; ``buf`` (which ``block``
+        views) goes back to the window at the end."""
+        index = block.file_index
         try:
-            info = await self.client.store_block(
-                self.file_id, self.token, self.policy, index, memoryview(buf), n, base, changed
-            )
+            info = await self.path.store_block(block)
             await self._commit(index, gen, info)
         except TectonicError as e:
             self._fail(e)
@@ -457,7 +489,7 @@ class FileWriter:
             log.exception("flush of block %d of file %d failed", index, self.file_id)
             self._fail(TectonicError(f"internal error flushing block {index}: {e!r}"))
         finally:
-            self.client.buffers.release(buf, self._charge(buf))
+            self.path.buffers.release(buf, self._charge(buf))
             self._end(index)
 
     async def _commit(self, index: int, gen: int, info: BlockInfo) -> None:
@@ -467,7 +499,7 @@ class FileWriter:
                 return
             if gen < self._committed_gen.get(index, 0):
                 return  # a newer version of this block is already committed
-            await self.client.meta.commit_blocks(self.file_id, self.token, [info])
+            await self.path.commit_blocks(self.file_id, self.token, [info])
             self._stamped = True
             self._note_committed(gen, info)
 
@@ -476,7 +508,7 @@ class FileWriter:
         self._committed_gen[index] = gen
         old = self._committed.get(index)
         if old is not None:
-            self.client.cache.discard(old.block_id)
+            self.path.superseded(old)
         self._committed[index] = info
 
     def _begin(self, index: int) -> None:

@@ -26,16 +26,12 @@ Modules: ``repair`` (failure detection via the registry, scrub reports, the repa
 ``inventory`` (what the Block layer places on each store against what the store holds),
 ``gc`` (lease recovery, orphans, the GC queue, block and chunk sweeps), ``rebalance``;
 ``runtime`` holds the shared plumbing (``Maintenance``: metadata client, chunk connections,
-the repair bandwidth ``TokenBucket``, node choice).
+the repair bandwidth ``TokenBucket``, node choice); ``services`` runs them all.
 """
 
 from __future__ import annotations
 
-from tectonic_py.maintenance.runtime import (
-    Maintenance,
-    MaintenanceSettings,
-    TokenBucket,
-    run_services,
-)
+from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings, TokenBucket
+from tectonic_py.maintenance.services import run_services
 
 __all__ = ["Maintenance", "MaintenanceSettings", "TokenBucket", "run_services"]

@@ -4,29 +4,23 @@
 and the ``TokenBucket`` that bounds the bytes repair and rebalance read and write per second,
 so background traffic cannot starve checkpoint writes. It holds no capability key: every
 chunk put and delete carries a capability the metadata service granted (``block.caps``),
-and a delete is granted only for a chunk the Block layer no longer needs on that node. ``run_services`` runs every service as
-a loop of rounds in one nursery; a round that fails (a metadata server or chunk store down,
-a refused step) is logged and retried next interval: failures are what these services exist
-for, so none of them ends the process.
+and a delete is granted only for a chunk the Block layer no longer needs on that node. The
+services themselves (``gc``, ``repair``, ``inventory``, ``rebalance``) build on this module,
+and ``services.run_services`` runs them; nothing here imports them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
 from chunkstore.client import ChunkClient, ChunkPool
 from metadata.client import MetadataClient
-from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import (
     BadCapability,
@@ -283,71 +277,3 @@ async def gather(jobs: Sequence[Callable[[], Awaitable[None]]], limit: int) -> N
     async with trio.open_nursery() as nursery:
         for job in jobs:
             nursery.start_soon(run, job)
-
-
-def _write_ready_file(path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "address": ""}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-async def _loop(
-    m: Maintenance, name: str, interval: float, round_fn: Callable[[], Awaitable[Any]]
-) -> None:
-    failing = False
-    while True:
-        started = time.monotonic()
-        try:
-            await round_fn()
-            m.counters.rounds[name] = m.counters.rounds.get(name, 0) + 1
-            if failing:
-                log.info("%s: rounds succeed again", name)
-            failing = False
-        except TectonicError as e:
-            log.log(logging.INFO if failing else logging.WARNING, "%s round failed: %s", name, e)
-            failing = True
-        except Exception:
-            # A bug, loudly, but the other services (and this one, next round) keep going:
-            # a cluster without repair is worse than a traceback in a log.
-            log.exception("%s round failed with an internal error", name)
-            failing = True
-        await trio.sleep(max(0.05, interval - (time.monotonic() - started)))
-
-
-async def run_services(
-    config: ClusterConfig,
-    settings: MaintenanceSettings,
-    *,
-    ready_file: Path | None = None,
-    task_status: trio.TaskStatus[Maintenance] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the configured services until cancelled."""
-    from tectonic_py.maintenance.gc import GarbageCollector
-    from tectonic_py.maintenance.inventory import Inventory
-    from tectonic_py.maintenance.rebalance import Rebalancer
-    from tectonic_py.maintenance.repair import Repairer
-
-    async with open_service_nursery() as nursery:
-        meta = MetadataClient(config, nursery=nursery)
-        m = Maintenance(config, settings, meta, nursery)
-        try:
-            if "repair" in settings.services:
-                nursery.start_soon(_loop, m, "repair", settings.interval, Repairer(m).round)
-            if "gc" in settings.services:
-                nursery.start_soon(_loop, m, "gc", settings.interval, GarbageCollector(m).round)
-            if "rebalance" in settings.services and settings.rebalance:
-                nursery.start_soon(_loop, m, "rebalance", settings.interval, Rebalancer(m).round)
-            if "inventory" in settings.services:
-                inventory = Inventory(m).round
-                nursery.start_soon(_loop, m, "inventory", settings.inventory_interval, inventory)
-            if ready_file is not None:
-                await trio.to_thread.run_sync(_write_ready_file, ready_file)
-            task_status.started(m)
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await m.pool.aclose()
-                await meta.aclose()

@@ -11,7 +11,7 @@ Layout under ``root``::
     state.json             ports of every daemon, so a restart reuses them when free, the
                            chunk store count and the failure domains they were given
     metadata/N/            data directory of metadata server N (etcd engine: its shard copies)
-    etcd/                  the etcd members (``metadata_engine="etcd"``: tectonic_py/local_etcd.py)
+    etcd/                  the etcd members (``metadata_engine="etcd"``: tectonic_py/launch/local_etcd.py)
     chunks/N/              data directory of chunk store N (node id ``csN``)
     logs/*.log             stdout and stderr of every daemon
     run/*.ready            ready files the daemons write once serving
@@ -57,7 +57,7 @@ from tectonic_py.core.cluster_file import (
 from tectonic_py.core.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.core.errors import ConfigError, Timeout
 from tectonic_py.core.process_env import PROJECT_ROOT, child_env
-from tectonic_py.local_etcd import EtcdCluster
+from tectonic_py.launch.local_etcd import EtcdCluster
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ::
 
     import torch.distributed.checkpoint as dcp
-    from tectonic_py.dcp import TectonicReader, TectonicWriter
+    from tectonic_py.native.dcp import TectonicReader, TectonicWriter
 
     dcp.save(state_dict, storage_writer=TectonicWriter("/ckpt/step_100", cluster="c.toml"))
     dcp.load(state_dict, storage_reader=TectonicReader("/ckpt/step_100", cluster="c.toml"))
