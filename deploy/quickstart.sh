@@ -56,7 +56,7 @@ if mountpoint -q "$MNT"; then
     echo "$MNT is already mounted: reusing it"
 else
     # returns once the mount is up (or with the mount's one-line error)
-    "$T" mount "$DEMO/cluster.toml" "$MNT" --ready-file "$DEMO/mount.json" --log-file "$DEMO/mount.log"
+    "$T" mount "$DEMO/client.toml" "$MNT" --ready-file "$DEMO/mount.json" --log-file "$DEMO/mount.log"
 fi
 
 echo "== 4/4 torch.save / torch.load round trip through $MNT"
@@ -125,7 +125,7 @@ tectonic-py is running.
   cluster file:  $DEMO/cluster.toml
   use it:        torch.save(model.state_dict(), "$MNT/ckpt/step_1000.pt")
                  ls -l $MNT/quickstart
-  without FUSE:  $T ls $DEMO/cluster.toml /quickstart
+  without FUSE:  $T ls $DEMO/client.toml /quickstart
   health:        $T status $DEMO/cluster.toml
   stop:          ${ENV_HINT}bash $REPO/deploy/quickstart.sh stop
                  (= $T umount $MNT; $T cluster down --dir $DEMO)

@@ -416,7 +416,11 @@ async def test_a_client_of_a_real_cluster_cannot_delete_a_live_chunk(tmp_path):
             with pytest.raises(BadCapability, match="grants no delete"):
                 await m.delete_chunk(node, block.block_id, chunk.index)
             forged = capability.issue(
-                config.credential().key, block.block_id, [node.node_id], op="delete", index=chunk.index
+                config.credential().key,
+                block.block_id,
+                [node.node_id],
+                op="delete",
+                index=chunk.index,
             )
             put_cap = capability.issue(config.credential().key, block.block_id, [node.node_id])
             c = await m.pool.client(node.address)

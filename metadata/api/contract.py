@@ -75,12 +75,14 @@ class Arg:
     def describe(self) -> str:
         """The argument as the operations table shows it."""
         t = self.type
-        if t in ("int", "id") and (self.lo, self.hi) != (1 if t == "id" else 0, 2**64 - 1):
+        if t == "id":
+            t = "id" if self.lo else "id or 0"
+        elif t == "int" and (self.lo, self.hi) != (0, 2**64 - 1):
             t += f" {self.lo}..{_num(self.hi)}"
         elif t in ("str", "bytes", "list", "ids", "node_ids", "pairs", "chunk_refs", "entries"):
             t += f" <={_num(self.max_len)}"
         if self.choices:
-            t = "|".join(self.choices)
+            t = " / ".join(self.choices)
         text = f"{self.name}: {t}"
         return text if self.required else f"[{text} = {self.default!r}]"
 

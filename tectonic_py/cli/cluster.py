@@ -169,6 +169,7 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
         if detached
         else "stop it:       Ctrl-C"
     )
+    client_file = cluster_file.with_name("client.toml")
     policy = ECPolicy.parse(args.ec)
     spare = []
     if _domains(args) <= policy.n:
@@ -183,9 +184,10 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
                 f" ({args.metadata_engine}), "
                 f"{args.chunkstores} chunk stores, {args.ec}, data in {args.dir}"
             ),
-            f"cluster file:  {cluster_file}",
+            f"cluster file:  {cluster_file} (role admin: the operator's)",
+            f"for GPU nodes: {client_file} (role client: mount, put, get, loadtest, DCP)",
             f"status:        tectonic status {cluster_file}",
-            f"mount:         tectonic mount {cluster_file} MOUNTPOINT",
+            f"mount:         tectonic mount {client_file} MOUNTPOINT",
             how_to_stop,
             *spare,
         ]

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from chunkstore import main as chunkstore_main
 from metadata import main as metadata_main
-from tectonic_py.cli import cluster, commit, data, loadtest, maintenance, mount, status
+from tectonic_py.cli import call, cluster, commit, data, loadtest, maintenance, mount, status
 from tectonic_py.cli.common import Parser
 from tectonic_py.core.errors import TectonicError
 
@@ -36,6 +36,7 @@ _COMMAND_MODULES = [
     cluster,  # tectonic cluster up/down
     data,  # tectonic put/get/ls/rm/stat/mkdir/status
     commit,  # tectonic commit
+    call,  # tectonic call
     mount,  # tectonic mount/umount
     status,  # tectonic status
     maintenance,  # tectonic maintenance / repair

@@ -3,11 +3,15 @@ the FUSE tests and the load test all start clusters through this one piece of li
 
 Layout under ``root``::
 
-    secret                 the cluster secret (created on first use, mode 0600)
+    secret                 the cluster secret (created on first use, mode 0600): servers only
     capability_key         the key that signs capabilities (created on first use, mode 0600);
                            passed to metadata servers and chunk stores only, never named in
-                           cluster.toml, so clients (and maintenance) cannot forge one
-    cluster.toml           the cluster file clients use (rewritten on every start)
+                           a cluster file, so clients (and maintenance) cannot forge one
+    keys/ROLE.key          each role's key (client, maintenance, admin), derived from the
+                           secret (tectonic_py/core/auth.py), mode 0600
+    cluster.toml           the operator's cluster file: role admin (rewritten on every start)
+    client.toml            a GPU node's: the same servers, role client (what a mount needs)
+    maintenance.toml       the maintenance daemon's: role maintenance
     state.json             ports of every daemon, so a restart reuses them when free, the
                            chunk store count and the failure domains they were given
     metadata/N/            data directory of metadata server N (etcd engine: its shard copies)
@@ -48,6 +52,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from tectonic_py.core import cluster_file
+from tectonic_py.core.auth import ROLE_ADMIN, ROLE_CLIENT, ROLE_MAINTENANCE, load_secret, role_key
 from tectonic_py.core.cluster_file import (
     DEFAULT_CHUNK_SIZE,
     ENGINES,
@@ -224,6 +229,18 @@ class LocalCluster:
         return self.root / "secret"
 
     @property
+    def client_file(self) -> Path:
+        """The cluster file of role client: what a GPU node (a mount, a training job) gets."""
+        return self.root / "client.toml"
+
+    @property
+    def maintenance_file(self) -> Path:
+        return self.root / "maintenance.toml"
+
+    def key_file(self, role: str) -> Path:
+        return self.root / "keys" / f"{role}.key"
+
+    @property
     def capability_key_file(self) -> Path:
         return self.root / "capability_key"
 
@@ -252,6 +269,7 @@ class LocalCluster:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         for key_file in (self.secret_file, self.capability_key_file):
             _create_key_file(key_file)
+        self._write_role_keys()
         self._load_state()
         if not self._meta:
             self._meta = [self._daemon(f"metadata-{i}") for i in range(self.metadata_count)]
@@ -319,7 +337,7 @@ class LocalCluster:
                 self._cli()
                 + [
                     "maintenance",
-                    str(self.cluster_file),
+                    str(self.maintenance_file),
                     "--ready-file",
                     str(self._maint.ready_file),
                     *self.maintenance_args,
@@ -496,8 +514,23 @@ class LocalCluster:
             etcd_endpoints=self.etcd.endpoints if self.etcd else [],
             etcd_prefix=ETCD_PREFIX if self.etcd else "",
             path=self.cluster_file,
+            role=ROLE_ADMIN,
+            key_file=self.key_file(ROLE_ADMIN),
         )
+        for role, path in (
+            (ROLE_CLIENT, self.client_file),
+            (ROLE_MAINTENANCE, self.maintenance_file),
+        ):
+            self.config.with_role(role, self.key_file(role)).write(path)
         self.config.write(self.cluster_file)
+
+    def _write_role_keys(self) -> None:
+        """Each role's key file, derived from the secret (written again on every start, so a
+        cluster directory made before roles gains them)."""
+        secret = load_secret(self.secret_file)
+        (self.root / "keys").mkdir(mode=0o700, exist_ok=True)
+        for role in (ROLE_CLIENT, ROLE_MAINTENANCE, ROLE_ADMIN):
+            _write_private(self.key_file(role), role_key(secret, role))
 
     def _set_root_policy(self) -> None:
         """The metadata server makes the root directory with RS(6,3); a cluster started with
@@ -550,15 +583,21 @@ class LocalCluster:
 
 
 def _create_key_file(path: Path) -> None:
-    """64 random hex digits in ``path`` unless it exists; created 0600, never briefly
-    readable by others under a loose umask."""
-    if path.exists():
-        return
+    """64 random hex digits in ``path`` unless it exists."""
+    if not path.exists():
+        _write_private(path, secrets.token_hex(32).encode())
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """``data`` in ``path``, atomically; created 0600, never briefly readable by others under
+    a loose umask."""
     tmp = path.with_suffix(".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_hex(32).encode())
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
