@@ -1,7 +1,7 @@
 """The metadata client's calls for checkpoints: a file's durability, a step's atomic commit.
 
-``CheckpointCalls`` is a mixin of ``MetadataClient`` (metadata/client.py), which provides
-the routing (``_shard``, ``_registry``, ``_gather``, ``_of``).
+``CheckpointCalls`` is a part of ``MetadataClient`` (metadata/client.py): it holds the
+client's router (metadata/routing.py) and the Name layer calls (metadata/name_calls.py).
 
 Durability (``durability``): ``file.get`` and ``file.blocks`` in the file's shard, one
 ``block.durability`` per block shard holding some of its blocks (all of them in one call,
@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from metadata.name_calls import NameCalls
+from metadata.routing import Router, gather
 from tectonic_py.core import durability as dur
 from tectonic_py.core.durability import ChunkState
 from tectonic_py.core.errors import (
@@ -60,61 +62,36 @@ class TreeState:
     dirs: int = 1
 
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
 class CheckpointCalls:
-    """Mixin of ``MetadataClient`` (see the module docstring)."""
+    """The calls of checkpoints (the module docstring), over the router and the Name layer
+    calls a commit and the removal of a staging tree are made of."""
 
-    async def _shard(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def _registry(self, op: str, **fields: Any) -> dict[str, Any]:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def _gather(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-        raise NotImplementedError  # provided by MetadataClient
-
-    def _of(self, key: int) -> int:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def lookup(self, dir_id: int, name: str) -> Attrs:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def readdir(
-        self, dir_id: int, after: str = "", limit: int = 1000
-    ) -> tuple[list[DirEntry], str | None]:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def unlink(self, dir_id: int, name: str) -> int:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def rmdir(self, dir_id: int, name: str) -> None:
-        raise NotImplementedError  # provided by MetadataClient
-
-    async def rename(self, src_dir: int, src_name: str, dst_dir: int, dst_name: str) -> None:
-        raise NotImplementedError  # provided by MetadataClient
+    def __init__(self, router: Router, names: NameCalls) -> None:
+        self._r = router
+        self._names = names
 
     async def chunk_states(self, file_id: int) -> list[ChunkState]:
         """The Block layer's record of every committed block of a file (its chunks and the
         chunks reported bad), one call per block shard."""
-        r = await self._shard(self._of(file_id), "file.blocks", id=file_id)
+        r = await self._r.call_shard(self._r.shard_of(file_id), "file.blocks", {"id": file_id})
         by_shard: dict[int, list[int]] = {}
         for _, block_id in r["blocks"]:
-            by_shard.setdefault(self._of(int(block_id)), []).append(int(block_id))
+            by_shard.setdefault(self._r.shard_of(int(block_id)), []).append(int(block_id))
 
         def job(shard: int, ids: list[int]) -> Callable[[], Awaitable[dict[str, Any]]]:
-            return lambda: self._shard(shard, "block.durability", ids=ids)
+            return lambda: self._r.call_shard(shard, "block.durability", {"ids": ids})
 
-        replies = await self._gather([job(s, ids) for s, ids in by_shard.items()])
+        replies = await gather([job(s, ids) for s, ids in by_shard.items()])
         return [ChunkState.from_wire(b) for reply in replies for b in reply["blocks"]]
 
     async def durability(self, file_id: int, attrs: Attrs | None = None) -> str:
         """One of ``tectonic_py.core.durability.WORDS`` for a file (``attrs``: its attributes
         if the caller has them fresh, saving one call)."""
         if attrs is None:
-            r = await self._shard(self._of(file_id), "file.get", id=file_id)
+            r = await self._r.call_shard(self._r.shard_of(file_id), "file.get", {"id": file_id})
             attrs = Attrs.from_wire(r["attrs"])
         if attrs.is_dir:
             raise IsADirectory(f"{file_id} is a directory: only files have a durability")
@@ -123,7 +100,7 @@ class CheckpointCalls:
         states = await self.chunk_states(file_id)
         if not states:
             return dur.FULL
-        nodes = (await self._registry("node.list"))["nodes"]
+        nodes = (await self._r.call_registry("node.list"))["nodes"]
         up = {n["node_id"] for n in nodes if n.get("state") == "up"}
         return dur.classify(states, up)
 
@@ -133,7 +110,7 @@ class CheckpointCalls:
         out: list[DirEntry] = []
         after = ""
         while True:
-            page, nxt = await self.readdir(dir_id, after, 10_000)
+            page, nxt = await self._names.readdir(dir_id, after, 10_000)
             out.extend(page)
             if nxt is None or not page:
                 return out
@@ -142,17 +119,17 @@ class CheckpointCalls:
     async def _states(self, ids: list[int]) -> list[list[Any]]:
         by_shard: dict[int, list[int]] = {}
         for i in ids:
-            by_shard.setdefault(self._of(i), []).append(i)
+            by_shard.setdefault(self._r.shard_of(i), []).append(i)
 
         def job(shard: int, page: list[int]) -> Callable[[], Awaitable[dict[str, Any]]]:
-            return lambda: self._shard(shard, "file.states", ids=page)
+            return lambda: self._r.call_shard(shard, "file.states", {"ids": page})
 
         jobs = [
             job(s, group[i : i + STATES_PAGE])
             for s, group in by_shard.items()
             for i in range(0, len(group), STATES_PAGE)
         ]
-        return [st for reply in await self._gather(jobs) for st in reply["states"]]
+        return [st for reply in await gather(jobs) for st in reply["states"]]
 
     async def tree_state(self, dir_id: int, path: str = "") -> TreeState:
         """Walk a directory tree (the module docstring): its files' seal states and the
@@ -164,9 +141,7 @@ class CheckpointCalls:
             listed: list[list[DirEntry]] = []
             for i in range(0, len(level), LEVEL_WIDTH):
                 part = level[i : i + LEVEL_WIDTH]
-                listed += await self._gather(
-                    [functools.partial(self._list_all, d) for d, _ in part]
-                )
+                listed += await gather([functools.partial(self._list_all, d) for d, _ in part])
             nxt: list[tuple[int, str]] = []
             for (_, base), entries in zip(level, listed):
                 for e in entries:
@@ -200,7 +175,7 @@ class CheckpointCalls:
         collects it) instead of refusing. Returns ``{"id", "files", "dirs", "retired"}``."""
         for name in (staging, final, *([latest] if latest else [])):
             validate_name(name)
-        attrs = await self.lookup(dir_id, staging)
+        attrs = await self._names.lookup(dir_id, staging)
         if not attrs.is_dir:
             raise NotADirectory(f"{staging!r} is not a directory")
         state = await self.tree_state(attrs.id, staging)
@@ -212,15 +187,17 @@ class CheckpointCalls:
                 f" sealed: {shown}{f' and {more} more' if more > 0 else ''}; not committed"
             )
         retire = f"{final}{STAGING_MARK}replaced-{attrs.id:016x}" if replace else ""
-        r = await self._shard(
-            self._of(dir_id),
+        r = await self._r.call_shard(
+            self._r.shard_of(dir_id),
             "name.commit",
-            dir=dir_id,
-            staging=staging,
-            final=final,
-            replace=replace,
-            retire=retire,
-            latest=latest,
+            {
+                "dir": dir_id,
+                "staging": staging,
+                "final": final,
+                "replace": replace,
+                "retire": retire,
+                "latest": latest,
+            },
         )
         await self._after_commit(dir_id, final, int(r["id"]), int(r["old_latest"]))
         return {"id": r["id"], "files": state.files, "dirs": state.dirs, "retired": r["retired"]}
@@ -230,9 +207,13 @@ class CheckpointCalls:
         the old ``latest`` link's record when it lived in another shard (a crash before
         this leaves a record no name reaches: kept, as an interrupted unlink's is)."""
         try:
-            await self._shard(self._of(child), "file.link", id=child, parent=dir_id, name=final)
+            await self._r.call_shard(
+                self._r.shard_of(child), "file.link", {"id": child, "parent": dir_id, "name": final}
+            )
             if old_latest:
-                await self._shard(self._of(old_latest), "file.unlink", id=old_latest)
+                await self._r.call_shard(
+                    self._r.shard_of(old_latest), "file.unlink", {"id": old_latest}
+                )
         except TectonicError as e:
             log.info("commit of %r: after-commit bookkeeping failed: %s", final, e)
 
@@ -246,14 +227,16 @@ class CheckpointCalls:
                 out: list[tuple[int, str, int]] = []
                 after: list[Any] | None = [0, ""]
                 while after is not None:
-                    r = await self._shard(shard, "name.staging", after=after, limit=1000)
+                    r = await self._r.call_shard(
+                        shard, "name.staging", {"after": after, "limit": 1000}
+                    )
                     out += [(int(d), str(n), int(c)) for d, n, c in r["entries"]]
                     after = r["next"]
                 return out
 
             return run
 
-        return [e for part in await self._gather([job(s) for s in range(shards)]) for e in part]
+        return [e for part in await gather([job(s) for s in range(shards)]) for e in part]
 
     async def remove_tree(self, dir_id: int, name: str, expect_id: int) -> int:
         """Remove the directory ``name`` of ``dir_id`` and everything under it, if it is
@@ -262,16 +245,16 @@ class CheckpointCalls:
         staging directory instead of committing a tree being emptied; the new name keeps
         the staging mark, so a removal cut short is taken up by the next sweep."""
         try:
-            attrs = await self.lookup(dir_id, name)
+            attrs = await self._names.lookup(dir_id, name)
         except FileNotFound:
             return 0
         if attrs.id != expect_id or not attrs.is_dir:
             return 0
         tomb = name if name.endswith(REMOVING) else f"{name}{REMOVING}"
         if tomb != name:
-            await self.rename(dir_id, name, dir_id, tomb)
+            await self._names.rename(dir_id, name, dir_id, tomb)
         removed = await self._empty_dir(attrs.id)
-        await self.rmdir(dir_id, tomb)
+        await self._names.rmdir(dir_id, tomb)
         return removed + 1
 
     async def _empty_dir(self, dir_id: int) -> int:
@@ -280,9 +263,9 @@ class CheckpointCalls:
             try:
                 if e.kind == KIND_DIR:
                     removed += await self._empty_dir(e.id)
-                    await self.rmdir(dir_id, e.name)
+                    await self._names.rmdir(dir_id, e.name)
                 else:
-                    await self.unlink(dir_id, e.name)
+                    await self._names.unlink(dir_id, e.name)
             except FileNotFound:
                 continue
             removed += 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from fuse_fixtures import Mount
 
-from metadata.client import capacity_of
+from metadata.server_calls import capacity_of
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.records import NodeInfo
 
