@@ -32,7 +32,7 @@ Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and r
 broken. A server that is restarting (kill -9, then its supervisor starts it again) refuses
 connections for a few seconds, so a connection failure is retried with backoff until
 ``reconnect_deadline`` (``RECONNECT_DEADLINE_S`` by default) has passed: for requests that are
-safe to repeat (reads, and the mutations of ``_REPEATABLE_OPS`` or whose caller recognises a
+safe to repeat (reads, and the mutations of ``_RESENDABLE_OPS`` or whose caller recognises a
 repeat's outcome: a create by its client-drawn token) always, for other mutations only when
 the request never left (connect failed), because a mutation whose reply was lost may have
 committed. ``Busy`` (admission control, a pinned rename) is retried with backoff a bounded
@@ -51,23 +51,26 @@ from typing import Any
 
 import trio
 
+from metadata.api import OPS
 from metadata.block_calls import BlockCalls
 from metadata.checkpoint_client import CheckpointCalls
 from metadata.coalescer import Coalescer, Item, coalesces
 from metadata.file_calls import FileCalls
 from metadata.maintenance_calls import MaintenanceCalls
 from metadata.name_calls import NameCalls
+from metadata.routing import gather
 from metadata.server_calls import ServerCalls
 from tectonic_py.core import rpc_client, sockets
 from tectonic_py.core.cluster_file import REGISTRY_SHARD, ClusterConfig
 from tectonic_py.core.errors import (
     Busy,
+    InvalidArgument,
     ShardUnavailable,
     TectonicError,
     Unavailable,
     WrongShard,
 )
-from tectonic_py.core.ids import shard_of
+from tectonic_py.core.ids import MAX_ID, shard_of
 from tectonic_py.core.retry import RetryPolicy, retry
 
 log = logging.getLogger(__name__)
@@ -105,45 +108,13 @@ FOLLOW_POLICY = RetryPolicy(
 OWNERS_POLICY = RetryPolicy(attempts=2, first_delay=0.02, max_delay=0.05)
 FOLLOW_PAUSE_S = 0.1
 FOLLOW_CALL_TIMEOUT_S = 10.0
-_READ_OPS = frozenset(
-    {
-        "name.lookup",
-        "name.list",
-        "name.intents",
-        "file.get",
-        "file.blocks",
-        "file.getxattr",
-        "file.listxattr",
-        "file.readlink",
-        "file.orphans",
-        "file.gc_blocks",
-        "block.locate",
-        "block.by_node",
-        "block.durability",
-        "node.list",
-        "server.stats",
-    }
-)
-
-
-# Mutations whose repeat after a lost reply does no harm: a second allocation, a second File
-# record (file.create: it is never named) are garbage the GC collects; a commit of the same
-# blocks at the same indexes, a size, a lease renewal, a link hint, a drop land the same.
-# (name.create carries its writer token, name.insert a fresh record's id, file.close is
-# checked by its caller: each is sent again by the caller that can read a repeat's outcome.)
-_REPEATABLE_OPS = frozenset(
-    {
-        "block.allocate",
-        "block.grant",
-        "block.commit",
-        "file.commit",
-        "file.create",
-        "file.drop",
-        "file.link",
-        "file.set_size",
-        "file.renew",
-    }
-)
+# What is sent again after a lost reply without the caller's say, from the contract
+# (metadata/api): every read, and the mutations whose repeat does no harm (a second
+# allocation, a second unnamed record: garbage the GC collects; a commit of the same blocks
+# at the same indexes, a size, a lease renewal, a link hint, a drop: they land the same).
+# name.create carries its writer token, name.insert a fresh record's id, file.close is
+# checked by its caller: each is sent again by the caller that can read a repeat's outcome.
+_RESENDABLE_OPS = OPS.names(lambda op: op.repeatable)
 
 
 def _is_busy(e: TectonicError) -> bool:
@@ -298,13 +269,13 @@ class MetadataClient:
     ) -> dict[str, Any]:
         """One request, ``Busy`` retried under ``BUSY_POLICY`` and a lost connection under
         the reconnect policy (or ``reconnect``): a read or an op safe to repeat
-        (``_REPEATABLE_OPS``, or ``repeat``: the caller handles a repeat's outcome) always,
+        (``_RESENDABLE_OPS``, or ``repeat``: the caller handles a repeat's outcome) always,
         any other mutation only if it never left this process. ``trace["repeatable"]`` says,
         after a failure, whether the request may be sent again elsewhere; ``trace["lost"]``,
         that a try left and got no answer, so that an answer after it may be a repeat's (a
         caller reads a repeat's FileNotFound by it); ``timeout`` bounds each try (a server
         that took the connection but does not answer: a paused one)."""
-        idempotent = repeat or op in _READ_OPS or op in _REPEATABLE_OPS
+        idempotent = repeat or op in _RESENDABLE_OPS
         sent = False
         if trace is not None:
             trace["repeatable"] = True
@@ -395,6 +366,46 @@ class MetadataClient:
     ) -> dict[str, Any]:
         """``op`` on one server, by address (the ``server.*`` ops), retried as ``_call``."""
         return await self._call(address, op, dict(fields or {}))
+
+    async def call(self, op: str, fields: dict[str, Any]) -> Any:
+        """Any declared op by name, routed as its declaration says (``tectonic call``): to
+        the shard of its key, or the ``shard`` given (the scans), the registry, one server
+        or every server (then ``{address: result}``)."""
+        route = OPS[op].route
+        fields = dict(fields)
+        if route.shard_bound:
+            shard = fields.pop("shard", None)
+            if shard is None and route.kind == "shard":
+                shard = self._key_shard(op, fields.get(route.key))
+            if not isinstance(shard, int) or isinstance(shard, bool):
+                raise InvalidArgument(
+                    f"{op}: name the shard to ask, 0..{self.config.shards - 1}: "
+                    f'add "shard": N to the arguments'
+                )
+            if not 0 <= shard < self.config.shards:
+                raise InvalidArgument(f"{op}: shard {shard} outside 0..{self.config.shards - 1}")
+            return await self.call_shard(shard, op, fields)
+        if route.kind == "registry":
+            return await self.call_registry(op, fields)
+        addresses = [s.address for s in self.config.metadata_servers]
+        if route.kind == "any":
+            return await self.call_server(addresses[0], op, fields)
+        replies = await gather(
+            [functools.partial(self.call_server, a, op, fields) for a in addresses]
+        )
+        return dict(zip(addresses, replies, strict=True))
+
+    def _key_shard(self, op: str, key: Any) -> int | None:
+        """The shard of a routing key: an id, or a list of ids that share one shard."""
+        keys = key if isinstance(key, list) else [key]
+        if not keys or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 0 < k <= MAX_ID for k in keys
+        ):
+            return REGISTRY_SHARD  # any shard: its server says what is wrong with the key
+        shards = {self.shard_of(k) for k in keys}
+        if len(shards) > 1:
+            raise InvalidArgument(f"{op}: the ids are in shards {sorted(shards)}: one at a time")
+        return shards.pop()
 
     async def _fixed(
         self,

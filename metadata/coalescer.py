@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from metadata.api import OPS
 from tectonic_py.core import rpc_client
 from tectonic_py.core.errors import (
     ProtocolError,
@@ -27,26 +28,7 @@ from tectonic_py.core.errors import (
 
 # Ops that coalesce into ``batch`` requests (the module docstring): the burst's reads and its
 # small mutations, each answered quickly; never the maintenance ops with long replies.
-COALESCED_OPS = frozenset(
-    {
-        "name.lookup",
-        "name.create",
-        "name.remove",
-        "name.unlink",
-        "file.get",
-        "file.open",
-        "file.close",
-        "file.commit",
-        "file.unlink",
-        "file.renew",
-        "file.seal",
-        "file.set_size",
-        "block.allocate",
-        "block.grant",
-        "block.commit",
-        "block.locate",
-    }
-)
+COALESCED_OPS = OPS.names(lambda op: op.coalesce)
 MAX_BATCHES_IN_FLIGHT = 2  # per server: calls (batches) out before the next ones queue
 MAX_BATCH_OPS = 256  # items in one batch request (the server takes up to 512)
 # A call whose lists (entries, blocks, ids) hold more than this goes alone: a batch of such

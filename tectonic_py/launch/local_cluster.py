@@ -502,7 +502,7 @@ class LocalCluster:
     def _write_config(self) -> None:
         self.config = ClusterConfig(
             name="local",
-            secret_file=self.secret_file,
+            secret_file=None,
             shards=self.shards,
             metadata_servers=[
                 MetadataServer(self._meta[i].address, self.shards_of(i))
