@@ -7,58 +7,10 @@ wrong). The server hosting ``REGISTRY_SHARD`` also serves the node registry
 (``node.*``) and creates the root directory (``ROOT_ID``) in ``shard_of(ROOT_ID)`` on first
 start when it hosts that shard.
 
-Op table (fields; every ``name.*``/``file.*``/``block.*`` op also takes ``shard``):
-
-==================== ===================================================== =====================
-op                   fields                                                reply
-==================== ===================================================== =====================
-name.lookup          dir, name                                             id, kind, [attrs]
-name.insert          dir, name, id, kind                                   {}
-name.make_node       dir, name, kind, mode, uid, gid, target, rdev         attrs
-name.list            dir, after, limit                                     entries, next
-name.remove          dir, name, kind, expect_id                            id
-name.rename          src_dir, src_name, dst_dir, dst_name, replace_dir     id, kind, victim_*
-name.rename_prepare  src_dir, src_name, dst_dir, dst_name, dst_address,    intent, id, kind
-                     deadline_ns
-name.rename_apply    dst_dir, dst_name, id, kind, deadline_ns, replace_dir victim_id, victim_kind
-name.rename_finish   intent, applied                                       {}
-name.intents         before_ns                                             intents
-file.create          kind, mode, uid, gid, ec, chunk_size, parent, name    attrs, token
-file.get             id                                                    attrs, parent
-file.open            id, truncate                                          token
-file.renew           id, token                                             {}
-file.seal            id, token, size                                       attrs
-file.set_size        id, token, size                                       attrs
-file.setattr         id, mode, uid, gid, atime_ns, mtime_ns, ec            attrs
-file.link            id, parent, name                                      {}
-file.add_link        id                                                    attrs
-file.readlink        id                                                    target
-file.unlink          id                                                    {}
-file.kill_dir        id                                                    {}
-file.revive_dir      id                                                    {}
-file.drop            id                                                    {}
-file.blocks          id                                                    blocks [[index, id]]
-file.*xattr          id, name, value                                       value / names / {}
-file.orphans         older_than_ns, limit                                  orphans
-file.collect_orphan  id                                                    deleted
-file.gc_blocks       limit                                                 block_ids
-block.allocate       file_id, token, ec, nodes                             block_id, capability
-block.grant          block_id, nodes                                       nodes, capability
-block.commit         file_id, blocks [BlockInfo...]                        {}
-block.locate         ids                                                   blocks
-block.by_node        node_id, after, limit                                 chunks [[block, idx]]
-block.replace_chunk  block_id, index, old_node, new_node, checksum         {}
-block.report_bad_chunk                                                     recorded
-                     block_id, index, node_id, reason
-node.heartbeat       node_id, address, failure_domain, capacity, free,     {}
-                     chunk_count, queue_depth
-node.list            -                                                     nodes
-server.stats         -                                                     shards, files, ...
-server.owners        -                                                     owners {shard: addr}
-server.backup        dest (a new directory on this host)                   manifest
-batch                ops [[op, fields], ...] (``name.*``/``file.*``/        results [{f} | {err,
-                     ``block.*`` ops, at most ``MAX_BATCH_OPS``)           msg}, ...]
-==================== ===================================================== =====================
+Its ops, their fields, results, routes and the roles that may call them are declared once, in
+metadata/api/ops.py (rendered in docs/operations-table.md): the dispatch table is made from
+those declarations, every request's fields checked against them before its handler runs, and
+a role's call of an op not declared for it refused before that.
 
 ``batch`` carries many independent requests in one frame (the client coalesces what its
 ranks send one server while a call to it is in flight, metadata/client.py). Its ops run
