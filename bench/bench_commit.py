@@ -62,9 +62,9 @@ def _count_calls(client: TectonicClient) -> Counter[str]:
     meta = client.meta
     inner = meta._call
 
-    async def counted(address: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+    async def counted(address: str, op: str, fields: dict[str, Any], **how: Any) -> dict[str, Any]:
         counts[op] += 1
-        return await inner(address, op, fields)
+        return await inner(address, op, fields, **how)
 
     meta._call = counted  # type: ignore[method-assign]
     return counts

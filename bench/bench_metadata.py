@@ -219,7 +219,7 @@ async def run_servers(
 
 
 async def _commit_stats(client: MetadataClient, config: ClusterConfig) -> tuple[int, int]:
-    stats = [await client._call(s.address, "server.stats", {}) for s in config.metadata_servers]
+    stats = [await client.call_server(s.address, "server.stats") for s in config.metadata_servers]
     batches = sum(sh["batches"] for st in stats for sh in st["shards"].values())
     mutations = sum(sh["mutations"] for st in stats for sh in st["shards"].values())
     return batches, mutations

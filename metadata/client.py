@@ -222,6 +222,18 @@ class MetadataClient:
         self.backup = servers.backup
         # the background services
         self.collect_orphans = maintenance.collect_orphans
+        self.scan_blocks = maintenance.scan_blocks
+        self.set_chunk = maintenance.set_chunk
+        self.forget_block = maintenance.forget_block
+        self.dead_chunks = maintenance.dead_chunks
+        self.bad_chunks = maintenance.bad_chunks
+        self.node_chunks = maintenance.node_chunks
+        self.chunk_caps = maintenance.chunk_caps
+        self.gc_queue = maintenance.gc_queue
+        self.gc_ack = maintenance.gc_ack
+        self.referenced = maintenance.referenced
+        self.expired_leases = maintenance.expired_leases
+        self.recover_lease = maintenance.recover_lease
 
     async def aclose(self) -> None:
         self._closed = True
@@ -467,28 +479,3 @@ class MetadataClient:
             for shard, owner in r["owners"].items():
                 self._shard_addr[int(shard)] = str(owner)
             return
-
-    # --- transitional: the private names callers still use -----------------------------
-
-    def _of(self, key: int) -> int:
-        return self.shard_of(key)
-
-    async def _shard(
-        self,
-        shard: int,
-        op: str,
-        *,
-        repeat: bool = False,
-        trace: dict[str, bool] | None = None,
-        **fields: Any,
-    ) -> dict[str, Any]:
-        return await self.call_shard(shard, op, fields, repeat=repeat, trace=trace)
-
-    async def _registry(self, op: str, **fields: Any) -> dict[str, Any]:
-        return await self.call_registry(op, fields)
-
-    async def _refresh_owners(self, *, avoid: str) -> None:
-        await self.refresh_owners(avoid=avoid)
-
-    async def _place(self, count: int, minimum: int, exclude: Any) -> Any:
-        return await self.place(count, minimum, exclude)

@@ -1,15 +1,18 @@
 """The metadata client's calls for the background services (GC, repair, rebalance, lease
-recovery, the inventory): the ops of metadata/maintenance_ops.py, typed.
+recovery, the inventory): the ops of metadata/maintenance_ops.py, typed, and the orphan GC.
 
 Only the ``tectonic maintenance`` process (tectonic_py/maintenance/) calls them; the data path
-never does. Each is one call in one shard (its key's, or the one named), and the server
-re-checks the state it acts on in that call's transaction, so a caller acting on a stale view
-is refused rather than doing harm.
+never does. Each is one call in one shard, and the server re-checks the state it acts on in
+that call's transaction, so a caller acting on a stale view is refused rather than doing
+harm. A call about one block or file goes to its key's shard; the scans and the calls about
+many records name the shard, since their callers walk the shards one by one.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from metadata.routing import Router
 from tectonic_py.core.errors import FileNotFound, NotADirectory
@@ -51,3 +54,156 @@ class MaintenanceCalls:
                     d = await self._r.call_shard(shard, "file.collect_orphan", {"id": o["id"]})
                     collected += bool(d["deleted"])
         return collected
+
+    # --- the Block layer ------------------------------------------------------------------
+
+    async def scan_blocks(self, shard: int, *, page: int = 1000) -> AsyncIterator[dict[str, Any]]:
+        """Every block record of a block shard (allocated and committed), page by page, in
+        block-id order (``block.scan``)."""
+        after = 0
+        for _ in range(10_000_000):
+            r = await self._r.call_shard(shard, "block.scan", {"after": after, "limit": page})
+            for b in r["blocks"]:
+                yield b
+            if r["next"] is None:
+                return
+            after = int(r["next"])
+
+    async def set_chunk(
+        self, block_id: int, index: int, old_node: str, new_node: str, checksum: int
+    ) -> None:
+        """Place a committed block's chunk on ``new_node``, where it was on ``old_node`` (""
+        for a chunk not placed since the commit); refused if it is not there any more."""
+        await self._r.call_shard(
+            self._r.shard_of(block_id),
+            "block.set_chunk",
+            {
+                "block_id": block_id,
+                "index": index,
+                "old_node": old_node,
+                "new_node": new_node,
+                "checksum": checksum,
+            },
+        )
+
+    async def forget_block(
+        self,
+        block_id: int,
+        *,
+        state: str,
+        file_id: int | None = None,
+        file_index: int | None = None,
+    ) -> list[tuple[str, int, int]] | None:
+        """Drop a block's record if it is still in ``state`` (and, given them, at that index
+        of that file): the (node_id, stored_as, index) of the chunk files it placed then, or
+        None if it was not forgotten (never committed, or forgotten before)."""
+        fields: dict[str, Any] = {"block_id": block_id, "state": state}
+        if file_id is not None:
+            fields["file_id"] = file_id
+        if file_index is not None:
+            fields["file_index"] = file_index
+        r = await self._r.call_shard(self._r.shard_of(block_id), "block.forget", fields)
+        if not r["forgotten"]:
+            return None
+        return [(str(n), int(b), int(i)) for n, b, i in r["chunks"]]
+
+    async def dead_chunks(
+        self, shard: int, node_id: str, chunks: Sequence[tuple[int, int]]
+    ) -> list[tuple[int, int]]:
+        """Of these (block_id, index) chunks of ``shard``'s blocks found on ``node_id``, those
+        no block needs there."""
+        r = await self._r.call_shard(
+            shard,
+            "block.dead_chunks",
+            {"node_id": node_id, "chunks": [list(c) for c in chunks]},
+        )
+        return [(int(b), int(i)) for b, i in r["dead"]]
+
+    async def bad_chunks(
+        self, shard: int, *, after: int = 0, limit: int = 1000
+    ) -> tuple[list[tuple[int, int, str]], int | None]:
+        """One page of the chunks ``shard``'s committed blocks lack on up nodes, (block_id,
+        index, node_id), after block ``after``; and where the next page starts, or None."""
+        r = await self._r.call_shard(shard, "block.bad_chunks", {"after": after, "limit": limit})
+        chunks = [(int(b), int(i), str(n)) for b, i, n in r["chunks"]]
+        return chunks, None if r["next"] is None else int(r["next"])
+
+    async def node_chunks(
+        self, shard: int, node_id: str, *, after: tuple[int, int], upto: int, limit: int
+    ) -> list[tuple[int, int, int, int]]:
+        """One page of the chunks ``shard``'s blocks place on ``node_id``, (block_id, index,
+        checksum, chunk_len) in (block_id, index) order, after ``after``, block ids up to
+        ``upto``."""
+        r = await self._r.call_shard(
+            shard,
+            "block.node_chunks",
+            {"node_id": node_id, "after": list(after), "upto": upto, "limit": limit},
+        )
+        return [(int(b), int(i), int(crc), int(n)) for b, i, crc, n in r["chunks"]]
+
+    async def chunk_caps(
+        self, action: str, chunks: Sequence[tuple[str, int, int]]
+    ) -> dict[tuple[str, int, int], bytes]:
+        """Capabilities for ``action`` ("put", "delete") on (node_id, block_id, index) chunks,
+        one ``block.caps`` call per block shard; the chunks the metadata service refused are
+        absent."""
+        by_shard: dict[int, list[tuple[str, int, int]]] = {}
+        for c in chunks:
+            by_shard.setdefault(self._r.shard_of(c[1]), []).append(c)
+        out: dict[tuple[str, int, int], bytes] = {}
+        for shard, group in by_shard.items():
+            r = await self._r.call_shard(
+                shard, "block.caps", {"action": action, "chunks": [list(c) for c in group]}
+            )
+            out.update((c, cap) for c, cap in zip(group, r["caps"]) if cap is not None)
+        return out
+
+    # --- the File layer: the GC queue and writers' leases ---------------------------------
+
+    async def gc_queue(
+        self, shard: int, *, older_than_ns: int, limit: int, superseded_before_ns: int = 0
+    ) -> list[tuple[int, int]]:
+        """(block_id, queued_ns) of blocks ``shard`` queued for the GC before
+        ``older_than_ns`` (superseded ones: before ``superseded_before_ns``)."""
+        r = await self._r.call_shard(
+            shard,
+            "file.gc_queue",
+            {
+                "older_than_ns": older_than_ns,
+                "limit": limit,
+                "superseded_before_ns": superseded_before_ns,
+            },
+        )
+        return [(int(b), int(q)) for b, q in r["blocks"]]
+
+    async def gc_ack(self, shard: int, block_ids: Sequence[int]) -> None:
+        """These queued blocks of ``shard`` are collected: off the queue."""
+        await self._r.call_shard(shard, "file.gc_ack", {"block_ids": list(block_ids)})
+
+    async def referenced(self, shard: int, refs: Sequence[tuple[int, int, int]]) -> list[bool]:
+        """For each (file_id, file_index, block_id) of files in ``shard``: whether the file
+        holds that block at that index."""
+        r = await self._r.call_shard(
+            shard, "file.referenced", {"refs": [list(ref) for ref in refs]}
+        )
+        return [bool(x) for x in r["referenced"]]
+
+    async def expired_leases(
+        self, shard: int, *, before_ns: int, limit: int
+    ) -> list[tuple[int, int]]:
+        """(file_id, token) of ``shard``'s files whose writer lease expired before
+        ``before_ns`` without a close."""
+        r = await self._r.call_shard(
+            shard, "file.expired_leases", {"before_ns": before_ns, "limit": limit}
+        )
+        return [(int(f), int(t)) for f, t in r["files"]]
+
+    async def recover_lease(self, file_id: int, token: int, *, before_ns: int) -> str:
+        """Release a writer lease that expired before ``before_ns`` (the rule is
+        metadata/maintenance_ops.py's): "skipped", "deleted" or "incomplete"."""
+        r = await self._r.call_shard(
+            self._r.shard_of(file_id),
+            "file.recover_lease",
+            {"id": file_id, "token": token, "before_ns": before_ns},
+        )
+        return str(r["outcome"])

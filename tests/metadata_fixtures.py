@@ -76,13 +76,15 @@ async def open_meta_cluster(
 
 async def register_nodes(client: MetadataClient, count: int, domains: int | None = None) -> None:
     for i in range(count):
-        await client._registry(
+        await client.call_registry(
             "node.heartbeat",
-            node_id=f"node{i}",
-            address=f"127.0.0.1:{20000 + i}",
-            failure_domain=f"rack{i % (domains or count)}",
-            capacity=10**12,
-            free=10**12 - i,
-            chunk_count=0,
-            queue_depth=0,
+            {
+                "node_id": f"node{i}",
+                "address": f"127.0.0.1:{20000 + i}",
+                "failure_domain": f"rack{i % (domains or count)}",
+                "capacity": 10**12,
+                "free": 10**12 - i,
+                "chunk_count": 0,
+                "queue_depth": 0,
+            },
         )

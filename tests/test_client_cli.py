@@ -160,10 +160,7 @@ async def _unsealed_file(cluster_file: Path, data: bytes) -> None:
         await writer.write(data)
         await writer.fsync()
         meta = client.meta
-        await meta._shard(
-            meta._of(writer.file_id), "file.recover_lease",
-            id=writer.file_id, token=writer.token, before_ns=2**62,
-        )  # fmt: skip
+        await meta.recover_lease(writer.file_id, writer.token, before_ns=2**62)
         await writer.abort()
         attrs = await client.stat("/gone")
         assert (attrs.sealed, attrs.writer, attrs.size) == (False, False, len(data))

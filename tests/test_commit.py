@@ -68,14 +68,20 @@ async def test_commit_once_sealed_with_latest(client: TectonicClient) -> None:
         await client.meta.commit_step(parent.id, "step_3.staging-d", "step_3", latest="notalink")
     # The op itself refuses what the client would never send.
     meta = client.meta
-    shard = meta._of(parent.id)
+    shard = meta.shard_of(parent.id)
     with pytest.raises(InvalidArgument, match="must differ"):
-        await meta._shard(shard, "name.commit", dir=parent.id, staging="a", final="a")
+        await meta.call_shard(
+            shard, "name.commit", {"dir": parent.id, "staging": "a", "final": "a"}
+        )
     other = (shard + 1) % meta.config.shards
     with pytest.raises(WrongShard):
-        await meta._shard(other, "name.commit", dir=parent.id, staging="a", final="b")
+        await meta.call_shard(
+            other, "name.commit", {"dir": parent.id, "staging": "a", "final": "b"}
+        )
     with pytest.raises(InvalidName):
-        await meta._shard(shard, "name.commit", dir=parent.id, staging="../x", final="b")
+        await meta.call_shard(
+            shard, "name.commit", {"dir": parent.id, "staging": "../x", "final": "b"}
+        )
     assert "step_3" not in await _names(client, "/ck")
 
 

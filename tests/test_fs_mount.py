@@ -612,10 +612,7 @@ def test_unsealed_file_whose_writer_is_gone_is_marked(wdir: Path, shared_mount: 
             await writer.write(data)
             await writer.fsync()
             meta = client.meta
-            await meta._shard(
-                meta._of(writer.file_id), "file.recover_lease",
-                id=writer.file_id, token=writer.token, before_ns=2**62,
-            )  # fmt: skip
+            await meta.recover_lease(writer.file_id, writer.token, before_ns=2**62)
             await writer.abort()
 
     trio.run(leave_unsealed)

@@ -258,10 +258,7 @@ async def test_a_fenced_writer_gets_estale(
 
 async def _recover_lease(meta: Any, file_id: int, token: int) -> None:
     """What the GC does once a dead writer's lease runs out: the token released, unsealed."""
-    r = await meta._shard(
-        meta._of(file_id), "file.recover_lease", id=file_id, token=token, before_ns=2**62
-    )
-    assert r["outcome"] == "incomplete"
+    assert await meta.recover_lease(file_id, token, before_ns=2**62) == "incomplete"
 
 
 async def test_unsealed_file_whose_writer_is_gone_says_so(

@@ -267,7 +267,7 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
         bshard, fshard = shard_of(g.block_id, 4), shard_of(f.id, 4)
 
         async def call(shard, op, **fields):  # type: ignore[no-untyped-def]
-            return await c._shard(shard, op, **fields)
+            return await c.call_shard(shard, op, fields)
 
         async def chunks():  # type: ignore[no-untyped-def]
             return [
@@ -278,117 +278,43 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
         before = await chunks()
         # A move from a node that does not hold the chunk (a stale view) is refused.
         with pytest.raises(InvalidArgument):
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id,
-                index=0,
-                old_node=nodes[1],
-                new_node=nodes[3],
-                checksum=70,
-            )
+            await c.set_chunk(g.block_id, 0, nodes[1], nodes[3], 70)
         with pytest.raises(InvalidArgument):  # other bytes than the recorded ones
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id,
-                index=0,
-                old_node=nodes[0],
-                new_node=nodes[3],
-                checksum=71,
-            )
+            await c.set_chunk(g.block_id, 0, nodes[0], nodes[3], 71)
         with pytest.raises(InvalidArgument):  # the first placement of a chunk that is placed
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id,
-                index=1,
-                old_node="",
-                new_node=nodes[3],
-                checksum=71,
-            )
+            await c.set_chunk(g.block_id, 1, "", nodes[3], 71)
         with pytest.raises(InvalidArgument):  # outside the code
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id,
-                index=3,
-                old_node="",
-                new_node=nodes[3],
-                checksum=1,
-            )
+            await c.set_chunk(g.block_id, 3, "", nodes[3], 1)
         with pytest.raises(InvalidArgument):
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id,
-                index=2,
-                old_node="",
-                new_node="../etc",
-                checksum=1,
-            )
+            await c.set_chunk(g.block_id, 2, "", "../etc", 1)
         with pytest.raises(FileNotFound):
-            await call(
-                bshard,
-                "block.set_chunk",
-                block_id=g.block_id + 1,
-                index=0,
-                old_node="",
-                new_node=nodes[3],
-                checksum=1,
-            )
+            await c.set_chunk(g.block_id + 1, 0, "", nodes[3], 1)
         assert await chunks() == before
         # The chunk the writer never stored (index 2) may be placed; a real move works.
-        await call(
-            bshard,
-            "block.set_chunk",
-            block_id=g.block_id,
-            index=2,
-            old_node="",
-            new_node=nodes[2],
-            checksum=99,
-        )
-        await call(
-            bshard,
-            "block.set_chunk",
-            block_id=g.block_id,
-            index=0,
-            old_node=nodes[0],
-            new_node=nodes[3],
-            checksum=70,
-        )
+        await c.set_chunk(g.block_id, 2, "", nodes[2], 99)
+        await c.set_chunk(g.block_id, 0, nodes[0], nodes[3], 70)
         assert await chunks() == [(0, nodes[3], 70), (1, nodes[1], 71), (2, nodes[2], 99)]
         assert (g.block_id, 0) in await c.blocks_on_node(nodes[3])
         assert (g.block_id, 0) not in await c.blocks_on_node(nodes[0])
         # The chunk sweep's question: the old copy on nodes[0] is dead, the others live.
-        dead = await call(
-            bshard,
-            "block.dead_chunks",
-            node_id=nodes[0],
-            chunks=[[g.block_id, 0], [g.block_id + 1, 0]],
-        )
-        assert sorted(map(tuple, dead["dead"])) == sorted([(g.block_id, 0), (g.block_id + 1, 0)])
-        live = await call(bshard, "block.dead_chunks", node_id=nodes[3], chunks=[[g.block_id, 0]])
-        assert live["dead"] == []
+        dead = await c.dead_chunks(bshard, nodes[0], [(g.block_id, 0), (g.block_id + 1, 0)])
+        assert sorted(dead) == sorted([(g.block_id, 0), (g.block_id + 1, 0)])
+        assert await c.dead_chunks(bshard, nodes[3], [(g.block_id, 0)]) == []
         with pytest.raises(InvalidArgument):
             await call(bshard, "block.dead_chunks", node_id=nodes[0], chunks=[[g.block_id]])
         # A forget that does not match the block's state or file is refused (returns False).
-        for wrong in (
-            {"state": "allocated"},
-            {"state": "committed", "file_id": f.id + 1, "file_index": 0},
-        ):
-            r = await call(bshard, "block.forget", block_id=g.block_id, **wrong)
-            assert r["forgotten"] is False
+        assert await c.forget_block(g.block_id, state="allocated") is None
+        assert (
+            await c.forget_block(g.block_id, state="committed", file_id=f.id + 1, file_index=0)
+            is None
+        )
         with pytest.raises(InvalidArgument):
             await call(bshard, "block.forget", block_id=g.block_id, state="sealed")
         assert (await c.locate_blocks([g.block_id]))[0].block_id == g.block_id
         # The file holds the block: referenced. A live lease is not recovered.
-        r = await call(
-            fshard, "file.referenced", refs=[[f.id, 0, g.block_id], [f.id, 1, g.block_id]]
-        )
-        assert r["referenced"] == [True, False]
-        r = await call(fshard, "file.recover_lease", id=f.id, token=tok, before_ns=1)
-        assert r["outcome"] == "skipped"
+        refs = [(f.id, 0, g.block_id), (f.id, 1, g.block_id)]
+        assert await c.referenced(fshard, refs) == [True, False]
+        assert await c.recover_lease(f.id, tok, before_ns=1) == "skipped"
         assert (await c.getattr(f.id)).writer
         with pytest.raises(InvalidArgument):
             await call(fshard, "file.gc_ack", block_ids=["x"])
@@ -397,10 +323,8 @@ async def test_maintenance_ops_refuse_stale_or_bad_requests(tmp_path, secret_fil
         # Recovery of an expired lease (before_ns in the future): unsealed at its committed
         # size, the writer fenced.
         await c.set_size(f.id, tok, 120)
-        r = await call(fshard, "file.expired_leases", before_ns=2**62, limit=10)
-        assert [f.id, tok] in r["files"]
-        r = await call(fshard, "file.recover_lease", id=f.id, token=tok, before_ns=2**62)
-        assert r["outcome"] == "incomplete"
+        assert (f.id, tok) in await c.expired_leases(fshard, before_ns=2**62, limit=10)
+        assert await c.recover_lease(f.id, tok, before_ns=2**62) == "incomplete"
         attrs = await c.getattr(f.id)
         assert (attrs.size, attrs.sealed, attrs.writer) == (120, False, False)
         assert [b.block_id for b in await c.block_list(f.id)] == [g.block_id]

@@ -167,18 +167,18 @@ async def test_a_create_sent_twice_is_answered_with_its_first_file(mc):
     first try made, not FileExists; any other create of that name, or a repeat after the
     file changed writers, is FileExists."""
     c = mc.client
-    shard = c._of(ROOT_ID)
+    shard = c.shard_of(ROOT_ID)
     fields = {"dir": ROOT_ID, "name": "f", "token": 12345}
-    first = await c._shard(shard, "name.create", **fields)
-    again = await c._shard(shard, "name.create", **fields)
+    first = await c.call_shard(shard, "name.create", fields)
+    again = await c.call_shard(shard, "name.create", fields)
     assert again["attrs"]["id"] == first["attrs"]["id"] and again["token"] == 12345
     with pytest.raises(FileExists):
-        await c._shard(shard, "name.create", **{**fields, "token": 54321})
+        await c.call_shard(shard, "name.create", {**fields, "token": 54321})
     with pytest.raises(FileExists):
-        await c._shard(shard, "name.create", dir=ROOT_ID, name="f")
+        await c.call_shard(shard, "name.create", {"dir": ROOT_ID, "name": "f"})
     await c.open_for_write(first["attrs"]["id"])  # a second writer takes the file
     with pytest.raises(FileExists):
-        await c._shard(shard, "name.create", **fields)
+        await c.call_shard(shard, "name.create", fields)
     names, _ = await c.readdir(ROOT_ID)
     assert [e.name for e in names] == ["f"]
 
@@ -231,7 +231,7 @@ async def test_blocks_commit_locate_replace_and_reverse_index(mc):
         grants[2].block_id,
     ]
     fshard = shard_of(f.id, 8)
-    queued = await c._shard(fshard, "file.gc_blocks", limit=100)
+    queued = await c.call_shard(fshard, "file.gc_blocks", {"limit": 100})
     assert grants[1].block_id in queued["block_ids"]
     # Repair: move chunk 0 of g0 to another node, keeping the reverse index in step.
     old = g0.nodes[0].node_id
@@ -302,7 +302,7 @@ async def test_unlink_while_open_for_write_keeps_file_until_seal(mc):
     await c.seal(f.id, tok, 150)
     with pytest.raises(FileNotFound):
         await c.getattr(f.id)
-    queued = await c._shard(shard_of(f.id, 8), "file.gc_blocks", limit=100)
+    queued = await c.call_shard(shard_of(f.id, 8), "file.gc_blocks", {"limit": 100})
     assert g.block_id in queued["block_ids"]
 
 
@@ -321,7 +321,7 @@ async def test_rename_same_directory_over_existing_file(mc):
     assert [e.name for e in (await c.readdir(d.id))[0]] == ["step"]
     with pytest.raises(FileNotFound):
         await c.getattr(old.id)
-    queued = await c._shard(shard_of(old.id, 8), "file.gc_blocks", limit=100)
+    queued = await c.call_shard(shard_of(old.id, 8), "file.gc_blocks", {"limit": 100})
     assert g.block_id in queued["block_ids"]
     await c.rename(d.id, "step", d.id, "step")  # onto itself: nothing changes
     assert (await c.lookup(d.id, "step")).id == new.id
@@ -377,50 +377,58 @@ async def test_cross_shard_rename_recovery_rolls_forward_or_back(mc):
     deadline = 1  # already passed: the recovery pass may settle it
     far = 2**62
     # "one": the client crashed after apply, before finish -> both names visible; roll forward.
-    p1 = await c._shard(
+    p1 = await c.call_shard(
         sa,
         "name.rename_prepare",
-        src_dir=a.id,
-        src_name="one",
-        dst_dir=b.id,
-        dst_name="one",
-        dst_address=c._shard_addr[sb],
-        deadline_ns=far,
+        {
+            "src_dir": a.id,
+            "src_name": "one",
+            "dst_dir": b.id,
+            "dst_name": "one",
+            "dst_address": c.address_of(sb),
+            "deadline_ns": far,
+        },
     )
-    await c._shard(
+    await c.call_shard(
         sb,
         "name.rename_apply",
-        dst_dir=b.id,
-        dst_name="one",
-        id=f1.id,
-        kind="file",
-        deadline_ns=far,
-        replace_dir=0,
+        {
+            "dst_dir": b.id,
+            "dst_name": "one",
+            "id": f1.id,
+            "kind": "file",
+            "deadline_ns": far,
+            "replace_dir": 0,
+        },
     )
     assert (await c.lookup(a.id, "one")).id == f1.id
     assert (await c.lookup(b.id, "one")).id == f1.id
     # While pinned, the source entry cannot be unlinked (Busy, retried, then surfaced).
     # "two": crashed after prepare -> roll back.
-    p2 = await c._shard(
+    p2 = await c.call_shard(
         sa,
         "name.rename_prepare",
-        src_dir=a.id,
-        src_name="two",
-        dst_dir=b.id,
-        dst_name="two",
-        dst_address=c._shard_addr[sb],
-        deadline_ns=deadline,
+        {
+            "src_dir": a.id,
+            "src_name": "two",
+            "dst_dir": b.id,
+            "dst_name": "two",
+            "dst_address": c.address_of(sb),
+            "deadline_ns": deadline,
+        },
     )
     with pytest.raises(Exception) as info:
-        await c._shard(
+        await c.call_shard(
             sb,
             "name.rename_apply",
-            dst_dir=b.id,
-            dst_name="two",
-            id=f2.id,
-            kind="file",
-            deadline_ns=deadline,
-            replace_dir=0,
+            {
+                "dst_dir": b.id,
+                "dst_name": "two",
+                "id": f2.id,
+                "kind": "file",
+                "deadline_ns": deadline,
+                "replace_dir": 0,
+            },
         )
     assert info.value.code == "timeout"  # too late: the recovery pass owns this intent now
     settled = sum([await s.recover_intents(before_ns=far + 1) for s in mc.servers])
@@ -513,12 +521,13 @@ async def test_xattrs(mc):
 async def test_orphan_records_are_collected(mc):
     c = mc.client
     # A create that crashed between the File record and the Name entry: record, no name.
-    r = await c._shard(3, "file.create", kind="file", parent=ROOT_ID, name="lost")
+    r = await c.call_shard(3, "file.create", {"kind": "file", "parent": ROOT_ID, "name": "lost"})
     orphan = r["attrs"]["id"]
-    await c._shard(3, "file.seal", id=orphan, token=r["token"], size=0)  # seal marks named...
-    r2 = await c._shard(3, "file.create", kind="file", parent=ROOT_ID, name="lost2")
+    # seal marks named...
+    await c.call_shard(3, "file.seal", {"id": orphan, "token": r["token"], "size": 0})
+    r2 = await c.call_shard(3, "file.create", {"kind": "file", "parent": ROOT_ID, "name": "lost2"})
     orphan2 = r2["attrs"]["id"]
-    await c._shard(3, "file.renew", id=orphan2, token=r2["token"])
+    await c.call_shard(3, "file.renew", {"id": orphan2, "token": r2["token"]})
     # A complete create that was never sealed: named, but not yet marked named.
     live, _ = await c.create(ROOT_ID, "live")
     # Writers hold live leases: nothing is collected while they may still finish.
@@ -549,8 +558,10 @@ async def test_bad_names_refused_everywhere(mc, bad):
         await c.rename(ROOT_ID, "x", ROOT_ID, bad)
     # The server checks too (a client that skips validation gets the same answer).
     with pytest.raises(InvalidName):
-        await c._shard(
-            shard_of(ROOT_ID, 8), "name.insert", dir=ROOT_ID, name=bad, id=12345, kind="file"
+        await c.call_shard(
+            shard_of(ROOT_ID, 8),
+            "name.insert",
+            {"dir": ROOT_ID, "name": bad, "id": 12345, "kind": "file"},
         )
     assert (await c.readdir(ROOT_ID))[0] == []
 
@@ -646,20 +657,22 @@ async def test_registry_liveness_and_persistence(tmp_path, secret_file):
         reg._nodes["node0"].last_seen -= 100  # silent for longer than the timeout
         nodes = {n.node_id: n for n in await c.nodes()}
         assert nodes["node0"].state == "down"
-        placed = await c._place(3, 3, ())  # placed by the client, over the node list
+        placed = await c.place(3, 3, ())  # placed by the client, over the node list
         assert "node0" not in [n.node_id for n in placed]
         with pytest.raises(NoSpace):
-            await c._place(4, 4, ())
+            await c.place(4, 4, ())
         # An address change (restart on a new port) updates the registration.
-        await c._registry(
+        await c.call_registry(
             "node.heartbeat",
-            node_id="node1",
-            address="127.0.0.1:30001",
-            failure_domain="rack1",
-            capacity=5,
-            free=5,
-            chunk_count=0,
-            queue_depth=0,
+            {
+                "node_id": "node1",
+                "address": "127.0.0.1:30001",
+                "failure_domain": "rack1",
+                "capacity": 5,
+                "free": 5,
+                "chunk_count": 0,
+                "queue_depth": 0,
+            },
         )
     async with open_meta_cluster(tmp_path, secret_file, servers=1, shards=4) as mc:
         nodes = {n.node_id: n for n in await mc.client.nodes()}
@@ -686,13 +699,13 @@ async def test_killed_directory_refuses_creates_until_revived(mc):
     c = mc.client
     d = await c.mkdir(ROOT_ID, "victim")
     shard = shard_of(d.id, 8)
-    await c._shard(shard, "file.kill_dir", id=d.id)
+    await c.call_shard(shard, "file.kill_dir", {"id": d.id})
     with pytest.raises(FileNotFound):
         await c.create(d.id, "late")
-    await c._shard(shard, "file.revive_dir", id=d.id)
+    await c.call_shard(shard, "file.revive_dir", {"id": d.id})
     f, _ = await c.create(d.id, "late")
     with pytest.raises(DirectoryNotEmpty):
-        await c._shard(shard, "file.kill_dir", id=d.id)
+        await c.call_shard(shard, "file.kill_dir", {"id": d.id})
     assert (await c.lookup(d.id, "late")).id == f.id
 
 
@@ -705,15 +718,17 @@ async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
         b = await mkdir_where(c, ROOT_ID, "b", lambda s: s != sa)
         sb = shard_of(b.id, 8)
         f, _ = await c.create(a.id, "f")
-        await c._shard(
+        await c.call_shard(
             sa,
             "name.rename_prepare",
-            src_dir=a.id,
-            src_name="f",
-            dst_dir=b.id,
-            dst_name="f",
-            dst_address=c._shard_addr[sb],
-            deadline_ns=1,
+            {
+                "src_dir": a.id,
+                "src_name": "f",
+                "dst_dir": b.id,
+                "dst_name": "f",
+                "dst_address": c.address_of(sb),
+                "deadline_ns": 1,
+            },
         )
         store = next(s.stores[sa] for s in mc.servers if sa in s.stores)
         with pytest.raises(Busy):  # pinned while the intent is open
@@ -722,7 +737,7 @@ async def test_rename_intents_settled_on_server_restart(tmp_path, secret_file):
     async with open_meta_cluster(tmp_path, secret_file, ports=ports, recovery_interval_s=0.1) as mc:
         c = mc.client
         for _ in range(600):  # recovery passes run from the servers' start
-            r = await c._shard(sa, "name.intents", before_ns=2**62)
+            r = await c.call_shard(sa, "name.intents", {"before_ns": 2**62})
             if not r["intents"]:
                 break
             await trio.sleep(0.05)

@@ -160,7 +160,9 @@ async def test_kill9_during_creates_loses_nothing_acknowledged(tmp_path, secret_
             # records that are named are kept and marked so.
             await client.collect_orphans(0)
             for shard in range(SHARDS):
-                r = await client._shard(shard, "file.orphans", older_than_ns=2**62, limit=10_000)
+                r = await client.call_shard(
+                    shard, "file.orphans", {"older_than_ns": 2**62, "limit": 10_000}
+                )
                 assert r["orphans"] == []
             assert await list_all(client, d.id) == listed
             for fid in listed.values():

@@ -115,7 +115,7 @@ async def _served_by(client, survivor: str) -> None:
     """Until ``survivor`` owns all 8 shards (a dead server's lease lapsed, its shards moved)."""
     with trio.fail_after(20):
         while True:
-            owners = (await client.meta._call(survivor, "server.owners", {}))["owners"]
+            owners = (await client.meta.call_server(survivor, "server.owners"))["owners"]
             if len(owners) == 8 and set(owners.values()) == {survivor}:
                 return
             await trio.sleep(0.1)
@@ -194,7 +194,7 @@ async def _records(client, addresses: list[str]) -> int:
     """File-layer records in the whole namespace: the servers named own every shard."""
     total = 0
     for address in addresses:
-        total += (await client.meta._call(address, "server.stats", {}))["files"]
+        total += (await client.meta.call_server(address, "server.stats"))["files"]
     return total
 
 
@@ -251,8 +251,8 @@ async def test_a_paused_server_never_commits_after_its_shards_moved(tmp_path):
                 with trio.fail_after(30):
                     while True:
                         owners = (
-                            await client.meta._call(
-                                cluster.metadata_address(0), "server.owners", {}
+                            await client.meta.call_server(
+                                cluster.metadata_address(0), "server.owners"
                             )
                         )["owners"]
                         if (
@@ -263,7 +263,7 @@ async def test_a_paused_server_never_commits_after_its_shards_moved(tmp_path):
                         await trio.sleep(0.2)
                 # A client that last talked to the paused server would wait out a call
                 # timeout before following; this one learns the new owners at once.
-                await client.meta._refresh_owners(avoid=cluster.metadata_address(1))
+                await client.meta.refresh_owners(avoid=cluster.metadata_address(1))
                 for i in range(10):
                     await _put(client, f"/during{i}", b"%d" % i)
             finally:
@@ -271,7 +271,7 @@ async def test_a_paused_server_never_commits_after_its_shards_moved(tmp_path):
             # Straight to the resumed server: every shard it had is refused.
             for shard in cluster.shards_of(1):
                 with pytest.raises(WrongShard):
-                    await client.meta._call(
+                    await client.meta.call_server(
                         cluster.metadata_address(1), "name.insert",
                         {"shard": shard, "dir": ROOT_ID, "name": "split-brain", "id": 77, "kind": "file"},
                     )  # fmt: skip

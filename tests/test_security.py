@@ -335,7 +335,9 @@ async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
         shard = shard_of(b, 4)
 
         async def caps(action: str, *chunks: tuple[str, int, int]) -> list[bytes | None]:
-            r = await c._shard(shard, "block.caps", action=action, chunks=[list(x) for x in chunks])
+            r = await c.call_shard(
+                shard, "block.caps", {"action": action, "chunks": [list(x) for x in chunks]}
+            )
             return r["caps"]
 
         # Allocated: a writer may be putting its chunks now; its put capability came with
@@ -360,10 +362,7 @@ async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
         (put,) = await caps("put", (nodes[3], b, 0))
         assert put is not None
         capability.verify(key, put, b, nodes[3], index=0)
-        await c._shard(
-            shard, "block.set_chunk", block_id=b, index=0, old_node=nodes[0], new_node=nodes[3],
-            checksum=70,
-        )  # fmt: skip
+        await c.set_chunk(b, 0, nodes[0], nodes[3], 70)
         old, new = await caps("delete", (nodes[0], b, 0), (nodes[3], b, 0))
         assert old is not None and new is None
         # A block of another shard is absent here, which must not read as "gone".
@@ -375,7 +374,7 @@ async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
         with pytest.raises(InvalidArgument):
             await caps("delete", ("../etc", b, 0))
         # The block of a deleted file, once the GC forgot it: every chunk may go.
-        await c._shard(shard, "block.forget", block_id=b, state="committed")
+        assert await c.forget_block(b, state="committed") is not None
         assert None not in await caps("delete", (nodes[3], b, 0), (nodes[1], b, 1))
 
 

@@ -228,7 +228,7 @@ class BlockIO:
             return {}
         if (base.ec, base.data_len, base.chunk_len) != (policy.name, data_len, cl):
             return {}
-        if self.meta._of(base.block_id) != self.meta._of(file_id):
+        if self.meta.shard_of(base.block_id) != self.meta.shard_of(file_id):
             return {}  # a block of a file that predates co-location
         old = {c.index: c for c in base.chunks}
         for i in range(policy.n):

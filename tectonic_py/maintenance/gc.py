@@ -96,18 +96,16 @@ class GarbageCollector:
         before = time.time_ns() - int(self.m.settings.lease_grace * 1e9)
         done = 0
         for shard in range(self.m.config.shards):
-            r = await self.m.shard_call(shard, "file.expired_leases", before_ns=before, limit=PAGE)
-            for file_id, token in r["files"]:
-                out = await self.m.shard_call(
-                    shard, "file.recover_lease", id=file_id, token=token, before_ns=before
-                )
-                if out["outcome"] != "skipped":
+            expired = await self.m.meta.expired_leases(shard, before_ns=before, limit=PAGE)
+            for file_id, token in expired:
+                outcome = await self.m.meta.recover_lease(file_id, token, before_ns=before)
+                if outcome != "skipped":
                     done += 1
                     log.warning(
                         "file %d: writer lease expired without a close; %s",
                         file_id,
                         "deleted (it was unlinked)"
-                        if out["outcome"] == "deleted"
+                        if outcome == "deleted"
                         else "left unsealed (incomplete) at its last committed size",
                     )
         self.m.counters.leases_recovered += done
@@ -122,14 +120,10 @@ class GarbageCollector:
         nodes = await self.m.nodes()
         done = 0
         for shard in range(self.m.config.shards):
-            r = await self.m.shard_call(
-                shard,
-                "file.gc_queue",
-                older_than_ns=before,
-                limit=PAGE,
-                superseded_before_ns=superseded,
+            queued = await self.m.meta.gc_queue(
+                shard, older_than_ns=before, limit=PAGE, superseded_before_ns=superseded
             )
-            ids = [int(b) for b, _ in r["blocks"]]
+            ids = [b for b, _ in queued]
             if not ids:
                 continue
             acked: list[int] = []
@@ -140,7 +134,7 @@ class GarbageCollector:
 
             await gather([functools.partial(collect, b, acked) for b in ids], 8)
             if acked:
-                await self.m.shard_call(shard, "file.gc_ack", block_ids=acked)
+                await self.m.meta.gc_ack(shard, acked)
                 done += len(acked)
         return done
 
@@ -149,15 +143,13 @@ class GarbageCollector:
         forgotten (one ``block.caps`` call for all of them); True when it is gone for good.
         The placements come from the forget itself, not a lookup before it: repair or
         rebalance may point the block at a new copy in between, and that copy would stay."""
-        r = await self.m.shard_call(
-            self.m.meta._of(block_id), "block.forget", block_id=block_id, state="committed"
-        )
-        if not r["forgotten"]:
+        placed = await self.m.meta.forget_block(block_id, state="committed")
+        if placed is None:
             return True  # never committed, or forgotten by an earlier (crashed) round
         self.m.counters.forgotten_blocks += 1
         up = [
-            (str(node_id), int(stored), int(index))
-            for node_id, stored, index in r["chunks"]
+            (node_id, stored, index)
+            for node_id, stored, index in placed
             if node_id in nodes and nodes[node_id].state == "up"
         ]  # a chunk on a node that is down: the chunk sweep deletes it when the node is back
         # No capability for a chunk file that another version still places (adopted).
@@ -194,15 +186,10 @@ class GarbageCollector:
                 first = self._suspects.setdefault(bid, now)
                 if now - first < grace:
                     continue
-                r = await self.m.shard_call(
-                    shard,
-                    "block.forget",
-                    block_id=bid,
-                    state=rec["state"],
-                    file_id=rec["file_id"],
-                    file_index=rec["file_index"],
+                placed = await self.m.meta.forget_block(
+                    bid, state=rec["state"], file_id=rec["file_id"], file_index=rec["file_index"]
                 )
-                if r["forgotten"]:
+                if placed is not None:
                     forgotten += 1
                     log.info(
                         "forgot %s block %016x of file %d (unreferenced past the grace period)",
@@ -222,12 +209,10 @@ class GarbageCollector:
         for shard, group in by_shard.items():
             for i in range(0, len(group), PAGE):
                 page = group[i : i + PAGE]
-                r = await self.m.shard_call(
-                    shard,
-                    "file.referenced",
-                    refs=[[g["file_id"], g["file_index"], g["block_id"]] for g in page],
+                refs = await self.m.meta.referenced(
+                    shard, [(g["file_id"], g["file_index"], g["block_id"]) for g in page]
                 )
-                out += [g for g, ref in zip(page, r["referenced"]) if not ref]
+                out += [g for g, ref in zip(page, refs) if not ref]
         return out
 
     # --- 5. the chunk sweep ----------------------------------------------------------------
@@ -254,26 +239,24 @@ class GarbageCollector:
         while after is not None:
             r = await self.m.node_call(node, "list", after=after, limit=PAGE)
             after = r["next"]
-            by_shard: dict[int, list[list[int]]] = {}
+            by_shard: dict[int, list[tuple[int, int]]] = {}
             for cid, _size in r["chunks"]:
                 try:
                     b, i = parse_chunk_id(cid)
                 except ValueError:
                     continue
-                by_shard.setdefault(self.m.meta._of(b), []).append([b, i])
+                by_shard.setdefault(self.m.meta.shard_of(b), []).append((b, i))
             for shard, chunks in by_shard.items():
-                d = await self.m.shard_call(
-                    shard, "block.dead_chunks", node_id=node.node_id, chunks=chunks
-                )
+                dead = await self.m.meta.dead_chunks(shard, node.node_id, chunks)
                 old: list[tuple[str, int, int]] = []
-                for b, i in d["dead"]:
+                for block, index in dead:
                     try:
-                        st = await self.m.node_call(node, "stat", chunk_id=chunk_id(b, i))
+                        st = await self.m.node_call(node, "stat", chunk_id=chunk_id(block, index))
                     except TectonicError:
                         continue
                     if st["mtime"] > cutoff:
                         continue  # a copy being made right now (repair, rebalance, a writer)
-                    old.append((node.node_id, b, i))
+                    old.append((node.node_id, block, index))
                 # Granted only if still dead: a chunk moved back here meanwhile gets no cap.
                 caps = await self.m.chunk_caps("delete", old) if old else {}
                 for (_, bid, idx), cap in caps.items():

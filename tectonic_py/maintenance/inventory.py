@@ -132,16 +132,14 @@ class Inventory:
         out: dict[tuple[int, int], tuple[int, int]] = {}
 
         async def shard(s: int) -> None:
-            after = [lo, MAX_CHUNK_INDEX]
+            after = (lo, MAX_CHUNK_INDEX)
             while True:
-                r = await self.m.shard_call(
-                    s, "block.node_chunks", node_id=node_id, after=after, upto=hi, limit=PAGE
-                )
-                for b, i, crc, length in r["chunks"]:
-                    out[(int(b), int(i))] = (int(crc), int(length))
-                if len(r["chunks"]) < PAGE:
+                chunks = await self.m.meta.node_chunks(s, node_id, after=after, upto=hi, limit=PAGE)
+                for b, i, crc, length in chunks:
+                    out[(b, i)] = (crc, length)
+                if len(chunks) < PAGE:
                     return
-                after = [int(r["chunks"][-1][0]), int(r["chunks"][-1][1])]
+                after = (chunks[-1][0], chunks[-1][1])
 
         async with trio.open_nursery() as nursery:
             for s in range(self.m.config.shards):

@@ -140,14 +140,14 @@ class Repairer:
             after = 0
             for _ in range(1_000_000):
                 try:
-                    r = await self.m.shard_call(shard, "block.bad_chunks", after=after, limit=1000)
+                    chunks, nxt = await self.m.meta.bad_chunks(shard, after=after, limit=1000)
                 except TectonicError as e:
                     log.info("no reported bad chunks from shard %d: %s", shard, e)
                     break
-                bad.update((int(b), int(i), str(n)) for b, i, n in r["chunks"])
-                if r["next"] is None:
+                bad.update(chunks)
+                if nxt is None:
                     break
-                after = int(r["next"])
+                after = nxt
         return bad
 
     async def find_work(

@@ -127,51 +127,24 @@ class Maintenance:
 
     # --- metadata ------------------------------------------------------------------------------
 
-    async def shard_call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
-        return await self.meta._shard(shard, op, **fields)
-
     async def nodes(self) -> dict[str, NodeInfo]:
         return {n.node_id: n for n in await self.meta.nodes()}
 
-    async def scan_blocks(self, shard: int) -> AsyncIterator[dict[str, Any]]:
-        """Every block record of a block shard, page by page (``block.scan``)."""
-        after = 0
-        for _ in range(10_000_000):
-            r = await self.shard_call(shard, "block.scan", after=after, limit=1000)
-            for b in r["blocks"]:
-                yield b
-            if r["next"] is None:
-                return
-            after = int(r["next"])
+    def scan_blocks(self, shard: int) -> AsyncIterator[dict[str, Any]]:
+        """Every block record of a block shard, page by page."""
+        return self.meta.scan_blocks(shard)
 
     async def set_chunk(
         self, block_id: int, index: int, old_node: str, new_node: str, crc: int
     ) -> None:
-        await self.shard_call(
-            self.meta._of(block_id),
-            "block.set_chunk",
-            block_id=block_id,
-            index=index,
-            old_node=old_node,
-            new_node=new_node,
-            checksum=crc,
-        )
+        await self.meta.set_chunk(block_id, index, old_node, new_node, crc)
 
     async def chunk_caps(
         self, op: str, chunks: Sequence[tuple[str, int, int]]
     ) -> dict[tuple[str, int, int], bytes]:
         """Capabilities for ``op`` on (node_id, block_id, index) chunks, one ``block.caps``
         call per block shard; the chunks the metadata service refused are absent."""
-        by_shard: dict[int, list[tuple[str, int, int]]] = {}
-        for c in chunks:
-            by_shard.setdefault(self.meta._of(c[1]), []).append(c)
-        out: dict[tuple[str, int, int], bytes] = {}
-        for shard, group in by_shard.items():
-            r = await self.shard_call(
-                shard, "block.caps", action=op, chunks=[list(c) for c in group]
-            )
-            out.update((c, cap) for c, cap in zip(group, r["caps"]) if cap is not None)
-        return out
+        return await self.meta.chunk_caps(op, chunks)
 
     async def _chunk_cap(self, op: str, node: NodeInfo, block_id: int, index: int) -> bytes:
         key = (node.node_id, block_id, index)
