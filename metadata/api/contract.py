@@ -123,7 +123,9 @@ def _float(a: Arg, v: Any) -> tuple[bool, Any]:
     return True, v
 
 
-def _sized(kind: type[str] | type[bytes] | type[list[Any]], what: str) -> Callable[[Arg, Any], tuple[bool, Any]]:
+def _sized(
+    kind: type[str | bytes | list[Any]], what: str
+) -> Callable[[Arg, Any], tuple[bool, Any]]:
     def check(a: Arg, v: Any) -> tuple[bool, Any]:
         if not isinstance(v, kind):
             return False, f"must be {what}"
