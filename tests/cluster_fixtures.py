@@ -3,7 +3,7 @@
 ``local_cluster``: a real cluster (2 metadata servers, 9 chunk stores, 16 shards) as
 subprocesses under ``tmp_path``, with a small chunk size (64 KiB) so multi-block files stay
 small and fast; always stopped (SIGTERM, then SIGKILL) at the end.
-``client``: an open ``TectonicClient`` on it.
+``client``: an open ``TectonicClient`` on it, as role client (``client.toml``, a GPU node's).
 """
 
 from __future__ import annotations
@@ -43,5 +43,5 @@ def local_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 
 @pytest.fixture
 async def client(local_cluster: LocalCluster) -> AsyncIterator[TectonicClient]:
-    async with open_client(local_cluster.cluster_file, slow_chunk_s=5.0, chunk_timeout=10.0) as c:
+    async with open_client(local_cluster.client_file, slow_chunk_s=5.0, chunk_timeout=10.0) as c:
         yield c

@@ -79,7 +79,7 @@ class Mount:
                     "tectonic_py.cli.main",
                     "-v",
                     "mount",
-                    str(self.cluster.cluster_file),
+                    str(self.cluster.client_file),  # role client, as a GPU node mounts
                     str(self.path),
                     "--foreground",
                     *extra,

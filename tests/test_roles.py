@@ -225,3 +225,40 @@ def test_bad_input_through_tectonic_call_is_one_line_and_changes_nothing(
     served = tectonic("call", admin, "server.owners")
     assert served.returncode == 0, served.stderr
     assert "owners" in json.loads(served.stdout)
+
+
+def test_a_cluster_file_made_before_roles_still_works_as_admin(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """An upgraded cluster: a cluster file that names the secret itself (the only kind
+    before roles) speaks as admin with the derived key, and may name another role."""
+    config = cluster_file.load(cluster.cluster_file)
+    legacy = tmp_path / "old.toml"
+    cluster_file.ClusterConfig(
+        name="old", secret_file=cluster.secret_file, shards=config.shards,
+        metadata_servers=config.metadata_servers,
+    ).write(legacy)  # fmt: skip
+    text = legacy.read_text()
+    assert "secret_file" in text and "key_file" not in text
+    assert cluster_file.load(legacy).credential().role == "admin"
+    assert tectonic("ls", str(legacy), "/").returncode == 0
+    assert tectonic("call", str(legacy), "block.scan", '{"shard": 0}').returncode == 0
+    as_client = tmp_path / "old-client.toml"
+    as_client.write_text(text.replace('role = "admin"', 'role = "client"'))
+    one_line_error(
+        tectonic("call", str(as_client), "block.scan", '{"shard": 0}'),
+        "permission denied: block.scan needs role maintenance",
+    )
+
+
+def test_key_files_are_private_and_a_loose_one_is_refused(cluster: LocalCluster) -> None:
+    for role in ("client", "maintenance", "admin"):
+        assert os.stat(cluster.key_file(role)).st_mode & 0o777 == 0o600
+    loose = cluster.key_file("client")
+    os.chmod(loose, 0o644)
+    try:
+        one_line_error(
+            tectonic("ls", str(cluster.client_file), "/"), "client key file", "chmod 600"
+        )
+    finally:
+        os.chmod(loose, 0o600)
