@@ -61,7 +61,7 @@ batch                ops [[op, fields], ...] (``name.*``/``file.*``/        resu
 ==================== ===================================================== =====================
 
 ``batch`` carries many independent requests in one frame (the client coalesces what its
-ranks send one server while a call to it is in flight, metadata/client.py). Its ops run
+ranks send one server while a call to it is in flight, metadata/coalescer.py). Its ops run
 concurrently, so their mutations meet in their shards' group commits; each gets its own
 result or its own error, encoded by ``rpc_server.error_to_header`` as a lone request's is.
 
