@@ -17,8 +17,9 @@ Keys (``P`` is the cluster's prefix)::
     P/shard/NNNNN/row/<table>/<primary key as JSON>   msgpack {column: value}
     P/owner/NNNNN                                     msgpack {address}, on the owner's lease
 
-The SQLite copy is a cache: it is rebuilt from etcd whenever a server takes a shard (or
-after an etcd commit whose outcome is unknown), and written without fsync.
+The SQLite copy (``ReplicatedStore``, a ``ShardStore`` whose batches commit this way) is a
+cache: it is rebuilt from etcd whenever a server takes a shard (or after an etcd commit whose
+outcome is unknown), and written without fsync.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import trio
 
+from metadata.shard import SCHEMA_VERSION, Mutation, ShardStore
 from tectonic_py.core.errors import ShardUnavailable, TectonicError, WrongShard
 from tectonic_py.core.etcd_client import (
     Compare,
@@ -181,3 +184,95 @@ class ShardReplica:
             conn.execute("ROLLBACK")
             raise
         return len(kvs)
+
+
+class ReplicatedStore(ShardStore):
+    """A shard's SQLite copy under the etcd engine: made anew here, filled from etcd by
+    ``load_replica``, each batch's rows written to etcd (``ShardReplica``) before it
+    commits here."""
+
+    durable = False  # etcd has the durable copy; this one is rebuilt after any restart
+
+    def __init__(self, data_dir: Path, shard: int, total_shards: int, replica: ShardReplica):
+        self.replica = replica
+        self.max_changes = replica.max_changes
+        self.stale = False  # an etcd commit of unknown outcome: reload before serving
+        self.lost = False  # etcd refused a batch's fence: another server owns the shard now
+        super().__init__(data_dir, shard, total_shards)
+
+    def _prepare(self) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+    def _adopt(self, fresh: bool) -> None:
+        self.replica.install(self._writer)
+
+    async def load_replica(self) -> int:
+        """Fill the copy from etcd; a shard etcd has never held gets its identity rows there
+        first. Returns the number of rows loaded."""
+        rows = await self.replica.load(self._writer)
+        if rows == 0:
+            ops = await trio.to_thread.run_sync(self._identity_ops)
+            try:
+                await self.replica.commit(ops)
+            except BaseException:
+                await trio.to_thread.run_sync(self._writer.execute, "ROLLBACK")
+                raise
+            await trio.to_thread.run_sync(self._writer.execute, "COMMIT")
+        self._check_identity(fresh=False)
+        self.stale = False
+        return rows
+
+    def _identity_ops(self) -> list[dict[str, Any]]:
+        want = {"schema": SCHEMA_VERSION, "shard": self.shard, "total_shards": self.total_shards}
+        self._writer.execute("BEGIN IMMEDIATE")
+        self._writer.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", list(want.items()))
+        return self.replica.collect(self._writer)
+
+    def read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.stale:
+            raise ShardUnavailable(f"shard {self.shard}: reloading from etcd")
+        return super().read(fn, *args)
+
+    async def _ready(self) -> None:
+        if self.stale:
+            await self._reload()
+
+    async def _commit(self, batch: list[Mutation]) -> list[Mutation]:
+        """Apply, send the changed rows to etcd in one fenced transaction, then commit.
+
+        A refused fence (``WrongShard``) fails the batch: the server gives the shard up. An
+        etcd failure leaves the outcome unknown: the batch fails and the copy is rebuilt
+        from etcd before this shard serves again."""
+        await trio.to_thread.run_sync(lambda: self._apply(batch, commit=False))
+        if not self._writer.in_transaction:
+            return batch  # the SQLite side failed; the batch holds its error
+        ops = await trio.to_thread.run_sync(self.replica.collect, self._writer)
+        try:
+            await self.replica.commit(ops)
+        except TectonicError as e:
+            await trio.to_thread.run_sync(self._fail, batch, e)
+            if isinstance(e, WrongShard):
+                self.lost = True
+            else:
+                self.stale = True
+            return batch
+        try:
+            await trio.to_thread.run_sync(self._writer.execute, "COMMIT")
+        except sqlite3.Error as e:
+            self.stale = True  # etcd has the batch; the copy does not
+            self._fail(batch, ShardUnavailable(f"shard {self.shard}: local commit failed: {e}"))
+        return batch
+
+    def _fail(self, batch: list[Mutation], err: TectonicError) -> None:
+        super()._fail(batch, err)
+        self.replica.discard(self._writer)
+
+    async def _reload(self) -> None:
+        while True:
+            try:
+                await self.load_replica()
+                return
+            except TectonicError as e:
+                log.warning("shard %d: reload from etcd failed (%s); retrying", self.shard, e)
+                await trio.sleep(1.0)

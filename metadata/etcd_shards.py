@@ -6,9 +6,12 @@ whatever it owns (metadata/ownership.py): it first claims the shards its command
 lease lapsed). Taking a shard means claiming its owner key, loading its rows from etcd into
 a fresh SQLite copy and starting its committer; the shard is served only after that.
 
-Giving up: a batch refused by the fence (``ShardStore`` raises ``WrongShard``), or the lease
-lost, drops the shard from ``server.stores`` and cancels its committer; requests for it then
+Giving up: a batch refused by the fence (``ReplicatedStore`` raises ``WrongShard``), or the
+lease lost, drops the shard from ``stores`` and cancels its committer; requests for it then
 get ``WrongShard`` and clients ask ``server.owners`` where it went.
+
+``EtcdShards`` is the etcd engine of metadata/engine.py: the server knows it only by that
+interface, and it knows the server only as a ``ShardHost``.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
-from metadata.etcd_engine import ShardReplica
+from metadata.engine import ShardHost, ShardPlan
+from metadata.etcd_engine import ReplicatedStore, ShardReplica
 from metadata.ownership import DEFAULT_TTL_S, Ownership
 from metadata.registry import Registry
 from metadata.shard import ShardStore
@@ -29,9 +32,6 @@ from tectonic_py.core.cluster_file import REGISTRY_SHARD
 from tectonic_py.core.errors import TectonicError, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
 from tectonic_py.core.ids import ROOT_ID, shard_of
-
-if TYPE_CHECKING:
-    from metadata.server import MetadataServer
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,21 @@ class EtcdSettings:
     # A shard preferred by another server is taken only after it was seen unowned this long,
     # so that at cluster start every server gets its own shards.
     takeover_delay_s: float = field(default=1.0)
+    name: str = field(default="etcd", init=False)
 
 
 class EtcdShards:
-    def __init__(self, server: MetadataServer, settings: EtcdSettings, preferred: list[int]):
-        self.server = server
+    """The shards this server owns, each a ``ReplicatedStore`` (the module docstring)."""
+
+    def __init__(self, plan: ShardPlan, settings: EtcdSettings) -> None:
         self.settings = settings
-        self.preferred = preferred
-        self.cache_dir = Path(server.data_dir) / "etcd-cache"
+        self.preferred = plan.shards
+        self.total_shards = plan.total_shards
+        self.node_timeout = plan.node_timeout
+        self.cache_dir = Path(plan.data_dir) / "etcd-cache"
+        self.stores: dict[int, ReplicatedStore] = {}
+        self.registry: Registry | None = None
+        self._host: ShardHost | None = None
         self.etcd = EtcdClient(settings.endpoints)
         self.ownership: Ownership | None = None
         self._scopes: dict[int, trio.CancelScope] = {}
@@ -67,26 +74,43 @@ class EtcdShards:
         self._rng = random.Random()
         self._loading = trio.CapacityLimiter(LOAD_PARALLEL)
 
+    @property
+    def address(self) -> str:
+        return self._host.address if self._host is not None else ""
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Nothing is held before the server listens: shards are claimed under its address."""
+
     def check(self, shard: int) -> ShardStore:
         """The store of a shard this server may serve right now, or the error that says why
         not: ``WrongShard`` (not executed: ask the owners, retry) also while this server's
         lease is unconfirmed, since another server may own the shard by now."""
-        store = self.server.stores.get(shard)
+        store = self.stores.get(shard)
         if store is not None and store.lost:
             self._nursery.start_soon(self.drop, shard)
             store = None
         if store is None:
-            raise WrongShard(f"shard {shard} is not owned by {self.server.address}")
+            raise WrongShard(f"shard {shard} is not owned by {self.address}")
         if self.ownership is None or not self.ownership.valid():
-            raise WrongShard(f"{self.server.address}: etcd lease not confirmed")
+            raise WrongShard(f"{self.address}: etcd lease not confirmed")
         return store
+
+    def node_registry(self) -> Registry:
+        self.check(REGISTRY_SHARD)
+        if self.registry is None:
+            raise WrongShard(f"the node registry lives with shard {REGISTRY_SHARD}, not here")
+        return self.registry
 
     async def owners(self) -> dict[int, str]:
         """Where every shard is, as of the last poll (at most ``poll_s`` old): asked by
         every client that follows a moved shard, so it costs etcd nothing."""
         return dict(self._owners)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, host: ShardHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Claim the preferred shards (started then), then take over unowned ones."""
+        self._host = host
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         try:
             async with trio.open_nursery() as nursery:
@@ -94,7 +118,7 @@ class EtcdShards:
                     # its own connections: a keep-alive never queues behind commits
                     EtcdClient(self.settings.endpoints, max_connections=4),
                     self.settings.prefix,
-                    self.server.address,
+                    host.address,
                     ttl=self.settings.lease_ttl,
                     on_lost=self.drop_all,
                 )
@@ -130,11 +154,11 @@ class EtcdShards:
         self._owners = owners
         now = trio.current_time()
         due: list[int] = []
-        for shard in list(self.server.stores):
-            if owners.get(shard) != self.server.address:
+        for shard in list(self.stores):
+            if owners.get(shard) != self.address:
                 log.warning("shard %d: owner key gone; giving it up", shard)
                 await self.drop(shard)
-        for shard in range(self.server.total_shards):
+        for shard in range(self.total_shards):
             if shard in owners:
                 self._unowned_since.pop(shard, None)
                 self._seen_owned.add(shard)
@@ -171,7 +195,7 @@ class EtcdShards:
         replica = ShardReplica(self.etcd, self.settings.prefix, shard, revision)
         # Making the copy (schema, triggers) is blocking SQLite work: off the event loop.
         store = await trio.to_thread.run_sync(
-            lambda: ShardStore(self.cache_dir, shard, self.server.total_shards, replica=replica)
+            lambda: ReplicatedStore(self.cache_dir, shard, self.total_shards, replica)
         )
         try:
             rows = await store.load_replica()
@@ -189,16 +213,16 @@ class EtcdShards:
         scope = trio.CancelScope()
         self._scopes[shard] = scope
         self._nursery.start_soon(self._run_store, store, scope)
-        self.server.stores[shard] = store
-        self._owners[shard] = self.server.address
+        self.stores[shard] = store
+        self._owners[shard] = self.address
         if shard == REGISTRY_SHARD:
-            self.server.registry = Registry(store, self.server.node_timeout)
-        if shard == shard_of(ROOT_ID, self.server.total_shards):
-            await self.server._ensure_root()
+            self.registry = Registry(store, self.node_timeout)
+        if shard == shard_of(ROOT_ID, self.total_shards) and self._host is not None:
+            await self._host.ensure_root()
         self._unowned_since.pop(shard, None)
         log.info("shard %d: serving (%d rows from etcd)", shard, rows)
 
-    async def _run_store(self, store: ShardStore, scope: trio.CancelScope) -> None:
+    async def _run_store(self, store: ReplicatedStore, scope: trio.CancelScope) -> None:
         with scope:
             try:
                 await store.run()
@@ -206,11 +230,11 @@ class EtcdShards:
                 store.close()
 
     async def drop(self, shard: int) -> None:
-        store = self.server.stores.pop(shard, None)
-        if self._owners.get(shard) == self.server.address:
+        store = self.stores.pop(shard, None)
+        if self._owners.get(shard) == self.address:
             del self._owners[shard]
         if shard == REGISTRY_SHARD:
-            self.server.registry = None
+            self.registry = None
         scope = self._scopes.pop(shard, None)
         if scope is not None:
             scope.cancel()
@@ -221,5 +245,5 @@ class EtcdShards:
                 log.warning("shard %d: release failed (its lease will lapse): %s", shard, e)
 
     async def drop_all(self) -> None:
-        for shard in list(self.server.stores):
+        for shard in list(self.stores):
             await self.drop(shard)

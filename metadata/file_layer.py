@@ -34,8 +34,10 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from metadata.dir_entries import has_entries
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
+    DirectoryNotEmpty,
     FileNotFound,
     FileSealed,
     InvalidArgument,
@@ -412,14 +414,10 @@ def unlink(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
 def kill_dir(conn: sqlite3.Connection, dir_id: int, expect_empty: bool = True) -> None:
     """rmdir step 1, in the directory's own shard: refuse if it has entries, else mark it
     dead (nlink 0) so no create can enter it; the record is dropped by ``drop``."""
-    from metadata.name_layer import has_entries
-
     row = _row(conn, dir_id)
     if row[1] != KIND_DIR:
         raise NotADirectory(f"{dir_id} is not a directory")
     if expect_empty and has_entries(conn, dir_id):
-        from tectonic_py.core.errors import DirectoryNotEmpty
-
         raise DirectoryNotEmpty(f"directory {dir_id} is not empty")
     conn.execute("UPDATE files SET nlink = 0 WHERE id = ?", (dir_id,))
 

@@ -18,8 +18,10 @@ import trio
 
 from metadata import backup
 from metadata.client import MetadataClient
+from metadata.engine import EngineSettings
 from metadata.etcd_shards import EtcdSettings
 from metadata.server import MetadataServer, parse_shard_list
+from metadata.sqlite_engine import SqliteSettings
 from tectonic_py.core import capability, cluster_file
 from tectonic_py.core.aio import _single, open_service_nursery
 from tectonic_py.core.auth import load_secret
@@ -136,9 +138,9 @@ def run(args: argparse.Namespace) -> int:
         missing += [f for f, v in [("--etcd-prefix", args.etcd_prefix)] if not v]
     if missing:
         args.metadata_parser.error(f"the following arguments are required: {', '.join(missing)}")
-    etcd = None
+    engine: EngineSettings = SqliteSettings()
     if args.engine == "etcd":
-        etcd = EtcdSettings(
+        engine = EtcdSettings(
             [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
             prefix=args.etcd_prefix,
             lease_ttl=args.etcd_lease_ttl,
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         capability_key=capability.load_key(args.capability_key_file),
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
-        etcd=etcd,
+        engine=engine,
     )
     log.info(
         "metadata server starting: shards %s of %d, data in %s, listening on %s",

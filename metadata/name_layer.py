@@ -162,13 +162,6 @@ def list_entries(
     return entries, cursor
 
 
-def has_entries(conn: sqlite3.Connection, dir_id: int) -> bool:
-    return (
-        conn.execute("SELECT 1 FROM names WHERE dir_id = ? LIMIT 1", (dir_id,)).fetchone()
-        is not None
-    )
-
-
 def remove(conn: sqlite3.Connection, dir_id: int, name: str, kind: str, expect_id: int = 0) -> int:
     """Remove an entry of the given kind; returns the child id.
 

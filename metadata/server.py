@@ -13,7 +13,7 @@ those declarations, every request's fields checked against them before its handl
 a role's call of an op not declared for it refused before that.
 
 ``batch`` carries many independent requests in one frame (the client coalesces what its
-ranks send one server while a call to it is in flight, metadata/client.py). Its ops run
+ranks send one server while a call to it is in flight, metadata/coalescer.py). Its ops run
 concurrently, so their mutations meet in their shards' group commits; each gets its own
 result or its own error, encoded by ``rpc_server.error_to_header`` as a lone request's is.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +40,16 @@ import trio
 from metadata import backup, block_layer, file_layer, name_layer
 from metadata.api import OPS
 from metadata.checkpoint_ops import CheckpointOps
-from metadata.etcd_shards import EtcdSettings, EtcdShards
+from metadata.engine import Engine, EngineSettings, ShardPlan
+from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.registry import Registry
 from metadata.shard import ShardStore, now_ns
+from metadata.sqlite_engine import SqliteSettings
 from metadata.write_ops import WriteOps
 from tectonic_py.core import capability, rpc_client, rpc_server, sockets
 from tectonic_py.core.auth import ROLE_CLIENT, ROLE_NODE, Credential, Keyring
-from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
     ConfigError,
@@ -107,10 +109,11 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         node_timeout: float = 10.0,
         lease_ns: int = LEASE_NS,
         recovery_interval_s: float = RECOVERY_INTERVAL_S,
-        etcd: EtcdSettings | None = None,
+        engine: EngineSettings | None = None,
     ) -> None:
-        """``etcd``: the etcd engine (metadata/etcd_shards.py): ``shards`` are then the ones
-        this server claims first, and it serves whatever it owns."""
+        """``engine``: the settings of the engine that keeps the shards (metadata/engine.py;
+        sqlite's by default). Under etcd ``shards`` are the ones this server claims first,
+        and it serves whatever it owns."""
         if total_shards < 1:
             raise InvalidArgument(f"total shards must be at least 1, not {total_shards}")
         if not shards:
@@ -133,15 +136,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         self.lease_ns = lease_ns
         self.recovery_interval_s = recovery_interval_s
         self.node_timeout = node_timeout
-        self.etcd_shards = None if etcd is None else EtcdShards(self, etcd, sorted(set(shards)))
-        self.stores: dict[int, ShardStore] = {}
-        self.registry: Registry | None = None
-        if self.etcd_shards is None:
-            self.stores = {
-                s: ShardStore(self.data_dir, s, total_shards) for s in sorted(set(shards))
-            }
-            if REGISTRY_SHARD in self.stores:
-                self.registry = Registry(self.stores[REGISTRY_SHARD], node_timeout)
+        plan = ShardPlan(self.data_dir, sorted(set(shards)), total_shards, node_timeout)
+        self.engine: Engine = open_engine(engine or SqliteSettings(), plan)
         self.address = ""
         self.rpc = rpc_server.RpcServer(
             f"metadata[{shards[0]}..]",
@@ -149,6 +145,15 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             OPS.bind(self),
             roles=OPS.roles_by_op(),
         )
+
+    @property
+    def stores(self) -> Mapping[int, ShardStore]:
+        """The shards this server serves now (its engine's)."""
+        return self.engine.stores
+
+    @property
+    def registry(self) -> Registry | None:
+        return self.engine.registry
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -162,13 +167,11 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
     ) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                for store in self.stores.values():
-                    nursery.start_soon(store.run)
-                await self._ensure_root()
+                self.engine.start(nursery)
+                await self.ensure_root()
                 h, p = await nursery.start(self.rpc.serve, host, port)
                 self.address = f"{h}:{p}"
-                if self.etcd_shards is not None:
-                    await nursery.start(self.etcd_shards.run)
+                await nursery.start(self.engine.run, self)
                 nursery.start_soon(self._recovery_loop)
                 if ready_file is not None:
                     write_ready_file(ready_file, self.address)
@@ -177,7 +180,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             for store in self.stores.values():
                 store.close()
 
-    async def _ensure_root(self) -> None:
+    async def ensure_root(self) -> None:
+        """The root directory, made once in its shard when this server serves that."""
         root_shard = shard_of(ROOT_ID, self.total_shards)
         store = self.stores.get(root_shard)
         if store is None:
@@ -200,13 +204,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         log.info("created the root directory in shard %d", root_shard)
 
     def _store(self, req: Request) -> ShardStore:
-        shard = req["shard"]
-        if self.etcd_shards is not None:
-            return self.etcd_shards.check(shard)
-        store = self.stores.get(shard)
-        if store is None:
-            raise WrongShard(f"shard {shard} is not hosted by {self.address or 'this server'}")
-        return store
+        return self.engine.check(req["shard"])
 
     # --- Name layer ---------------------------------------------------------------------------
 
@@ -580,11 +578,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
     # --- Node registry ------------------------------------------------------------------------
 
     def _registry(self) -> Registry:
-        if self.etcd_shards is not None:
-            self.etcd_shards.check(REGISTRY_SHARD)
-        if self.registry is None:
-            raise WrongShard(f"the node registry lives with shard {REGISTRY_SHARD}, not here")
-        return self.registry
+        return self.engine.node_registry()
 
     async def op_node__heartbeat(self, req: Request) -> None:
         registry = self._registry()
@@ -673,11 +667,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         )
 
     async def op_server__owners(self, req: Request) -> dict[str, Any]:
-        """Shard -> the address serving it (under etcd: every owned shard; else this
-        server's): where a client goes after ``WrongShard``."""
-        if self.etcd_shards is None:
-            return {"owners": {str(s): self.address for s in self.stores}}
-        owners = await self.etcd_shards.owners()
+        """Shard -> the address serving it (the engine's answer: under etcd every owned
+        shard, under sqlite this server's): where a client goes after ``WrongShard``."""
+        owners = await self.engine.owners()
         return {"owners": {str(s): a for s, a in owners.items()}}
 
     # --- recovery of cross-shard renames ------------------------------------------------------

@@ -19,10 +19,12 @@ Reads use a second connection on the event loop's thread: WAL readers never wait
 writer, each statement sees the last committed state, and a reply is only sent after its
 write committed, so a client always reads its own writes.
 
-The etcd engine (``replica``, metadata/etcd_engine.py): the same batches, but before the
-COMMIT the rows the batch changed go to etcd in one transaction fenced on this server's
-ownership of the shard; the file here is then only a copy, rebuilt from etcd when the shard
-is taken over or after an etcd commit whose outcome is unknown (``stale``).
+The etcd engine's store (``ReplicatedStore``, metadata/etcd_engine.py) is a subclass: the same
+batches, but before the COMMIT the rows the batch changed go to etcd in one transaction fenced
+on this server's ownership of the shard; the file here is then only a copy, rebuilt from etcd
+when the shard is taken over or after an etcd commit whose outcome is unknown. The hooks it
+overrides (``_prepare``, ``_adopt``, ``_ready``, ``_commit``, ``durable``, ``max_changes``) are
+this module's only points where the engines differ.
 
 Resource handling: ``ShardStore.run`` is the committer task; it lives in the server's
 nursery. ``close()`` closes both connections after the nursery ended.
@@ -37,18 +39,16 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-if TYPE_CHECKING:
-    from metadata.etcd_engine import ShardReplica
-
-from tectonic_py.core.errors import ShardUnavailable, TectonicError, WrongShard
+from tectonic_py.core.errors import ShardUnavailable, TectonicError
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def _connect(path: Path, *, durable: bool = True) -> sqlite3.Connection:
 
 
 @dataclass
-class _Mutation:
+class Mutation:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     done: trio.Event = field(default_factory=trio.Event)
@@ -156,58 +156,34 @@ class ShardStats:
 
 
 class ShardStore:
-    """One logical shard's durable store with a group-committing writer."""
+    """One logical shard's durable store with a group-committing writer (the sqlite
+    engine's; the etcd engine's copy is ``ReplicatedStore``, metadata/etcd_engine.py, which
+    changes how the file is made and how a batch commits)."""
 
-    def __init__(
-        self, data_dir: Path, shard: int, total_shards: int, *, replica: ShardReplica | None = None
-    ) -> None:
-        """``replica``: the etcd engine (metadata/etcd_engine.py). Then this file is only a
-        copy of what etcd holds, made anew here and filled by ``load_replica``."""
+    durable = True  # fsync at every commit
+    max_changes = sys.maxsize  # rows one batch may change before the rest wait
+
+    def __init__(self, data_dir: Path, shard: int, total_shards: int) -> None:
         self.shard = shard
         self.total_shards = total_shards
         self.path = Path(data_dir) / shard_file(shard)
-        self.replica = replica
-        self.stale = False  # an etcd commit of unknown outcome: reload before serving
-        self.lost = False  # etcd refused a batch's fence: another server owns the shard now
-        if replica is not None:
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._prepare()
         fresh = not self.path.exists()
-        self._writer = _connect(self.path, durable=replica is None)
+        self._writer = _connect(self.path, durable=self.durable)
         # One transaction: one fsync for the whole schema instead of one per statement.
         self._writer.executescript("BEGIN IMMEDIATE;" + SCHEMA + "COMMIT;")
-        if replica is None:
-            self._check_identity(fresh)
-        else:
-            replica.install(self._writer)
-        self.reader = _connect(self.path, durable=replica is None)
-        self._queue: list[_Mutation] = []
+        self._adopt(fresh)
+        self.reader = _connect(self.path, durable=self.durable)
+        self._queue: list[Mutation] = []
         self._has_work = trio.Event()
         self.stats = ShardStats()
 
-    async def load_replica(self) -> int:
-        """Fill the copy from etcd; a shard etcd has never held gets its identity rows there
-        first. Returns the number of rows loaded."""
-        assert self.replica is not None
-        rows = await self.replica.load(self._writer)
-        if rows == 0:
-            ops = await trio.to_thread.run_sync(self._identity_ops)
-            try:
-                await self.replica.commit(ops)
-            except BaseException:
-                await trio.to_thread.run_sync(self._writer.execute, "ROLLBACK")
-                raise
-            await trio.to_thread.run_sync(self._writer.execute, "COMMIT")
-        self._check_identity(fresh=False)
-        self.stale = False
-        return rows
+    def _prepare(self) -> None:
+        """Before the file is opened: a durable shard keeps the file it finds."""
 
-    def _identity_ops(self) -> list[dict[str, Any]]:
-        assert self.replica is not None
-        want = {"schema": SCHEMA_VERSION, "shard": self.shard, "total_shards": self.total_shards}
-        self._writer.execute("BEGIN IMMEDIATE")
-        self._writer.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", list(want.items()))
-        return self.replica.collect(self._writer)
+    def _adopt(self, fresh: bool) -> None:
+        """Once the schema is in: check the file's identity (or give a new file one)."""
+        self._check_identity(fresh)
 
     def _check_identity(self, fresh: bool) -> None:
         """A shard file records which shard of how many it is: a moved or mislabelled file is
@@ -231,13 +207,11 @@ class ShardStore:
 
     def read(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a read-only layer function on the reader connection (event loop thread)."""
-        if self.stale:
-            raise ShardUnavailable(f"shard {self.shard}: reloading from etcd")
         return fn(self.reader, *args)
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Queue one mutation; return its result once the batch holding it is durable."""
-        m = _Mutation(fn, args)
+        m = Mutation(fn, args)
         self._queue.append(m)
         self._has_work.set()
         await m.done.wait()
@@ -248,22 +222,26 @@ class ShardStore:
     async def run(self) -> None:
         """The committer task: forever take all queued mutations and commit them at once."""
         while True:
-            if self.stale:
-                await self._reload()
+            await self._ready()
             await self._has_work.wait()
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             if not self._queue:
                 self._has_work = trio.Event()
             try:
-                if self.replica is None:
-                    await trio.to_thread.run_sync(self._apply, batch)
-                else:
-                    batch = await self._apply_replicated(batch)
+                batch = await self._commit(batch)
             finally:
                 for m in batch:
                     m.done.set()
 
-    def _apply(self, batch: list[_Mutation], *, commit: bool = True) -> None:
+    async def _ready(self) -> None:
+        """Before each batch: a durable shard is always ready."""
+
+    async def _commit(self, batch: list[Mutation]) -> list[Mutation]:
+        """Apply and commit one batch (in a worker thread); returns the mutations it held."""
+        await trio.to_thread.run_sync(self._apply, batch)
+        return batch
+
+    def _apply(self, batch: list[Mutation], *, commit: bool = True) -> None:
         """The batch in one transaction; committed unless ``commit`` is false (the etcd
         engine commits once etcd has the batch's rows)."""
         conn = self._writer
@@ -280,7 +258,7 @@ class ShardStore:
                     m.error = e
                     conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
-                if self.replica and conn.total_changes - start > self.replica.max_changes:
+                if conn.total_changes - start > self.max_changes:
                     self._queue[:0] = batch[i + 1 :]  # etcd's transaction limit: the rest wait
                     self._has_work.set()
                     del batch[i + 1 :]
@@ -292,7 +270,7 @@ class ShardStore:
             return
         self._count(batch)
 
-    def _fail(self, batch: list[_Mutation], err: TectonicError) -> None:
+    def _fail(self, batch: list[Mutation], err: TectonicError) -> None:
         log.error("shard %d: batch of %d mutations failed: %s", self.shard, len(batch), err)
         conn = self._writer
         if conn.in_transaction:
@@ -300,48 +278,10 @@ class ShardStore:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-        if self.replica is not None:
-            self.replica.discard(conn)
         for m in batch:
             m.result, m.error = None, err
 
-    async def _apply_replicated(self, batch: list[_Mutation]) -> list[_Mutation]:
-        """Apply, send the changed rows to etcd in one fenced transaction, then commit.
-
-        A refused fence (``WrongShard``) fails the batch: the server gives the shard up. An
-        etcd failure leaves the outcome unknown: the batch fails and the copy is rebuilt
-        from etcd before this shard serves again."""
-        assert self.replica is not None
-        await trio.to_thread.run_sync(lambda: self._apply(batch, commit=False))
-        if not self._writer.in_transaction:
-            return batch  # the SQLite side failed; the batch holds its error
-        ops = await trio.to_thread.run_sync(self.replica.collect, self._writer)
-        try:
-            await self.replica.commit(ops)
-        except TectonicError as e:
-            await trio.to_thread.run_sync(self._fail, batch, e)
-            if isinstance(e, WrongShard):
-                self.lost = True
-            else:
-                self.stale = True
-            return batch
-        try:
-            await trio.to_thread.run_sync(self._writer.execute, "COMMIT")
-        except sqlite3.Error as e:
-            self.stale = True  # etcd has the batch; the copy does not
-            self._fail(batch, ShardUnavailable(f"shard {self.shard}: local commit failed: {e}"))
-        return batch
-
-    async def _reload(self) -> None:
-        while True:
-            try:
-                await self.load_replica()
-                return
-            except TectonicError as e:
-                log.warning("shard %d: reload from etcd failed (%s); retrying", self.shard, e)
-                await trio.sleep(1.0)
-
-    def _count(self, batch: list[_Mutation]) -> None:
+    def _count(self, batch: list[Mutation]) -> None:
         self.stats.batches += 1
         self.stats.mutations += len(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))

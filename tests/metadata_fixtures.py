@@ -56,7 +56,7 @@ async def open_meta_cluster(
                 capability_key=key,
                 node_timeout=node_timeout,
                 recovery_interval_s=recovery_interval_s,
-                etcd=etcd,
+                engine=etcd,
             )
             host, port = await nursery.start(server.serve, "127.0.0.1", ports[i] if ports else 0)
             entries.append(ServerEntry(f"{host}:{port}", hosted))

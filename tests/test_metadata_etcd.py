@@ -17,9 +17,8 @@ from etcd_fixtures import needs_etcd
 from metadata_fixtures import open_meta_cluster
 
 from metadata import file_layer
-from metadata.etcd_engine import ShardReplica
+from metadata.etcd_engine import ReplicatedStore, ShardReplica
 from metadata.ownership import Ownership
-from metadata.shard import ShardStore
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import FileNotFound, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
@@ -54,9 +53,7 @@ async def test_the_fence_refuses_a_server_that_lost_its_shard(tmp_path, etcd_set
             (tmp_path / "a").mkdir()
             rev_a = await a.acquire(3)
             assert rev_a is not None
-            store_a = ShardStore(
-                tmp_path / "a", 3, 8, replica=ShardReplica(etcd, a.prefix, 3, rev_a)
-            )
+            store_a = ReplicatedStore(tmp_path / "a", 3, 8, ShardReplica(etcd, a.prefix, 3, rev_a))
             await store_a.load_replica()
             nursery.start_soon(store_a.run)
             spec = {"kind": "dir", "mode": 0o755, "uid": 0, "gid": 0, "ec": "rs-2-1",
@@ -72,9 +69,7 @@ async def test_the_fence_refuses_a_server_that_lost_its_shard(tmp_path, etcd_set
             assert store_a.lost
 
             (tmp_path / "b").mkdir()
-            store_b = ShardStore(
-                tmp_path / "b", 3, 8, replica=ShardReplica(etcd, b.prefix, 3, rev_b)
-            )
+            store_b = ReplicatedStore(tmp_path / "b", 3, 8, ShardReplica(etcd, b.prefix, 3, rev_b))
             await store_b.load_replica()
             ids = [r[0] for r in store_b.reader.execute("SELECT id FROM files ORDER BY id")]
             assert ids == [11]

@@ -1,0 +1,29 @@
+"""The metadata engines by name, as the cluster file and ``--engine`` name them.
+
+A server opens its engine here (``open_engine``) and knows it only through the interface of
+metadata/engine.py; a new engine is one module and one entry in ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from metadata.engine import Engine, EngineSettings, ShardPlan
+from metadata.etcd_shards import EtcdShards
+from metadata.sqlite_engine import SqliteEngine
+from tectonic_py.core.errors import ConfigError
+
+# name -> the engine's class, made from the server's plan and the engine's own settings
+ENGINES: dict[str, Callable[[ShardPlan, Any], Engine]] = {
+    "sqlite": SqliteEngine,
+    "etcd": EtcdShards,
+}
+
+
+def open_engine(settings: EngineSettings, plan: ShardPlan) -> Engine:
+    """The engine ``settings`` name, for a server of ``plan``."""
+    make = ENGINES.get(settings.name)
+    if make is None:
+        raise ConfigError(f"metadata engine {settings.name!r} is not one of {sorted(ENGINES)}")
+    return make(plan, settings)
