@@ -8,8 +8,8 @@ is whole blocks and needs no cut, else a write, a cut to size and an fdatasync),
 its final name, and the chunk's directory is fsynced. A crash leaves either no file under
 the final name or a complete one; leftover temporary files are removed at startup
 (``recover``), spares are kept. A delete unlinks the chunk or renames it into the spares,
-then fsyncs its directory. Directory fsyncs are group-committed (``_DirSync``): renames in
-one directory while another thread's fsync of it runs share the next one.
+then fsyncs its directory, each put and delete its own fsync (grouping them, tried as
+``_DirSync``, showed no gain end to end: docs/decisions/2026-12-03-spares-and-dir-sync.md).
 
 CPU: a put arrives in a page-aligned buffer laid out as its own file image
 (``layout.put_room``: room for the header in front), one pass over the bytes gives the
@@ -27,7 +27,6 @@ import errno
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,63 +63,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _DirSync:
-    """Group commit of directory fsyncs: a rename is durable once an fsync of its directory
-    *started after it* has finished, so puts (and deletes) that renamed in one directory
-    while another thread's fsync of it ran share the next fsync instead of each waiting
-    for its own (a directory fsync is a synchronous write and cache flush). One thread syncs a directory at a time; the others wait
-    for it. A failed fsync covers nobody: each waiter then tries its own and sees its error.
-
-    Each directory has its own condition: puts spread over 256 shard directories, and one
-    condition for all made every fsync wake every waiting thread, each to take the GIL and
-    go back to sleep.
-    """
-
-    class _State:
-        __slots__ = ("changed", "done", "requested", "running")
-
-        def __init__(self, lock: threading.Lock) -> None:
-            self.requested = 0  # renames announced
-            self.done = 0  # renames known durable
-            self.running = False
-            self.changed = threading.Condition(lock)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._dirs: dict[str, _DirSync._State] = {}
-
-    def sync(self, path: Path) -> None:
-        """Make every rename done in ``path`` before this call durable."""
-        key = str(path)
-        with self._lock:
-            state = self._dirs.get(key)
-            if state is None:
-                state = self._dirs[key] = _DirSync._State(self._lock)
-            state.requested += 1
-            mine = state.requested
-            while True:
-                if state.done >= mine:
-                    return
-                if not state.running:
-                    state.running = True
-                    target = state.requested
-                    break
-                state.changed.wait()
-        ok = False
-        try:
-            _fsync_dir(path)
-            ok = True
-        finally:
-            with self._lock:
-                state.running = False
-                if ok:
-                    state.done = max(state.done, target)
-                state.changed.notify_all()
-
-
-_dir_sync = _DirSync()
 
 
 def _same_memory(a: memoryview, b: memoryview) -> bool:
@@ -316,7 +258,7 @@ def _write_chunk(
             finally:
                 os.close(fd)
         _in_shard_dir(directory, target.exists, os.rename, target, path)
-        _dir_sync.sync(directory)
+        _fsync_dir(directory)
     except OSError as e:
         remove_quietly(target)
         if e.errno in _NOSPACE:
@@ -349,7 +291,7 @@ def _existing(path: Path, chunk_id: str, length: int, whole: int) -> tuple[int |
     if verify_chunk(path):
         # The same put again: perhaps the retry of one whose daemon was killed between
         # its rename and the directory fsync, so the name may not be durable yet.
-        _dir_sync.sync(path.parent)
+        _fsync_dir(path.parent)
         return old_size, True
     log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
     return old_size, False
@@ -438,11 +380,11 @@ def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> in
         # unlink or rename and the directory fsync, so the removal may not be durable yet
         # (the twin of a repeated put in ``_write_chunk``).
         try:
-            _dir_sync.sync(path.parent)
+            _fsync_dir(path.parent)
         except FileNotFoundError:  # no shard directory: the chunk was never there
             pass
         return None
-    _dir_sync.sync(path.parent)
+    _fsync_dir(path.parent)
     return size
 
 

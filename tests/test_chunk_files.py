@@ -36,12 +36,7 @@ def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
     data = b"retried after a crash"
     writes.write_chunk(data_dir, cid, data, crc32c(data))
     synced: list[Path] = []
-
-    class Recorder:
-        def sync(self, path: Path) -> None:
-            synced.append(path)
-
-    monkeypatch.setattr(writes, "_dir_sync", Recorder())
+    monkeypatch.setattr(writes, "_fsync_dir", synced.append)
     assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(0, 0, False)
     assert synced == [layout.chunk_path(data_dir, cid).parent]
 
@@ -55,12 +50,7 @@ def test_a_repeated_delete_makes_the_removal_durable(tmp_path, monkeypatch):
     writes.write_chunk(data_dir, cid, data, crc32c(data))
     assert writes.delete_chunk(data_dir, cid) == layout.file_size_for(len(data))
     synced: list[Path] = []
-
-    class Recorder:
-        def sync(self, path: Path) -> None:
-            synced.append(path)
-
-    monkeypatch.setattr(writes, "_dir_sync", Recorder())
+    monkeypatch.setattr(writes, "_fsync_dir", synced.append)
     assert writes.delete_chunk(data_dir, cid) is None
     assert synced == [layout.chunk_path(data_dir, cid).parent]
     monkeypatch.undo()
@@ -358,98 +348,3 @@ def test_verify_of_a_chunk_deleted_meanwhile_is_not_found(tmp_path, monkeypatch)
     monkeypatch.setattr(reads, "_verify_open_chunk", racing)
     with pytest.raises(ChunkNotFound):  # scrub then forgets it instead of reporting it bad
         reads.verify_chunk(layout.chunk_path(data_dir, a))
-
-
-def _run_dir_syncs(monkeypatch, tmp_path, fail_first: bool) -> tuple[list, list]:
-    """8 threads call _DirSync.sync on one directory; fsyncs are slow and recorded."""
-    import threading
-    import time
-
-    syncs: list[tuple[float, float, bool]] = []  # (start, end, ok) of each real fsync
-    calls: list[tuple[float, float, BaseException | None]] = []
-    lock = threading.Lock()
-
-    def slow_fsync(path):
-        start = time.monotonic()
-        time.sleep(0.02)
-        with lock:
-            ok = not (fail_first and not syncs)
-            syncs.append((start, time.monotonic(), ok))
-        if not ok:
-            raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(writes, "_fsync_dir", slow_fsync)
-    group = writes._DirSync()
-
-    def caller(i):
-        time.sleep(0.005 * i)
-        t = time.monotonic()
-        err = None
-        try:
-            group.sync(tmp_path)
-        except OSError as e:
-            err = e
-        with lock:
-            calls.append((t, time.monotonic(), err))
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return syncs, calls
-
-
-@pytest.mark.parametrize("fail_first", [False, True])
-def test_directory_fsyncs_are_shared_and_never_cover_a_later_rename(
-    monkeypatch, tmp_path, fail_first
-):
-    syncs, calls = _run_dir_syncs(monkeypatch, tmp_path, fail_first)
-    assert len(calls) == 8 and len(syncs) < 8  # shared
-    failed = [c for c in calls if c[2] is not None]
-    assert len(failed) == (1 if fail_first else 0)  # only the thread whose fsync failed
-    for called, returned, err in calls:
-        if err is None:  # covered by a successful fsync that started after the call
-            assert any(ok and s >= called and e <= returned for s, e, ok in syncs)
-
-
-def test_a_directory_fsync_wakes_only_the_threads_waiting_for_that_directory(monkeypatch, tmp_path):
-    """Puts spread over 256 shard directories: one thread's fsync of its directory must not
-    wake (and send after the GIL) every thread waiting for another directory's."""
-    import threading
-    import time
-
-    waits = {"a": 0}
-    a_started = threading.Event()
-    plain_condition = threading.Condition
-
-    class CountingCondition(plain_condition):
-        def wait(self, timeout=None):
-            if threading.current_thread().name == "waiter-a":
-                waits["a"] += 1
-            return super().wait(timeout)
-
-    def fsync(path):
-        if path.name == "a":
-            a_started.set()
-            time.sleep(0.3)
-
-    monkeypatch.setattr(writes.threading, "Condition", CountingCondition)
-    monkeypatch.setattr(writes, "_fsync_dir", fsync)
-    group = writes._DirSync()
-    a, b = tmp_path / "a", tmp_path / "b"
-    first_a = threading.Thread(target=group.sync, args=(a,))
-    first_a.start()
-    assert a_started.wait(10)
-    waiter = threading.Thread(target=group.sync, args=(a,), name="waiter-a")
-    waiter.start()  # waits for the running fsync of a, then runs its own
-    deadline = time.monotonic() + 10
-    while not waits["a"] and time.monotonic() < deadline:
-        time.sleep(0.001)
-    for _ in range(20):
-        group.sync(b)  # twenty fsyncs of b complete meanwhile
-        time.sleep(0.002)
-    first_a.join(10)
-    waiter.join(10)
-    assert not waiter.is_alive()
-    assert waits["a"] <= 2  # woken by a's fsync, not by b's
