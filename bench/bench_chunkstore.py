@@ -19,15 +19,11 @@ What it does, in one run on one disk:
 3. for each size (``--sizes``, 1 MiB and 4 MiB): puts ``--total-mib`` of chunks with 16
    requests in flight (each put is acknowledged only after fsync of the chunk and its
    directory), writes as many files of the chunks' size straight to disk the way puts do
-   (``files MB/s`` of puts: O_DIRECT overwrite of an existing file, fsync, rename, fsync of
-   the directory, 16 at once, no daemon; ``ceilings.files_write_direct``), drops the chunk
+   (``files MB/s`` of puts: O_DIRECT write of a new file, fsync, rename, fsync of the
+   directory, 16 at once, no daemon; ``ceilings.files_write_direct``), drops the chunk
    files' pages, then gets them all back (verified, cold) with 16 in flight, reads the same
    chunk files straight from disk (``files MB/s`` of gets: one O_DIRECT read per file, 16
-   at once, no daemon; ``ceilings.files_read_direct``), and deletes them. The store keeps deleted chunks' files as spares
-   (``chunkstore/spares.py``) and later puts overwrite them, as on a store that rotates
-   checkpoints: round 0's puts create most of their files (each size its own), later
-   rounds reuse the spares of their size (a spare of another size is grown or cut only
-   once the pool is full; the default pool holds both sizes' 512 MiB). ``--sizes 1``
+   at once, no daemon; ``ceilings.files_read_direct``), and deletes them. ``--sizes 1``
    measures a store that sees one chunk size, as a cluster's stores mostly do (a block's
    chunks are all ``C`` bytes).
 

@@ -280,10 +280,10 @@ def files_write_direct(
     directory: str | os.PathLike[str], count: int, size: int, threads: int
 ) -> dict:
     """Put-shaped writes with no daemon in the way (the counterpart of ``files_read_direct``):
-    ``count`` files of ``size`` bytes, ``threads`` at once, each a whole-file O_DIRECT
-    overwrite of an existing file, its fsync, a rename to its final name and an fsync of the
-    directory, as a chunk store's put into the file of a deleted chunk does
-    (``chunkstore/spares.py``). The files are made untimed first and removed after.
+    ``count`` files of ``size`` bytes, ``threads`` at once, each a new temporary file written
+    whole with O_DIRECT, its fsync, a rename to its final name and an fsync of the
+    directory, as a chunk store's put does (``chunkstore/writes.py``). The files are removed
+    after.
 
     Why beside ``disk_write_direct``: one long sequential write is the disk's best case,
     while a put is a chunk-sized write, a rename and two fsyncs, and what the journal commit
@@ -295,7 +295,7 @@ def files_write_direct(
     todo: list[int] = []
     lock = threading.Lock()
 
-    def writer(create: bool) -> None:
+    def writer() -> None:
         with _huge_view(span) as view:
             view[:] = os.urandom(span)
             dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -305,32 +305,22 @@ def files_write_direct(
                         if not todo:
                             return
                         i = todo.pop()
-                    spare = root / f"spare-{i}"
-                    fd, _ = _open_direct(spare, os.O_WRONLY | (os.O_CREAT if create else 0))
+                    tmp = root / f"tmp-{i}"
+                    fd, _ = _open_direct(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                     try:
                         os.pwritev(fd, [view], 0)
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                    if not create:
-                        os.rename(spare, root / f"chunk-{i}")
-                        os.fsync(dir_fd)
+                    os.rename(tmp, root / f"chunk-{i}")
+                    os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
 
-    def run(create: bool) -> None:
-        todo[:] = range(count)
-        _in_threads(lambda: writer(create), threads)
-
     try:
-        run(create=True)
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        todo[:] = range(count)
         with _Clock() as clock:
-            run(create=False)
+            _in_threads(writer, threads)
     finally:
         for path in root.iterdir():
             path.unlink()

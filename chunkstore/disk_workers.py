@@ -6,8 +6,7 @@ through trio's scheduler and renames the OS thread twice. Here a worker that fin
 takes the next queued one without parking, so under load (more puts admitted than workers,
 the case that matters) the event loop wakes nobody: it appends to a deque. Results go back
 the same way: jobs that finish while a delivery to the event loop is pending ride along with
-it (puts released together by one directory fsync, ``writes._DirSync``, cost the event loop
-one wake-up).
+it (puts that finish together cost the event loop one wake-up).
 
 The threads are still trio's: each is one long ``trio.to_thread.run_sync`` call owned by a
 task of ``serve``'s nursery, so the pool lives and dies with the daemon's nursery. The queue

@@ -78,24 +78,6 @@ def register(subparsers: Any) -> None:
         default=3600.0,
         help="seconds between the starts of two scrub passes over every chunk",
     )
-    p.add_argument(
-        "--spare-files",
-        type=int,
-        default=1024,
-        help="deleted chunk files kept for puts to reuse (0: deletes unlink)",
-    )
-    p.add_argument(
-        "--spare-bytes",
-        type=size_arg,
-        default="1GiB",
-        help="bytes those spare files may hold at most",
-    )
-    p.add_argument(
-        "--spare-min",
-        type=int,
-        default=32,
-        help="empty spare files made while idle, so a fresh store has some",
-    )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(func=run, daemon_loggers=["chunkstore"])
 
@@ -128,9 +110,6 @@ def run(args: argparse.Namespace) -> int:
         reply_budget=args.reply_budget,
         scrub_rate=args.scrub_rate,
         scrub_interval=args.scrub_interval,
-        spare_files=args.spare_files,
-        spare_bytes=args.spare_bytes,
-        spare_min=args.spare_min,
     )
     _raise_fd_limit()
     log.info(

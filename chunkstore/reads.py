@@ -6,7 +6,7 @@ A whole-chunk get reads the file's image, header and all, with one O_DIRECT read
 page-aligned buffer; filesystems that refuse O_DIRECT are read buffered.
 
 Readers check after reading that the chunk's name still names the file they read
-(``_still_named``), since a deleted chunk's file may be reused by a put (``chunkstore.spares``).
+(``_still_named``), since a put may replace a chunk's file (a corrupt one) while it is read.
 
 All functions here do blocking disk I/O and are meant to run in ``trio.to_thread.run_sync``.
 """
@@ -91,11 +91,10 @@ def stat_chunk(path: Path) -> tuple[ChunkHeader, os.stat_result]:
 def _still_named(path: Path, st: os.stat_result) -> None:
     """ChunkNotFound unless ``path`` still names the file ``st`` describes, unchanged.
 
-    Why: a delete may rename a chunk's file into the spares (``chunkstore.spares``) while a
-    reader has it open, and a put may then overwrite it with another chunk, header and all,
-    whose bytes would pass every check. So a reader checks, after reading, that the chunk's
-    name still leads to the same inode with the same ctime (a rename or a write changes it);
-    then what it read was this chunk's file all along.
+    Why: a delete may unlink, or a put replace, a chunk's file while a reader has it open,
+    and the reader would still find bytes that pass every check. So a reader checks, after
+    reading, that the chunk's name still leads to the same inode with the same ctime (a
+    rename or a write changes it); then what it read was this chunk's file all along.
     """
     try:
         now = os.stat(path)

@@ -20,10 +20,10 @@ crashing the node:
 * a put is refused with ``DiskFull`` before any byte is written when it would take the node
   past ``--capacity``; a real ENOSPC gives the same error and the daemon keeps serving.
 
-Spare files (``chunkstore.spares``): a delete keeps the chunk's file for a later put to
-overwrite, so puts create no inodes (on ext4 the largest CPU cost of a put after deletes).
-Chunks, spares and puts in flight together stay within ``--capacity``: spares are unlinked
-to make room before a put is refused, and all of them before a retry after a real ENOSPC.
+A put creates its chunk's file and a delete unlinks it: keeping deleted chunks' files for
+later puts to overwrite (spare files) was measured end to end and paid nothing
+(docs/decisions/2026-12-03-spares-and-dir-sync.md). Chunks and puts in flight together stay
+within ``--capacity``.
 
 Puts of one chunk id are serialised (``_ChunkLocks``), which makes the exists-check and the
 rename of ``writes.write_chunk`` one step as far as this process can see; a lock file in the
@@ -52,15 +52,12 @@ import trio
 from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.scrub import Scrubber
-from chunkstore.spares import SpareFiles
 from tectonic_py.core import auth, buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.errors import (
-    Busy,
     ConfigError,
     DiskFull,
     TectonicError,
-    Unavailable,
     WrongShard,
 )
 from tectonic_py.core.framing import Buffer
@@ -111,9 +108,6 @@ class StoreConfig:
     reply_budget: int = 256 * MiB
     scrub_rate: float = 0.0  # bytes/s re-verified by scrub (chunkstore/scrub.py); 0: off
     scrub_interval: float = 3600.0  # seconds between the starts of two scrub passes
-    spare_files: int = 1024  # deleted chunk files kept for puts to reuse (chunkstore/spares.py)
-    spare_bytes: int = 1024 * MiB  # and their bytes at most
-    spare_min: int = 32  # empty spares made in idle time, so a fresh store has some
     limits: framing.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,8 +130,6 @@ class StoreConfig:
             raise ConfigError("reply budget must be at least 1 MiB")
         if self.max_payload_waiters < 0:
             raise ConfigError("max payload waiters must be >= 0")
-        if min(self.spare_files, self.spare_bytes, self.spare_min) < 0:
-            raise ConfigError("spare files, bytes and minimum must be >= 0")
         for registry in registries(self.registry):
             sockets.parse_address(registry)
         self.limits = framing.Limits(
@@ -262,10 +254,6 @@ class ChunkStoreServer:
         self._lock_fd: int | None = None
         self._replies: _ReplyBudget | None = None
         self.scrubber = Scrubber(self.data_dir, config.scrub_rate, config.scrub_interval)
-        self.spares = SpareFiles(
-            self.data_dir, config.spare_files, config.spare_bytes, config.spare_min
-        )
-        self._puts_in_flight = 0
         self._whole_span = 0  # buffer size of the last whole get (``_get``)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -277,9 +265,6 @@ class ChunkStoreServer:
         self._replies = _ReplyBudget(self.config.reply_budget)
         await trio.to_thread.run_sync(self._open_data_dir)
         try:
-            cap = self.config.capacity
-            if cap is not None and self.used + self.spares.bytes > cap:
-                await self.spares.trim(self.used + self.spares.bytes - cap)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
@@ -292,7 +277,6 @@ class ChunkStoreServer:
                     self.address,
                 )
                 nursery.start_soon(self.scrubber.run)
-                nursery.start_soon(self.spares.run, lambda: self._puts_in_flight == 0)
                 if self.config.registry is not None:
                     nursery.start_soon(self._heartbeat_loop)
                 elif self.config.ready_file is not None:
@@ -317,15 +301,12 @@ class ChunkStoreServer:
         self._lock_fd = fd
         scan = writes.recover(self.data_dir)
         self.chunk_count, self.used = scan.chunk_count, scan.used_bytes
-        removed = self.spares.scan()
         log.info(
-            "%s: %d chunks, %d bytes; %d partial files removed; %d spare files (%d bytes)",
+            "%s: %d chunks, %d bytes; %d partial files removed",
             self.data_dir,
             scan.chunk_count,
             scan.used_bytes,
-            scan.temp_files_removed + removed,
-            self.spares.count,
-            self.spares.bytes,
+            scan.temp_files_removed,
         )
 
     def _write_ready_file(self) -> None:
@@ -342,11 +323,10 @@ class ChunkStoreServer:
 
     def _disk(self) -> tuple[int, int]:
         """(capacity, free) as the registry should see them: the configured capacity bounds
-        both, and the filesystem's own free space bounds free. Spare files count as free:
-        any put can have them (chunkstore/spares.py)."""
+        both, and the filesystem's own free space bounds free."""
         st = os.statvfs(self.data_dir)
         fs_total, fs_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        fs_free += self.spares.bytes - self._reserved
+        fs_free -= self._reserved
         if self.config.capacity is None:
             return fs_total, max(fs_free, 0)
         free = self.config.capacity - self.used - self._reserved
@@ -354,18 +334,13 @@ class ChunkStoreServer:
 
     async def _reserve(self, chunk_id: str, need: int) -> None:
         """Hold ``need`` bytes of the configured capacity for a put, or DiskFull before any
-        byte is written. Chunks, spares and puts in flight together stay within capacity;
-        spares are unlinked to make room before a put is refused."""
+        byte is written. Chunks and puts in flight together stay within capacity."""
         cap = self.config.capacity
-        if cap is not None:
-            over = self.used + self.spares.bytes + self._reserved + need - cap
-            if over > 0 and self.spares.count:
-                await self.spares.trim(over)
-            if self.used + self.spares.bytes + self._reserved + need > cap:
-                raise DiskFull(
-                    f"{self.config.node_id}: no room for chunk {chunk_id} ({need} bytes;"
-                    f" {cap - self.used - self._reserved} of {cap} free)"
-                )
+        if cap is not None and self.used + self._reserved + need > cap:
+            raise DiskFull(
+                f"{self.config.node_id}: no room for chunk {chunk_id} ({need} bytes;"
+                f" {cap - self.used - self._reserved} of {cap} free)"
+            )
         self._reserved += need
 
     @property
@@ -396,62 +371,17 @@ class ChunkStoreServer:
         need = layout.file_size_for(len(data))
         await self._reserve(chunk_id, need)
         self._outstanding += 1
-        self._puts_in_flight += 1
         try:
             async with self._locks.hold(chunk_id):
-                stored = await self._write(chunk_id, data, checksum, req.buffer, need)
+                stored = await self._writers.run(
+                    writes.write_chunk, self.data_dir, chunk_id, data, checksum, req.buffer
+                )
         finally:
             self._outstanding -= 1
-            self._puts_in_flight -= 1
             self._reserved -= need
         self.used += stored.added_bytes
         self.chunk_count += stored.added_chunks
         return {}
-
-    async def _write(
-        self,
-        chunk_id: str,
-        data: memoryview,
-        checksum: int,
-        image: memoryview | None,
-        need: int,
-    ) -> writes.Stored:
-        """``writes.write_chunk`` into a spare file when there is one. A spare larger than
-        the chunk holds its extra bytes in ``_reserved`` until the write has cut it. On a
-        real ENOSPC the spares are unlinked and the write is tried once more: their blocks
-        are the disk's last free space."""
-        for attempt in range(2):
-            spare = self.spares.take(need)
-            extra = max(spare.size - need, 0) if spare is not None else 0
-            self._reserved += extra
-            try:
-                stored = await self._writers.run(
-                    writes.write_chunk,
-                    self.data_dir,
-                    chunk_id,
-                    data,
-                    checksum,
-                    image,
-                    None if spare is None else spare.path,
-                    None if spare is None else spare.size,
-                )
-            except DiskFull:
-                if attempt or (spare is None and not self.spares.count):
-                    raise
-                log.info("%s: disk full; unlinking spare files and retrying", self.data_dir)
-                await self.spares.trim()
-                continue
-            except (Busy, Unavailable, trio.Cancelled):
-                # Refused or cancelled before a writer took the job: the spare is untouched.
-                if spare is not None:
-                    self.spares.give_back(spare)
-                raise
-            finally:
-                self._reserved -= extra
-            if spare is not None and not stored.spare_used:
-                self.spares.give_back(spare)
-            return stored
-        raise AssertionError("unreachable")
 
     async def _get(self, req: Request) -> tuple[dict[str, Any], memoryview, Callable[[], None]]:
         chunk_id = self._chunk_id(req)
@@ -514,14 +444,10 @@ class ChunkStoreServer:
         self._outstanding += 1
         try:
             async with self._locks.hold(chunk_id):
-                spare = self.spares.new_path() if self.spares.has_room() else None
-                size = await self._writers.run(writes.delete_chunk, self.data_dir, chunk_id, spare)
+                size = await self._writers.run(writes.delete_chunk, self.data_dir, chunk_id)
                 if size is not None:
                     self.used -= size
                     self.chunk_count -= 1
-                    if spare is not None:
-                        self.spares.kept(spare, size)
-                        await self.spares.trim_to_bounds()
         finally:
             self._outstanding -= 1
         self.scrubber.forget(chunk_id)
@@ -579,7 +505,6 @@ class ChunkStoreServer:
             "queue_depth": self.queue_depth,
             "bytes_in": self.rpc.stats.bytes_in,
             "bytes_out": self.rpc.stats.bytes_out,
-            **self.spares.stats(),
         }
 
     # --- membership --------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """The durable, atomic ways to write and delete a chunk file, and the startup recovery.
 
-Durability protocol of a write: the chunk is written to a file that is not a chunk, either
-a spare file (``<data_dir>/spares/``, a deleted chunk's file kept for reuse, see
-``chunkstore.spares``) or a new temporary name (``.tmp-...``, never a valid chunk id) in the
-chunk's directory; it is made durable (one O_DIRECT ``pwritev2(RWF_DSYNC)`` when the file
+Durability protocol of a write: the chunk is written to a file that is not a chunk, a new
+temporary name (``.tmp-...``, never a valid chunk id) in the chunk's directory; it is made
+durable (one O_DIRECT ``pwritev2(RWF_DSYNC)`` when the file
 is whole blocks and needs no cut, else a write, a cut to size and an fdatasync), renamed to
 its final name, and the chunk's directory is fsynced. A crash leaves either no file under
 the final name or a complete one; leftover temporary files are removed at startup
-(``recover``), spares are kept. A delete unlinks the chunk or renames it into the spares,
-then fsyncs its directory. Directory fsyncs are group-committed (``_DirSync``): renames in
-one directory while another thread's fsync of it runs share the next one.
+(``recover``), as is the ``spares/`` directory of older versions (deleted chunks' files
+kept for reuse, which paid nothing end to end). A delete unlinks the chunk, then fsyncs its
+directory, each put and delete its own fsync (grouping them, tried as
+``_DirSync``, showed no gain end to end: docs/decisions/2026-12-03-spares-and-dir-sync.md).
 
 CPU: a put arrives in a page-aligned buffer laid out as its own file image
 (``layout.put_room``: room for the header in front), one pass over the bytes gives the
@@ -27,7 +27,6 @@ import errno
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from tectonic_py.core.errors import (
 log = logging.getLogger(__name__)
 
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+OLD_SPARES_DIR, OLD_SPARE_PREFIX = "spares", "spare-"  # ``_remove_old_spares``
 T = TypeVar("T")
 
 
@@ -64,63 +64,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _DirSync:
-    """Group commit of directory fsyncs: a rename is durable once an fsync of its directory
-    *started after it* has finished, so puts (and deletes) that renamed in one directory
-    while another thread's fsync of it ran share the next fsync instead of each waiting
-    for its own (a directory fsync is a synchronous write and cache flush). One thread syncs a directory at a time; the others wait
-    for it. A failed fsync covers nobody: each waiter then tries its own and sees its error.
-
-    Each directory has its own condition: puts spread over 256 shard directories, and one
-    condition for all made every fsync wake every waiting thread, each to take the GIL and
-    go back to sleep.
-    """
-
-    class _State:
-        __slots__ = ("changed", "done", "requested", "running")
-
-        def __init__(self, lock: threading.Lock) -> None:
-            self.requested = 0  # renames announced
-            self.done = 0  # renames known durable
-            self.running = False
-            self.changed = threading.Condition(lock)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._dirs: dict[str, _DirSync._State] = {}
-
-    def sync(self, path: Path) -> None:
-        """Make every rename done in ``path`` before this call durable."""
-        key = str(path)
-        with self._lock:
-            state = self._dirs.get(key)
-            if state is None:
-                state = self._dirs[key] = _DirSync._State(self._lock)
-            state.requested += 1
-            mine = state.requested
-            while True:
-                if state.done >= mine:
-                    return
-                if not state.running:
-                    state.running = True
-                    target = state.requested
-                    break
-                state.changed.wait()
-        ok = False
-        try:
-            _fsync_dir(path)
-            ok = True
-        finally:
-            with self._lock:
-                state.running = False
-                if ok:
-                    state.done = max(state.done, target)
-                state.changed.notify_all()
-
-
-_dir_sync = _DirSync()
 
 
 def _same_memory(a: memoryview, b: memoryview) -> bool:
@@ -144,23 +87,15 @@ def _device(data_dir: Path) -> int:
     return dev
 
 
-def _open_target(target: Path, flags: int, create: bool) -> int:
-    """Open the file a put writes: a new temporary file, or an existing spare (no
-    O_CREAT, and no O_TRUNC either: the write and the ``ftruncate`` after it replace the
-    contents, and the spare's blocks stay allocated for the write to reuse)."""
-    flags |= os.O_WRONLY | os.O_CLOEXEC
-    if create:
-        return os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)
-    return os.open(target, flags)
+def _open_target(target: Path, flags: int) -> int:
+    """Create the new temporary file a put writes."""
+    return os.open(target, flags | os.O_WRONLY | os.O_CLOEXEC | os.O_CREAT | os.O_EXCL, 0o644)
 
 
-def _write_direct(
-    target: Path, image: memoryview, size: int, create: bool, dev: int, old_size: int | None
-) -> bool:
-    """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to ``target`` with
-    O_DIRECT, cut it to ``size`` bytes if needed and fdatasync it. False (and the file as it
-    was) if the filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
-    ``old_size``: the target's size before (0 for a new file; None if unknown).
+def _write_direct(target: Path, image: memoryview, size: int, dev: int) -> bool:
+    """Write ``image`` (page aligned, a multiple of DIRECT_ALIGN) to the new file ``target``
+    with O_DIRECT, cut it to ``size`` bytes if needed and fdatasync it. False (and no file)
+    if the filesystem refuses O_DIRECT; OSError for real failures (ENOSPC).
 
     Why: a buffered write copies every byte into the page cache, the largest single CPU
     cost of a put (a chunk is not read again soon: it is a checkpoint's). fsync is still
@@ -169,17 +104,16 @@ def _write_direct(
     if dev in no_direct:
         return False
     try:
-        fd = _open_target(target, os.O_DIRECT, create)
+        fd = _open_target(target, os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         no_direct.add(dev)
         log.info("%s: no O_DIRECT on this filesystem; chunk writes are buffered", target.parent)
-        if create:  # the kernel may have made the file before refusing the flag
-            remove_quietly(target)
+        remove_quietly(target)  # the kernel may have made the file before refusing the flag
         return False
     global _dsync_writes
-    cut = size != len(image) or old_size is None or old_size > size
+    cut = size != len(image)
     try:
         try:
             if cut or not _dsync_writes:
@@ -201,8 +135,7 @@ def _write_direct(
             else:
                 no_direct.add(dev)
                 log.info("%s: O_DIRECT write refused; chunk writes are buffered", target.parent)
-                if create:
-                    remove_quietly(target)
+                remove_quietly(target)
                 return False
         if cut:
             # Cutting inside the last block makes ext4 read that block from disk to zero its
@@ -232,7 +165,6 @@ class Stored(NamedTuple):
 
     added_bytes: int  # file bytes added (the file's size, less a replaced file's)
     added_chunks: int  # 1 for a new chunk id, 0 for a no-op or a replaced corrupt file
-    spare_used: bool  # the spare was written and renamed (False: it was not touched)
 
 
 def write_chunk(
@@ -241,8 +173,6 @@ def write_chunk(
     data: memoryview | bytes | bytearray,
     checksum: int,
     image: memoryview | None = None,
-    spare: Path | None = None,
-    spare_size: int | None = None,
 ) -> Stored:
     """Store a chunk durably and atomically.
 
@@ -250,36 +180,12 @@ def write_chunk(
     the header size on are ``data``; the header is written into its front and the whole
     is written with O_DIRECT (buffered when the filesystem refuses it).
 
-    ``spare``: optionally, an existing file (``chunkstore.spares``) to write the chunk into
-    instead of creating a temporary file; it is overwritten, cut to size if it was longer,
-    fsynced and renamed to the chunk's name (``spare_size``: its size, if known). If this
-    raises, the spare has been removed (whatever state it was left in, it must not be reused
-    blindly); if it returns, ``spare_used`` says whether it was renamed (False: the chunk was
-    already stored, the spare untouched).
-
     Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
     on the way). The same chunk again is a no-op (0, 0); different contents under the same id
     raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
     put heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary
     file. The caller serialises writes of one chunk id.
     """
-    try:
-        return _write_chunk(data_dir, chunk_id, data, checksum, image, spare, spare_size)
-    except BaseException:
-        if spare is not None:
-            remove_quietly(spare)
-        raise
-
-
-def _write_chunk(
-    data_dir: Path,
-    chunk_id: str,
-    data: memoryview | bytes | bytearray,
-    checksum: int,
-    image: memoryview | None,
-    spare: Path | None,
-    spare_size: int | None,
-) -> Stored:
     view = memoryview(data).cast("B")
     # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
     segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE, keep_gil=True)
@@ -290,39 +196,33 @@ def _write_chunk(
     path = chunk_path(data_dir, chunk_id)
     old_size, stored = _existing(path, chunk_id, len(view), whole)
     if stored:
-        return Stored(0, 0, False)
+        return Stored(0, 0)
     header = encode_header(view, whole, segment_crcs)
     directory = path.parent
-    if spare is not None:
-        target = spare
-    else:
-        target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
+    target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
     size = len(header) + len(view)
     image = _file_image(image, header, view)
-    create = spare is None
-    before = 0 if create else spare_size
     try:
-        # (A new file can fail for want of its shard directory; a spare, not.)
+        # (A new file can fail for want of its shard directory.)
         dev = _device(data_dir)
         direct = image is not None and _in_shard_dir(
-            directory, lambda: create, _write_direct, target, image, size, create, dev, before
+            directory, lambda: True, _write_direct, target, image, size, dev
         )
         if not direct:
-            fd = _in_shard_dir(directory, lambda: create, _open_target, target, 0, create)
+            fd = _in_shard_dir(directory, lambda: True, _open_target, target, 0)
             try:
                 _write_all(fd, [header, view])
-                os.ftruncate(fd, size)  # a spare may have been longer
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
         _in_shard_dir(directory, target.exists, os.rename, target, path)
-        _dir_sync.sync(directory)
+        _fsync_dir(directory)
     except OSError as e:
         remove_quietly(target)
         if e.errno in _NOSPACE:
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
-    return Stored(size - (old_size or 0), 1 if old_size is None else 0, spare is not None)
+    return Stored(size - (old_size or 0), 1 if old_size is None else 0)
 
 
 def _existing(path: Path, chunk_id: str, length: int, whole: int) -> tuple[int | None, bool]:
@@ -349,7 +249,7 @@ def _existing(path: Path, chunk_id: str, length: int, whole: int) -> tuple[int |
     if verify_chunk(path):
         # The same put again: perhaps the retry of one whose daemon was killed between
         # its rename and the directory fsync, so the name may not be durable yet.
-        _dir_sync.sync(path.parent)
+        _fsync_dir(path.parent)
         return old_size, True
     log.warning("chunk %s on disk fails its checksum; replacing it with the new put", chunk_id)
     return old_size, False
@@ -404,7 +304,7 @@ def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
 
 def remove_quietly(path: Path) -> None:
     """Unlink ``path``; already gone is fine, any other failure is logged, never raised
-    (cleanup of temporary and spare files must not fail the operation it follows)."""
+    (cleanup of temporary files must not fail the operation it follows)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -413,36 +313,23 @@ def remove_quietly(path: Path) -> None:
         log.warning("could not remove %s: %s", path, e)
 
 
-def delete_chunk(data_dir: Path, chunk_id: str, spare: Path | None = None) -> int | None:
-    """Remove a chunk durably; its file size if it existed, else None.
-
-    ``spare``: a new name in the spares directory (``chunkstore.spares``) to rename the
-    chunk's file to instead of unlinking it, so that a later put reuses the inode and its
-    blocks. Either way the chunk's name is gone, durably, when this returns.
-    """
+def delete_chunk(data_dir: Path, chunk_id: str) -> int | None:
+    """Remove a chunk durably; its file size if it existed, else None. The chunk's name is
+    gone, durably, when this returns."""
     path = chunk_path(data_dir, chunk_id)
     try:
         size = os.stat(path).st_size
-        if spare is None:
-            os.unlink(path)
-        else:
-            try:
-                os.rename(path, spare)
-            except FileNotFoundError:
-                if not os.path.exists(path):
-                    raise
-                spare.parent.mkdir(parents=True, exist_ok=True)  # heal a removed spares dir
-                os.rename(path, spare)
+        os.unlink(path)
     except FileNotFoundError:
         # Already gone: perhaps the retry of a delete whose daemon was killed between the
-        # unlink or rename and the directory fsync, so the removal may not be durable yet
+        # unlink and the directory fsync, so the removal may not be durable yet
         # (the twin of a repeated put in ``_write_chunk``).
         try:
-            _dir_sync.sync(path.parent)
+            _fsync_dir(path.parent)
         except FileNotFoundError:  # no shard directory: the chunk was never there
             pass
         return None
-    _dir_sync.sync(path.parent)
+    _fsync_dir(path.parent)
     return size
 
 
@@ -489,4 +376,25 @@ def recover(data_dir: Path) -> ScanResult:
             _fsync_dir(Path(shard.path))
     if removed:
         log.info("removed %d partial chunk files left by a crash", removed)
+    removed += _remove_old_spares(data_dir)
     return ScanResult(count, used, removed)
+
+
+def _remove_old_spares(data_dir: Path) -> int:
+    """Older versions kept deleted chunks' files in ``spares/`` for puts to reuse; nothing
+    reuses them now, so their space comes back. Only their own files are removed."""
+    spares = data_dir / OLD_SPARES_DIR
+    if not spares.is_dir():
+        return 0
+    removed = 0
+    for entry in os.scandir(spares):
+        if entry.name.startswith(OLD_SPARE_PREFIX) and entry.is_file(follow_symlinks=False):
+            remove_quietly(Path(entry.path))
+            removed += 1
+    try:
+        spares.rmdir()
+    except OSError:  # something that is not ours is left in it
+        pass
+    if removed:
+        log.info("removed %d spare files an older version kept", removed)
+    return removed

@@ -36,13 +36,8 @@ def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
     data = b"retried after a crash"
     writes.write_chunk(data_dir, cid, data, crc32c(data))
     synced: list[Path] = []
-
-    class Recorder:
-        def sync(self, path: Path) -> None:
-            synced.append(path)
-
-    monkeypatch.setattr(writes, "_dir_sync", Recorder())
-    assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(0, 0, False)
+    monkeypatch.setattr(writes, "_fsync_dir", synced.append)
+    assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(0, 0)
     assert synced == [layout.chunk_path(data_dir, cid).parent]
 
 
@@ -55,12 +50,7 @@ def test_a_repeated_delete_makes_the_removal_durable(tmp_path, monkeypatch):
     writes.write_chunk(data_dir, cid, data, crc32c(data))
     assert writes.delete_chunk(data_dir, cid) == layout.file_size_for(len(data))
     synced: list[Path] = []
-
-    class Recorder:
-        def sync(self, path: Path) -> None:
-            synced.append(path)
-
-    monkeypatch.setattr(writes, "_dir_sync", Recorder())
+    monkeypatch.setattr(writes, "_fsync_dir", synced.append)
     assert writes.delete_chunk(data_dir, cid) is None
     assert synced == [layout.chunk_path(data_dir, cid).parent]
     monkeypatch.undo()
@@ -223,8 +213,8 @@ def _chunk_in_a_removed_shard_dir(data_dir: Path) -> str:
 
 
 def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
-    """New file by O_DIRECT image, new file buffered, spare renamed: each finds the chunk's
-    shard directory gone, makes it again and stores the chunk."""
+    """New file by O_DIRECT image, new file buffered: each finds the chunk's shard directory
+    gone, makes it again and stores the chunk."""
     data_dir = tmp_path / "d"
     writes.recover(data_dir)
     length = 8192
@@ -232,15 +222,21 @@ def test_a_put_remakes_a_shard_directory_removed_under_the_store(tmp_path):
     offset, size = layout.put_room(length)
     image = memoryview(buffers.SpareBuffers(0).take(buffers.SpareBuffers.MIN_SIZE))[:size]
     image[offset : offset + length] = data
-    spare = data_dir / "spares" / "spare-test"
-    spare.parent.mkdir(exist_ok=True)
-    spare.write_bytes(b"old")
-    for kw in ({"image": image}, {}, {"spare": spare, "spare_size": 3}):
+    for kw in ({"image": image}, {}):
         cid = _chunk_in_a_removed_shard_dir(data_dir)
         stored = writes.write_chunk(data_dir, cid, data, crc32c(data), **kw)
-        assert stored.added_chunks == 1 and stored.spare_used == ("spare" in kw)
+        assert stored.added_chunks == 1
         assert bytes(reads.read_chunk(data_dir, cid)[1]) == data
-    assert not spare.exists()
+
+
+def test_recover_removes_the_spare_files_of_older_versions(tmp_path):
+    data_dir = tmp_path / "d"
+    spares = data_dir / "spares"
+    spares.mkdir(parents=True)
+    (spares / "spare-0").write_bytes(b"x" * 4096)
+    (spares / "spare-1").write_bytes(b"")
+    assert writes.recover(data_dir).temp_files_removed == 2
+    assert not spares.exists()
 
 
 @pytest.mark.parametrize("asked", ["none", "exact"])
@@ -296,21 +292,17 @@ def test_a_file_size_both_formats_fit_is_read_as_what_its_header_says(tmp_path):
     assert bytes(reads.read_chunk(data_dir, v2, 0, 4096)[1]) == small
 
 
-def _reuse_for_another_chunk(data_dir: Path, deleted: str, other: str, data: bytes) -> None:
-    """What a delete of ``deleted`` and a put of ``other`` into its spare file do (once)."""
+def _delete_and_put_another(data_dir: Path, deleted: str, other: str, data: bytes) -> None:
+    """A delete of ``deleted`` and a put of ``other`` (once), while a reader has the deleted
+    chunk's file open."""
     if not layout.chunk_path(data_dir, deleted).exists():
         return
-    spare = data_dir / "spares" / "spare-test"
-    spare.parent.mkdir(exist_ok=True)
-    assert writes.delete_chunk(data_dir, deleted, spare)
-    stored = writes.write_chunk(data_dir, other, data, crc32c(data), spare=spare)
-    assert stored.spare_used
+    assert writes.delete_chunk(data_dir, deleted)
+    assert writes.write_chunk(data_dir, other, data, crc32c(data)).added_chunks == 1
 
 
 @pytest.mark.parametrize("when", ["before_header", "before_data"])
-def test_a_read_racing_delete_and_reuse_never_returns_another_chunks_bytes(
-    tmp_path, monkeypatch, when
-):
+def test_a_read_racing_a_delete_says_not_found(tmp_path, monkeypatch, when):
     data_dir = tmp_path / "d"
     writes.recover(data_dir)
     a, _ = new_chunk(b"s" * 32)
@@ -318,21 +310,21 @@ def test_a_read_racing_delete_and_reuse_never_returns_another_chunks_bytes(
     data_a, data_b = payload(200_000, 1), payload(200_000, 2)
     writes.write_chunk(data_dir, a, data_a, crc32c(data_a))
     if when == "before_header":
-        # The reader has opened a's file; then it is deleted, reused for b, and read: b's
-        # header and b's bytes, which pass every checksum.
+        # The reader has opened a's file; then it is deleted (and b put) before the read:
+        # a's bytes, which pass every checksum, from a file no name leads to any more.
         real = reads._read_open_chunk
 
         def racing(fd, *args):
-            _reuse_for_another_chunk(data_dir, a, b, data_b)
+            _delete_and_put_another(data_dir, a, b, data_b)
             return real(fd, *args)
 
         monkeypatch.setattr(reads, "_read_open_chunk", racing)
         alloc = bytearray
     else:
-        # a's header was read; the data read finds b's bytes (a checksum failure, which must
-        # say "not found", not "corrupt": nothing is wrong with any stored chunk).
+        # a's header was read, then a is deleted: what the reader got must say "not
+        # found", not "corrupt" or a's bytes: nothing is wrong with any stored chunk.
         def alloc(n):
-            _reuse_for_another_chunk(data_dir, a, b, data_b)
+            _delete_and_put_another(data_dir, a, b, data_b)
             return bytearray(n)
 
     with pytest.raises(ChunkNotFound):
@@ -352,104 +344,9 @@ def test_verify_of_a_chunk_deleted_meanwhile_is_not_found(tmp_path, monkeypatch)
     real = reads._verify_open_chunk
 
     def racing(fd, *args):
-        _reuse_for_another_chunk(data_dir, a, b, payload(100_000, 5))
+        _delete_and_put_another(data_dir, a, b, payload(100_000, 5))
         return real(fd, *args)
 
     monkeypatch.setattr(reads, "_verify_open_chunk", racing)
     with pytest.raises(ChunkNotFound):  # scrub then forgets it instead of reporting it bad
         reads.verify_chunk(layout.chunk_path(data_dir, a))
-
-
-def _run_dir_syncs(monkeypatch, tmp_path, fail_first: bool) -> tuple[list, list]:
-    """8 threads call _DirSync.sync on one directory; fsyncs are slow and recorded."""
-    import threading
-    import time
-
-    syncs: list[tuple[float, float, bool]] = []  # (start, end, ok) of each real fsync
-    calls: list[tuple[float, float, BaseException | None]] = []
-    lock = threading.Lock()
-
-    def slow_fsync(path):
-        start = time.monotonic()
-        time.sleep(0.02)
-        with lock:
-            ok = not (fail_first and not syncs)
-            syncs.append((start, time.monotonic(), ok))
-        if not ok:
-            raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(writes, "_fsync_dir", slow_fsync)
-    group = writes._DirSync()
-
-    def caller(i):
-        time.sleep(0.005 * i)
-        t = time.monotonic()
-        err = None
-        try:
-            group.sync(tmp_path)
-        except OSError as e:
-            err = e
-        with lock:
-            calls.append((t, time.monotonic(), err))
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return syncs, calls
-
-
-@pytest.mark.parametrize("fail_first", [False, True])
-def test_directory_fsyncs_are_shared_and_never_cover_a_later_rename(
-    monkeypatch, tmp_path, fail_first
-):
-    syncs, calls = _run_dir_syncs(monkeypatch, tmp_path, fail_first)
-    assert len(calls) == 8 and len(syncs) < 8  # shared
-    failed = [c for c in calls if c[2] is not None]
-    assert len(failed) == (1 if fail_first else 0)  # only the thread whose fsync failed
-    for called, returned, err in calls:
-        if err is None:  # covered by a successful fsync that started after the call
-            assert any(ok and s >= called and e <= returned for s, e, ok in syncs)
-
-
-def test_a_directory_fsync_wakes_only_the_threads_waiting_for_that_directory(monkeypatch, tmp_path):
-    """Puts spread over 256 shard directories: one thread's fsync of its directory must not
-    wake (and send after the GIL) every thread waiting for another directory's."""
-    import threading
-    import time
-
-    waits = {"a": 0}
-    a_started = threading.Event()
-    plain_condition = threading.Condition
-
-    class CountingCondition(plain_condition):
-        def wait(self, timeout=None):
-            if threading.current_thread().name == "waiter-a":
-                waits["a"] += 1
-            return super().wait(timeout)
-
-    def fsync(path):
-        if path.name == "a":
-            a_started.set()
-            time.sleep(0.3)
-
-    monkeypatch.setattr(writes.threading, "Condition", CountingCondition)
-    monkeypatch.setattr(writes, "_fsync_dir", fsync)
-    group = writes._DirSync()
-    a, b = tmp_path / "a", tmp_path / "b"
-    first_a = threading.Thread(target=group.sync, args=(a,))
-    first_a.start()
-    assert a_started.wait(10)
-    waiter = threading.Thread(target=group.sync, args=(a,), name="waiter-a")
-    waiter.start()  # waits for the running fsync of a, then runs its own
-    deadline = time.monotonic() + 10
-    while not waits["a"] and time.monotonic() < deadline:
-        time.sleep(0.001)
-    for _ in range(20):
-        group.sync(b)  # twenty fsyncs of b complete meanwhile
-        time.sleep(0.002)
-    first_a.join(10)
-    waiter.join(10)
-    assert not waiter.is_alive()
-    assert waits["a"] <= 2  # woken by a's fsync, not by b's

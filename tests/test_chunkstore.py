@@ -244,11 +244,9 @@ BAD_IDS = [
 
 async def test_path_traversal_and_malformed_ids_are_refused(store, secret, tmp_path):
     server, port = store
-    spares = server.spares.directory
 
     def files() -> set[Path]:
-        # Spare files come and go in the background (chunkstore/spares.py); never chunks.
-        return {p for p in tmp_path.rglob("*") if spares not in (p, *p.parents)}
+        return set(tmp_path.rglob("*"))
 
     before = files()
     cap = capability.issue(cap_key(secret), 0x0123456789ABCDEF, [NODE])
@@ -526,7 +524,7 @@ async def test_concurrent_puts_on_a_filling_disk_lose_no_acknowledged_chunk(smal
         acked[cid] = i
 
     async with trio.open_nursery() as nursery:
-        _server, port = await start_store(nursery, small_fs / "data", secret, spare_min=0)
+        _server, port = await start_store(nursery, small_fs / "data", secret)
         async with open_client(port, secret) as c, trio.open_nursery() as puts:
             for i in range(30):
                 puts.start_soon(one, c, i)
@@ -534,7 +532,7 @@ async def test_concurrent_puts_on_a_filling_disk_lose_no_acknowledged_chunk(smal
     assert acked and refused and len(acked) + len(refused) == 30
     assert not list(small_fs.rglob(".tmp-*"))
     async with trio.open_nursery() as nursery:
-        _server, port = await start_store(nursery, small_fs / "data", secret, spare_min=0)
+        _server, port = await start_store(nursery, small_fs / "data", secret)
         async with open_client(port, secret) as c:
             assert set(dict(await c.list_all())) == set(acked)
             for cid, i in acked.items():
@@ -657,9 +655,6 @@ def test_config_is_validated(tmp_path, secret):
         {"payload_budget": 10},
         {"reply_budget": 10},
         {"max_concurrent_writes": 0},
-        {"spare_files": -1},
-        {"spare_bytes": -1},
-        {"spare_min": -1},
         {"capability_key": b"short"},
     ]:
         base = {

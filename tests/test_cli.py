@@ -340,7 +340,7 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
 SIZE_FLAGS = {
     ("chunkstore", "--capacity"), ("chunkstore", "--payload-budget"),
     ("chunkstore", "--reply-budget"), ("chunkstore", "--scrub-rate"),
-    ("chunkstore", "--spare-bytes"), ("maintenance", "--bandwidth"),
+    ("maintenance", "--bandwidth"),
     ("loadtest", "--shard-size"), ("loadtest", "--min-size"), ("loadtest", "--max-size"),
 }  # fmt: skip
 

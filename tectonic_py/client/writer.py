@@ -4,10 +4,10 @@ Bytes go into the *open block*, a buffer of up to one block (k chunks of C bytes
 from the client-wide ``BufferPool``: it starts at ``FIRST_BUFFER`` and doubles as the block
 fills, so a small file holds (and is charged) about its own size. When the open block is
 full it is handed to a flush task in the client's nursery (``BlockIO.store_block``, then the
-commit: Block layer, then File layer at its ``file_index``, with the writer token). Several blocks are in flight at once inside the
-window, which keeps the cores busy (one encoding while another's chunks are on the wire); a
-writer that outruns the cluster waits in ``write`` for a buffer, so nothing buffers without
-bound.
+commit: Block layer, then File layer at its ``file_index``, with the writer token). Several
+blocks are in flight at once inside the window, which keeps the cores busy (one encoding
+while another's chunks are on the wire); a writer that outruns the cluster waits in
+``write`` for a buffer, so nothing buffers without bound.
 
 A committed block reopened for a write (``r+``, ``pwrite``) is loaded whole into the open
 block, which remembers that committed version (its *base*) and the range of it that the
@@ -103,9 +103,9 @@ class FileWriter:
     """An open file being written; holds the writer token (see the module docstring)."""
 
     def __init__(
-        self, path: WritePath, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
+        self, write_path: WritePath, attrs: Attrs, token: int, blocks: dict[int, BlockInfo]
     ) -> None:
-        self.path = path
+        self.write_path = write_path
         self.attrs = attrs
         self.file_id = attrs.id
         self.token = token
@@ -244,7 +244,7 @@ class FileWriter:
                 continue
             avail = max(0, min(piece.length, info.data_len - piece.block_offset))
             if avail:
-                data = await self.path.read_block(info)
+                data = await self.write_path.read_block(info)
                 dst[:avail] = data[piece.block_offset : piece.block_offset + avail]
         return bytes(out)
 
@@ -256,7 +256,7 @@ class FileWriter:
         await self._drain()
         self._check()
         layout = self.layout
-        await self._meta_call(self.path.set_size(self.file_id, self.token, size))
+        await self._meta_call(self.write_path.set_size(self.file_id, self.token, size))
         if size < self.size:
             for index in [i for i in self._committed if layout.block_start(i) >= size]:
                 del self._committed[index]
@@ -279,7 +279,7 @@ class FileWriter:
             gen = next(self._gen)
             self._begin(index)
             try:
-                info = await self.path.store_block(self._block(index, self._open_buf, n))
+                info = await self.write_path.store_block(self._block(index, self._open_buf, n))
                 await self._commit(index, gen, info)
                 if self._committed.get(index) is info:
                     self._open_base = info  # later writes to the open block change this one
@@ -295,7 +295,7 @@ class FileWriter:
             # last stamp left them, so ``attrs`` shows at fsync (and close) the mtime the
             # file keeps (the seal stamps none).
             self.attrs = await self._meta_call(
-                self.path.set_size(self.file_id, self.token, self.size)
+                self.write_path.set_size(self.file_id, self.token, self.size)
             )
             self._synced_size = self.size
             self._stamped = False
@@ -313,7 +313,7 @@ class FileWriter:
             # generation is the newest).
             blocks = [last[1]] if last is not None else []
             self._final = await self._meta_call(
-                self.path.seal(self.file_id, self.token, self.size, blocks)
+                self.write_path.seal(self.file_id, self.token, self.size, blocks)
             )
             if last is not None:
                 self._note_committed(last[0], last[1])
@@ -330,7 +330,7 @@ class FileWriter:
         index, n = self._open_index, self._open_len
         gen = next(self._gen)
         try:
-            info = await self.path.store_block(self._block(index, self._open_buf, n))
+            info = await self.write_path.store_block(self._block(index, self._open_buf, n))
         except TectonicError as e:
             self._fail(e)
             raise
@@ -398,7 +398,7 @@ class FileWriter:
         if len(buf) >= min(need + self.policy.k, self.layout.block_size):
             return
         size = self._buffer_size(need)
-        pool = self.path.buffers
+        pool = self.write_path.buffers
         new: bytearray | None = None
         with trio.move_on_after(GROW_WAIT_S):
             new = await pool.acquire(size, size * self.policy.n // self.policy.k)
@@ -409,9 +409,9 @@ class FileWriter:
         self._open_buf = new
 
     def _release_open(self) -> None:
-        self.path.buffers.holders.discard(self)
+        self.write_path.buffers.holders.discard(self)
         if self._open_buf is not None:
-            self.path.buffers.release(self._open_buf, self._charge(self._open_buf))
+            self.write_path.buffers.release(self._open_buf, self._charge(self._open_buf))
         self._open_buf = None
         self._open_index = None
         self._open_len = 0
@@ -426,10 +426,10 @@ class FileWriter:
         # Past the first block a file is large: its next block starts whole, not doubling
         # up from FIRST_BUFFER (a copy of about 31 MiB per 24 MiB block).
         size = self._buffer_size(self.layout.block_size if index else max(valid, 0))
-        buf = await self.path.buffers.acquire(size, size * self.policy.n // self.policy.k)
+        buf = await self.write_path.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
         self._open_base, self._dirty_lo, self._dirty_hi = None, 0, 0
-        self.path.buffers.holders.add(self)
+        self.write_path.buffers.holders.add(self)
         if valid <= 0:
             return
         await self._wait_index(index)
@@ -438,7 +438,7 @@ class FileWriter:
         have = 0
         if info is not None:
             have = min(info.data_len, valid)
-            data = await self.path.read_block(info)
+            data = await self.write_path.read_block(info)
             buf[:have] = data[:have]
             if have == info.data_len == valid:
                 self._open_base = info
@@ -451,28 +451,28 @@ class FileWriter:
         base, changed = self._take_dirty()
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
         self._open_base = None
-        self.path.buffers.holders.discard(self)
+        self.write_path.buffers.holders.discard(self)
         if buf is None:
             return
         if not dirty or n == 0 or index is None:
-            self.path.buffers.release(buf, self._charge(buf))
+            self.write_path.buffers.release(buf, self._charge(buf))
             return
         gen = next(self._gen)
         self._begin(index)
         block = BlockWrite(
             self.file_id, self.token, self.policy, index, memoryview(buf), n, base, changed
         )
-        self.path.nursery.start_soon(self._flush_task, block, buf, gen)
+        self.write_path.nursery.start_soon(self._flush_task, block, buf, gen)
         now = time.monotonic()
         if now - self._renewed > LEASE_RENEW_S:
             self._renewed = now
-            self.path.nursery.start_soon(self._renew_lease)
+            self.write_path.nursery.start_soon(self._renew_lease)
 
     async def _renew_lease(self) -> None:
         """Keep the writer token's lease alive during a long write (GC recovers files whose
         writer's lease ran out); a stolen token shows up here as StaleWriterToken."""
         try:
-            await self.path.renew_lease(self.file_id, self.token)
+            await self.write_path.renew_lease(self.file_id, self.token)
         except TectonicError as e:
             self._fail(e)
 
@@ -481,7 +481,7 @@ class FileWriter:
         views) goes back to the window at the end."""
         index = block.file_index
         try:
-            info = await self.path.store_block(block)
+            info = await self.write_path.store_block(block)
             await self._commit(index, gen, info)
         except TectonicError as e:
             self._fail(e)
@@ -489,7 +489,7 @@ class FileWriter:
             log.exception("flush of block %d of file %d failed", index, self.file_id)
             self._fail(TectonicError(f"internal error flushing block {index}: {e!r}"))
         finally:
-            self.path.buffers.release(buf, self._charge(buf))
+            self.write_path.buffers.release(buf, self._charge(buf))
             self._end(index)
 
     async def _commit(self, index: int, gen: int, info: BlockInfo) -> None:
@@ -499,7 +499,7 @@ class FileWriter:
                 return
             if gen < self._committed_gen.get(index, 0):
                 return  # a newer version of this block is already committed
-            await self.path.commit_blocks(self.file_id, self.token, [info])
+            await self.write_path.commit_blocks(self.file_id, self.token, [info])
             self._stamped = True
             self._note_committed(gen, info)
 
@@ -508,7 +508,7 @@ class FileWriter:
         self._committed_gen[index] = gen
         old = self._committed.get(index)
         if old is not None:
-            self.path.superseded(old)
+            self.write_path.superseded(old)
         self._committed[index] = info
 
     def _begin(self, index: int) -> None:
