@@ -46,7 +46,7 @@ from tectonic_py.core.etcd_client import (
 
 log = logging.getLogger(__name__)
 
-# etcd's transaction limit is set above this by the launcher (tectonic_py/local_etcd.py); a
+# etcd's transaction limit is set above this by the launcher (tectonic_py/launch/local_etcd.py); a
 # batch stops taking mutations once it has changed this many rows.
 MAX_CHANGES = 8000
 _SKIP_TABLES = frozenset({"sqlite_sequence"})
