@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from cluster_fixtures import suite_cluster
 from maintenance_helpers import put, read
+from test_cli import assert_one_line_error
 
 from chunkstore.server import OP_ROLES
 from metadata.api import OPS
@@ -48,13 +49,9 @@ def tectonic(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """A failed command's one line (test_cli's check), with exit code 1: it failed."""
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+    return assert_one_line_error(proc, *needles)
 
 
 def test_every_handler_is_declared_and_every_declaration_has_a_handler() -> None:
