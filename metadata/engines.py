@@ -6,9 +6,11 @@ metadata/engine.py; a new engine is one module and one entry in ``ENGINES``.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
+from metadata import etcd_shards, sqlite_engine
 from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.etcd_shards import EtcdShards
 from metadata.sqlite_engine import SqliteEngine
@@ -19,6 +21,19 @@ ENGINES: dict[str, Callable[[ShardPlan, Any], Engine]] = {
     "sqlite": SqliteEngine,
     "etcd": EtcdShards,
 }
+# name -> its settings from ``tectonic metadata``'s flags (ConfigError for a missing one)
+FLAGS: dict[str, Callable[[argparse.Namespace], EngineSettings]] = {
+    "sqlite": sqlite_engine.settings_from_args,
+    "etcd": etcd_shards.settings_from_args,
+}
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    """The settings of the engine ``--engine`` names."""
+    make = FLAGS.get(args.engine)
+    if make is None:
+        raise ConfigError(f"metadata engine {args.engine!r} is not one of {sorted(FLAGS)}")
+    return make(args)
 
 
 def open_engine(settings: EngineSettings, plan: ShardPlan) -> Engine:

@@ -16,6 +16,7 @@ interface, and it knows the server only as a ``ShardHost``.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from metadata.ownership import DEFAULT_TTL_S, Ownership
 from metadata.registry import Registry
 from metadata.shard import ShardStore
 from tectonic_py.core.cluster_file import REGISTRY_SHARD
-from tectonic_py.core.errors import TectonicError, WrongShard
+from tectonic_py.core.errors import ConfigError, TectonicError, WrongShard
 from tectonic_py.core.etcd_client import EtcdClient
 from tectonic_py.core.ids import ROOT_ID, shard_of
 
@@ -51,6 +52,22 @@ class EtcdSettings:
     # so that at cluster start every server gets its own shards.
     takeover_delay_s: float = field(default=1.0)
     name: str = field(default="etcd", init=False)
+
+
+def settings_from_args(args: argparse.Namespace) -> EtcdSettings:
+    """``tectonic metadata --engine etcd``'s flags (metadata/main.py) as settings."""
+    missing = [
+        flag
+        for flag, value in (
+            ("--etcd-endpoints", args.etcd_endpoints),
+            ("--etcd-prefix", args.etcd_prefix),
+        )
+        if not value
+    ]
+    if missing:
+        raise ConfigError(f"the following arguments are required: {', '.join(missing)}")
+    endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    return EtcdSettings(endpoints, prefix=args.etcd_prefix, lease_ttl=args.etcd_lease_ttl)
 
 
 class EtcdShards:

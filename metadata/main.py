@@ -18,10 +18,8 @@ import trio
 
 from metadata import backup
 from metadata.client import MetadataClient
-from metadata.engine import EngineSettings
-from metadata.etcd_shards import EtcdSettings
+from metadata.engines import ENGINES, settings_from_args
 from metadata.server import MetadataServer, parse_shard_list
-from metadata.sqlite_engine import SqliteSettings
 from tectonic_py.core import capability, cluster_file
 from tectonic_py.core.aio import _single, open_service_nursery
 from tectonic_py.core.auth import load_secret
@@ -60,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--engine",
-        choices=["sqlite", "etcd"],
+        choices=sorted(ENGINES),
         default="sqlite",
         help="where the shards live: SQLite files in --data-dir, or etcd (then --shards are"
         " the ones this server claims first, and it takes over those of dead servers)",
@@ -133,18 +131,12 @@ def run(args: argparse.Namespace) -> int:
         ]
         if value is None
     ]
-    if args.engine == "etcd":
-        missing += [f for f, v in [("--etcd-endpoints", args.etcd_endpoints)] if not v]
-        missing += [f for f, v in [("--etcd-prefix", args.etcd_prefix)] if not v]
     if missing:
         args.metadata_parser.error(f"the following arguments are required: {', '.join(missing)}")
-    engine: EngineSettings = SqliteSettings()
-    if args.engine == "etcd":
-        engine = EtcdSettings(
-            [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
-            prefix=args.etcd_prefix,
-            lease_ttl=args.etcd_lease_ttl,
-        )
+    try:
+        engine = settings_from_args(args)
+    except ConfigError as e:
+        args.metadata_parser.error(e.message)
     host, port = parse_address(args.listen)
     server = MetadataServer(
         args.data_dir,

@@ -9,6 +9,7 @@ backup`` (metadata/backup.py).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import trio
@@ -25,6 +26,11 @@ class SqliteSettings:
     """The sqlite engine needs nothing but the server's data directory."""
 
     name: str = field(default="sqlite", init=False)
+
+
+def settings_from_args(args: argparse.Namespace) -> SqliteSettings:
+    """The sqlite engine takes no flags of its own."""
+    return SqliteSettings()
 
 
 class SqliteEngine:
