@@ -28,7 +28,7 @@ from metadata.server import MetadataServer
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core import auth, cluster_file, rpc_client, sockets
 from tectonic_py.core.auth import ROLES, Credential
-from tectonic_py.core.errors import AuthError, PermissionDenied, TectonicError
+from tectonic_py.core.errors import AuthError, InvalidArgument, PermissionDenied, TectonicError
 from tectonic_py.launch.local_cluster import LocalCluster
 
 FILES = 5
@@ -259,3 +259,16 @@ def test_key_files_are_private_and_a_loose_one_is_refused(cluster: LocalCluster)
         )
     finally:
         os.chmod(loose, 0o600)
+
+
+def test_a_field_equal_to_its_default_in_another_type_is_refused() -> None:
+    """``False`` is not the token 0, nor ``0.0`` the uid 0: the type counts, as it did
+    when each handler read its fields itself; and an omitted list is never shared."""
+    base = {"shard": 0, "dir": 1, "name": "f"}
+    with pytest.raises(InvalidArgument, match="'token'"):
+        OPS["name.create"].validate({**base, "token": False})
+    with pytest.raises(InvalidArgument, match="'uid'"):
+        OPS["name.create"].validate({**base, "uid": 0.0})
+    assert OPS["name.create"].validate({**base, "token": 0})["token"] == 0
+    fields = OPS["file.commit"].validate({"shard": 0, "id": 5, "token": 1})
+    assert fields["entries"] == () and fields["blocks"] == ()

@@ -88,8 +88,12 @@ class Arg:
 
     def check(self, op: str, value: Any) -> Any:
         """``value`` if it is of this argument's type and within its bounds (lists of pairs
-        as tuples), else ``InvalidArgument``."""
-        if value is None or (not self.required and value == self.default):
+        as tuples), else ``InvalidArgument``. A value equal to the default, of the default's
+        own type (never ``False`` for a default ``0``), stands for it; defaults are
+        immutable, since every request that omits the field shares one."""
+        if value is None or (
+            not self.required and type(value) is type(self.default) and value == self.default
+        ):
             if self.required:
                 raise InvalidArgument(f"{op}: missing field {self.name!r}")
             return self.default
@@ -329,7 +333,7 @@ class Op:
 
     def validate(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The request's fields checked against the declaration, defaults filled in."""
-        extra = set(fields) - set(self.arg_map)
+        extra = fields.keys() - self.arg_map.keys()
         if extra:
             raise InvalidArgument(f"{self.name}: unknown field {min(extra)!r}")
         return {n: a.check(self.name, fields.get(n)) for n, a in self.arg_map.items()}

@@ -67,8 +67,8 @@ _LIMIT = int_("limit", 1000, lo=1, hi=MAX_SCAN)
 _NODE = str_("node_id", max_len=64)
 _INDEX = int_("index", hi=255)
 _CHECKSUM = int_("checksum", hi=2**32 - 1)
-_ENTRIES = list_("entries", "entries", [], max_len=100_000)
-_BLOCK_INFOS = list_("blocks", "list", [], max_len=10_000)
+_ENTRIES = list_("entries", "entries", (), max_len=100_000)
+_BLOCK_INFOS = list_("blocks", "list", (), max_len=10_000)
 
 
 def _op(
@@ -128,7 +128,7 @@ def _name_layer() -> list[Op]:
         _op("name.unlink", dirname, "id, released", by("dir"), WRITE, mutates=True,
             coalesce=True, doc="resent by the client, which reads a repeat's FileNotFound"),
         _op("name.staging",
-            [Arg("after", "cursor_name", [0, ""]), int_("limit", 1000, lo=1, hi=MAX_STATES)],
+            [Arg("after", "cursor_name", (0, "")), int_("limit", 1000, lo=1, hi=MAX_STATES)],
             "entries, next", SCAN, READ, mutates=False),
         _op("name.commit",
             [id_("dir"), name_("staging"), name_("final"), bool_("replace", False),
@@ -248,7 +248,7 @@ def _block_layer() -> list[Op]:
         _op("block.bad_chunks", [id_("after", 0, lo=0), _LIMIT], "chunks, next", SCAN, UPKEEP,
             mutates=False),
         _op("block.node_chunks",
-            [_NODE, Arg("after", "cursor_chunk", [0, -1]), id_("upto", MAX_ID, lo=0), _LIMIT],
+            [_NODE, Arg("after", "cursor_chunk", (0, -1)), id_("upto", MAX_ID, lo=0), _LIMIT],
             "chunks", SCAN, UPKEEP, mutates=False),
         _op("block.caps",
             [str_("action", max_len=8, choices=("put", "delete")),
