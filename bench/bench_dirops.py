@@ -129,8 +129,8 @@ def measure(n: int, workdir: Path, profile: Path | None) -> dict[str, Any]:
     from bench.nullfs import nullfs_mounted
     from tectonic_py.launch.local_cluster import LocalCluster
 
-    # The local disk's best of 3 (a fresh directory each): its creates vary twentyfold from
-    # run to run here (0.02-0.9 ms, with the journal's state), and a slow run must not
+    # The local disk's best of 3 (a fresh directory each): its creates vary many-fold from
+    # run to run (docs/decisions/2026-12-03-dirops-baseline.md), and a slow run must not
     # flatter the mount's ratio.
     runs = []
     for i in range(3):
