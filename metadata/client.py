@@ -177,6 +177,8 @@ class MetadataClient:
         self.resolve = names.resolve
         self.mkdir = names.mkdir
         self.create = names.create
+        self.delegate = names.delegate
+        self.create_delegated = names.create_delegated
         self.symlink = names.symlink
         self.mknod = names.mknod
         self.link = names.link
@@ -186,6 +188,7 @@ class MetadataClient:
         self.rename = names.rename
         # File layer
         self.getattr = files.getattr
+        self.dir_policy = files.policy
         self.parent = files.parent
         self.readlink = files.readlink
         self.setattr = files.setattr

@@ -139,7 +139,11 @@ def draw_id(conn: sqlite3.Connection, shard: int, total_shards: int) -> int:
         candidate = new_id()
         if shard_of(candidate, total_shards) != shard:
             continue
-        if conn.execute("SELECT 1 FROM files WHERE id = ?", (candidate,)).fetchone() is None:
+        if (
+            conn.execute("SELECT 1 FROM files WHERE id = ?", (candidate,)).fetchone() is None
+            and conn.execute("SELECT 1 FROM delegated_ids WHERE id = ?", (candidate,)).fetchone()
+            is None
+        ):
             return candidate
     raise TectonicError(f"could not draw a free id in shard {shard}")
 
@@ -156,7 +160,8 @@ def create(
 ) -> tuple[Attrs, int]:
     """A new, not yet named record; a file also gets its writer token (``token``, when the
     client drew it, so that a repeated create can recognise its own file). ``file_id`` is
-    given only for the root directory (fixed id)."""
+    given for the root directory (fixed id) and for an id a mount had delegated to it
+    (``write_ops.create_named``, which checks it)."""
     kind = spec["kind"]
     if kind not in ALL_KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}")

@@ -225,6 +225,49 @@ class NameCalls:
             return await self._files.getattr(existing.id), token
         raise FileExists(f"{name!r} keeps appearing and disappearing; giving up")
 
+    async def delegate(self, shard: int, count: int) -> tuple[list[int], int]:
+        """``count`` file ids of ``shard`` reserved for this caller's creates, and the
+        deadline (ns, the server's clock) until which they stay reserved."""
+        r = await self._r.call_shard(shard, "name.delegate", {"count": count})
+        return [int(i) for i in r["ids"]], int(r["expires_ns"])
+
+    async def create_delegated(
+        self,
+        dir_id: int,
+        name: str,
+        *,
+        file_id: int,
+        token: int,
+        mode: int,
+        uid: int,
+        gid: int,
+        ec: str,
+        chunk_size: int,
+        replace: bool,
+    ) -> Attrs:
+        """The create a mount answered before sending it (``file_id`` from ``delegate``,
+        ``token`` drawn by it): sent again after a lost reply, since a repeat finds the
+        record of its id. With ``replace``, a file of that name made meanwhile by another
+        mount loses the name (the create is its O_TRUNC rewrite); it is released here when
+        its record is elsewhere."""
+        validate_name(name)
+        fields: dict[str, Any] = {
+            "dir": dir_id,
+            "name": name,
+            "mode": mode,
+            "uid": uid,
+            "gid": gid,
+            "ec": ec,
+            "chunk_size": chunk_size,
+            "token": token,
+            "id": file_id,
+            "replace": replace,
+        }
+        r = await self._in(dir_id, "name.create", fields, repeat=True)
+        if r.get("victim_id"):
+            await self._release(int(r["victim_id"]), str(r["victim_kind"]))
+        return Attrs.from_wire(r["attrs"])
+
     async def symlink(
         self, dir_id: int, name: str, target: bytes, *, uid: int = 0, gid: int = 0
     ) -> Attrs:

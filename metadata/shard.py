@@ -90,6 +90,10 @@ CREATE TABLE IF NOT EXISTS xattrs (
 -- to shard files made before them.
 CREATE TABLE IF NOT EXISTS symlinks (file_id INTEGER PRIMARY KEY, target BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS devices (file_id INTEGER PRIMARY KEY, rdev INTEGER NOT NULL);
+-- File ids reserved for a mount's creates (name.delegate): a create that did not wait
+-- names its file with one of them; draws skip them; unused ones go at expires_ns.
+CREATE TABLE IF NOT EXISTS delegated_ids (id INTEGER PRIMARY KEY, expires_ns INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS delegated_ids_expiry ON delegated_ids (expires_ns);
 -- Blocks of deleted/overwritten files, waiting for the GC service.
 CREATE TABLE IF NOT EXISTS gc_blocks (block_id INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL);
 -- Queued blocks that a newer version replaced at their index (not deleted nor truncated

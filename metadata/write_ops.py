@@ -17,7 +17,9 @@ servers.
 ==================== ===================================================== ==============
 op                   fields (and ``shard``)                                reply
 ==================== ===================================================== ==============
-name.create          dir, name, mode, uid, gid, ec, chunk_size, [token]    attrs, token
+name.create          dir, name, mode, uid, gid, ec, chunk_size, [token],   attrs, token,
+                     [id, replace]                                         victim_id/kind
+name.delegate        count                                                 ids, expires_ns
 name.unlink          dir, name                                             id, released
 file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
 file.close           id, token, size, entries, [blocks]                    attrs
@@ -43,10 +45,39 @@ from typing import Any
 
 from metadata import block_layer, file_layer, name_layer
 from metadata.shard import now_ns
-from tectonic_py.core.errors import FileExists, WrongShard
+from tectonic_py.core.errors import FileExists, InvalidArgument, WrongShard
 from tectonic_py.core.ids import shard_of
 from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo
 from tectonic_py.core.rpc_server import Request
+
+DELEGATION_NS = 3600 * 10**9  # a delegated id unused this long is no longer reserved
+
+
+def delegate(
+    conn: sqlite3.Connection, shard: int, total_shards: int, count: int, now: int
+) -> tuple[list[int], int]:
+    """``count`` fresh ids of this shard, reserved until the returned deadline for the
+    caller's creates (``create_named`` with ``file_id``); expired reservations go first, a
+    bounded number per call, so the table holds what live mounts hold."""
+    conn.execute(
+        "DELETE FROM delegated_ids WHERE id IN"
+        " (SELECT id FROM delegated_ids WHERE expires_ns < ? LIMIT ?)",
+        (now, 4 * count),
+    )
+    expires = now + DELEGATION_NS
+    ids = [file_layer.draw_id(conn, shard, total_shards) for _ in range(count)]
+    conn.executemany(
+        "INSERT INTO delegated_ids (id, expires_ns) VALUES (?, ?)", [(i, expires) for i in ids]
+    )
+    return ids, expires
+
+
+def _take_delegated(conn: sqlite3.Connection, file_id: int, now: int) -> None:
+    cur = conn.execute("DELETE FROM delegated_ids WHERE id = ? AND expires_ns >= ?", (file_id, now))
+    if not cur.rowcount:
+        raise InvalidArgument(
+            f"file id {file_id} was not delegated here, or its delegation expired"
+        )
 
 
 def create_named(
@@ -59,24 +90,51 @@ def create_named(
     now: int,
     lease_ns: int,
     token: int = 0,
-) -> tuple[Attrs, int]:
+    file_id: int = 0,
+    replace: bool = False,
+) -> tuple[Attrs, int, int, str]:
     """A regular file named ``name`` in ``dir_id`` (whose shard this is), with its writer
     token: the File record (id drawn to hash here, named at once) and the Name entry.
+    Returns ``(attrs, token, victim_id, victim_kind)``.
 
     ``token``, drawn by the client, makes the create safe to send again after a lost reply
     (a server killed under it): a name that is taken by a file whose writer holds that very
-    token is the first try's, and the reply is the first try's."""
+    token is the first try's, and the reply is the first try's.
+
+    ``file_id``: an id ``delegate`` reserved, for a create the mount answered before sending
+    it. A record of that id already here is the first try's (the id was this caller's
+    alone), whatever became of its name since. ``replace``: such a create was an
+    ``O_CREAT|O_TRUNC`` of a name the mount believed free; if another mount took the name
+    meanwhile, the two are serialized as the later one's truncate and rewrite: the name
+    moves to the new file and the old one loses it (``victim``; released here when its
+    record is in this shard, else by the caller), so the name ends with one writer's whole
+    contents, never a mix of two."""
     name_layer.check_dir(conn, dir_id)
+    if file_id:
+        if conn.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is not None:
+            if file_layer.writer_token(conn, file_id) not in (0, token):
+                raise FileExists(f"file id {file_id} exists and is not this create's")
+            return file_layer.get(conn, file_id, now), token, 0, ""
+        _take_delegated(conn, file_id, now)
     taken = name_layer.entry(conn, dir_id, name)
+    victim, victim_kind = 0, ""
     if taken is not None:
         if token and file_layer.writer_token(conn, taken[0]) == token:
-            return file_layer.get(conn, taken[0], now), token
-        raise FileExists(f"{name!r} exists in directory {dir_id}")
+            return file_layer.get(conn, taken[0], now), token, 0, ""
+        if not replace:
+            raise FileExists(f"{name!r} exists in directory {dir_id}")
+        victim, victim_kind = taken
+        name_layer.remove(conn, dir_id, name, KIND_FILE)
+        if shard_of(victim, total_shards) == shard:
+            file_layer.unlink(conn, victim, now)
+            victim, victim_kind = 0, ""
     spec = {**spec, "kind": KIND_FILE, "parent": dir_id, "name": name}
-    attrs, token = file_layer.create(conn, shard, total_shards, spec, now, lease_ns, token=token)
+    attrs, token = file_layer.create(
+        conn, shard, total_shards, spec, now, lease_ns, file_id=file_id, token=token
+    )
     file_layer.link(conn, attrs.id, dir_id, name)
     name_layer.insert(conn, dir_id, name, attrs.id, KIND_FILE)
-    return attrs, token
+    return attrs, token, victim, victim_kind
 
 
 def unlink_named(
@@ -147,6 +205,9 @@ class WriteOps:
     async def op_name__create(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         dir_id = self._dir_here(req, store.shard)
+        file_id = req["id"]
+        if file_id and shard_of(file_id, self.total_shards) != store.shard:
+            raise WrongShard(f"name.create: file id {file_id} is not of shard {store.shard}")
         spec = {
             "mode": req["mode"],
             "uid": req["uid"],
@@ -154,7 +215,7 @@ class WriteOps:
             "ec": req["ec"],
             "chunk_size": req["chunk_size"],
         }
-        attrs, token = await store.write(
+        attrs, token, victim, victim_kind = await store.write(
             create_named,
             store.shard,
             self.total_shards,
@@ -164,8 +225,22 @@ class WriteOps:
             now_ns(),
             self.lease_ns,
             req["token"],
+            file_id,
+            req["replace"],
         )
-        return {"attrs": dict(attrs.__dict__), "token": token}
+        return {
+            "attrs": dict(attrs.__dict__),
+            "token": token,
+            "victim_id": victim,
+            "victim_kind": victim_kind,
+        }
+
+    async def op_name__delegate(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        ids, expires = await store.write(
+            delegate, store.shard, self.total_shards, req["count"], now_ns()
+        )
+        return {"ids": ids, "expires_ns": expires}
 
     async def op_name__unlink(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

@@ -46,6 +46,7 @@ MAX_SCAN = 10_000  # items of one maintenance scan or call
 MAX_BLOCKS = 100_000  # block ids of one block.durability
 MAX_STATES = 10_000  # file ids of one file.states, entries of one name.staging page
 MAX_BATCH_OPS = 512
+MAX_DELEGATE = 4096  # file ids one name.delegate reserves
 MAX_XATTR_VALUE = 64 * 1024
 MAX_CHUNK_SIZE = 64 * 2**20
 MAX_SIZE = 2**62
@@ -122,9 +123,16 @@ def _name_layer() -> list[Op]:
         _op("name.intents", [_NS], "intents", SCAN, UPKEEP, mutates=False),
         _op("name.create",
             [*dirname, int_("mode", 0o644, hi=MAX_MODE), _UID, _GID, _EC, _CHUNK_SIZE,
-             int_("token", 0, hi=MAX_ID)],
-            "attrs, token", by("dir"), WRITE, mutates=True, coalesce=True,
-            doc="a regular file, named at once; a repeat with the same token gets the first file"),
+             int_("token", 0, hi=MAX_ID), id_("id", 0, lo=0), bool_("replace", False)],
+            "attrs, token, victim_id, victim_kind", by("dir"), WRITE, mutates=True,
+            coalesce=True,
+            doc="a regular file, named at once; a repeat with the same token gets the first "
+                "file. id: one name.delegate reserved (a mount's create that did not wait); "
+                "replace: a name that is taken is taken over (its file loses the name)"),
+        _op("name.delegate", [int_("count", lo=1, hi=MAX_DELEGATE)], "ids, expires_ns", SCAN,
+            WRITE, mutates=True, repeatable=True,
+            doc="file ids hashing to this shard, reserved for the caller's creates until "
+                "expires_ns (a repeat reserves more; unused ones expire)"),
         _op("name.unlink", dirname, "id, released", by("dir"), WRITE, mutates=True,
             coalesce=True, doc="resent by the client, which reads a repeat's FileNotFound"),
         _op("name.staging",

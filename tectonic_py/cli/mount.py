@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -40,6 +40,7 @@ from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.ids import ROOT_ID
+from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S
 
 if TYPE_CHECKING:
     from tectonic_py.mount.operations import Operations
@@ -70,6 +71,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_READ_AHEAD_KB,
         help="kernel read-ahead of the mount (0 keeps the kernel's default)",
+    )
+    p.add_argument(
+        "--entry-timeout",
+        type=float,
+        default=1.0,
+        help="seconds the kernel trusts a name without asking (another mount's removal or "
+        "rename shows after this long at most)",
+    )
+    p.add_argument(
+        "--attr-timeout",
+        type=float,
+        default=1.0,
+        help="seconds the kernel (and the mount, for directories) trusts attributes",
+    )
+    p.add_argument(
+        "--negative-timeout",
+        type=float,
+        default=DEFAULT_NEGATIVE_TIMEOUT_S,
+        help="seconds a directory listing answers lookups of absent names without a round "
+        "trip; another mount's new name may read as absent that long (0: always ask)",
+    )
+    p.add_argument(
+        "--sync-creates",
+        action="store_true",
+        help="every create waits for its metadata commit (default: an O_CREAT|O_TRUNC of a "
+        "name known absent is answered at once and made durable by close)",
     )
     p.add_argument("--ready-file", help="write {mountpoint, pid} as JSON here once mounted")
     p.add_argument("--log-file", help="log here when in the background (default: discard)")
@@ -145,10 +172,26 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mnt = _check_mountpoint(args.mountpoint, nonempty=args.nonempty)
     _check_fuse_device()
     options = mount_options(config, allow_other=args.allow_other)
+    tuning = _tuning(args)
     if args.foreground:
-        trio.run(serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file)
+        trio.run(
+            serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file, None, tuning
+        )
         return 0
     return _daemonize(config, mnt, options, args)
+
+
+def _tuning(args: argparse.Namespace) -> dict[str, Any]:
+    """The mount's timeouts and create mode (keyword arguments of ``Operations``)."""
+    timeouts = {
+        "entry_timeout": args.entry_timeout,
+        "attr_timeout": args.attr_timeout,
+        "negative_timeout": args.negative_timeout,
+    }
+    for name, value in timeouts.items():
+        if not 0 <= value <= 3600:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: give 0..3600 seconds")
+    return {**timeouts, "async_creates": not args.sync_creates}
 
 
 def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argparse.Namespace) -> int:
@@ -181,7 +224,16 @@ def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argpars
 
     code = 0
     try:
-        trio.run(serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file, ready)
+        trio.run(
+            serve_mount,
+            config,
+            mnt,
+            options,
+            args.read_ahead_kb,
+            args.ready_file,
+            ready,
+            _tuning(args),
+        )
     except BaseException as e:
         log.exception("mount of %s failed", mnt)
         try:
@@ -199,15 +251,17 @@ async def serve_mount(
     read_ahead_kb: int = DEFAULT_READ_AHEAD_KB,
     ready_file: str | None = None,
     ready: Callable[[], None] | None = None,
+    tuning: dict[str, Any] | None = None,
 ) -> None:
-    """Mount and serve until unmounted or signalled; always leaves no mount behind."""
+    """Mount and serve until unmounted or signalled; always leaves no mount behind.
+    ``tuning``: keyword arguments of ``Operations`` (the mount's timeouts and creates)."""
     from tectonic_py.client.tectonic_client import open_client
     from tectonic_py.mount.operations import Operations
 
     async with open_client(config) as client:
         # Fail now, with the client's one-line error, rather than mount a dead cluster.
         await client.meta.getattr(ROOT_ID)
-        ops = Operations(client)
+        ops = Operations(client, **(tuning or {}))
         try:
             pyfuse3.init(ops, mountpoint, options)
         except RuntimeError as e:  # libfuse printed its reason on stderr already

@@ -44,6 +44,7 @@ from typing import Any
 import trio
 
 from chunkstore.client import ChunkPool
+from tectonic_py.client.async_creates import AsyncCreates, PendingCreate
 from tectonic_py.client.block_io import BlockIO, BlockWrite, IOTuning
 from tectonic_py.client.buffers import BlockCache, BufferPool
 from tectonic_py.client.codec import Codec
@@ -158,6 +159,7 @@ class TectonicClient:
             meta, self.pool, self.node_view, self.codec, self.cache, self.stats, nursery, tuning
         )
         self._write_path = _WritePath(meta, self.blocks, self.buffers, nursery)
+        self.creates = AsyncCreates(meta, nursery)
         self._closed = False
 
     def statistics(self) -> ClientStats:
@@ -292,6 +294,23 @@ class TectonicClient:
         )
         return FileWriter(self._write_path, attrs, token, {})
 
+    async def create_pending(
+        self, dir_id: int, name: str, *, mode: int = 0o644, uid: int = 0, gid: int = 0
+    ) -> tuple[FileWriter, PendingCreate] | None:
+        """A writer of a new file ``name`` in ``dir_id`` made without waiting for the
+        metadata service (an ``O_CREAT|O_TRUNC`` the caller believes is of a free name:
+        tectonic_py/client/async_creates.py says what it promises); None when no delegated
+        id is at hand, and the caller creates synchronously."""
+        ec, chunk_size = await self.meta.dir_policy(dir_id)
+        started = self.creates.start(
+            dir_id, name, mode=mode, uid=uid, gid=gid, ec=ec, chunk_size=chunk_size
+        )
+        if started is None:
+            return None
+        attrs, token, pending = started
+        path = _PendingPath(self._write_path, pending)
+        return FileWriter(path, attrs, token, {}), pending
+
     async def open_writer(self, file_id: int, *, truncate: bool = False) -> FileWriter:
         token = await self.meta.open_for_write(file_id, truncate=truncate)
         attrs = await self.meta.getattr(file_id)
@@ -348,6 +367,55 @@ class _WritePath:
 
     def superseded(self, old: BlockInfo) -> None:
         self.blocks.cache.discard(old.block_id)
+
+    async def created(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _PendingPath:
+    """The write path of a file whose create is still in flight: blocks are stored at
+    once (a block needs no file record until it is committed), and every metadata call of
+    the writer waits for the create first, failing with its error."""
+
+    inner: _WritePath
+    pending: PendingCreate
+
+    @property
+    def buffers(self) -> BufferPool:
+        return self.inner.buffers
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        return self.inner.nursery
+
+    async def store_block(self, block: BlockWrite) -> BlockInfo:
+        return await self.inner.store_block(block)
+
+    async def read_block(self, info: BlockInfo) -> memoryview:
+        return await self.inner.read_block(info)
+
+    async def created(self) -> None:
+        await self.pending.wait()
+
+    async def commit_blocks(self, file_id: int, token: int, blocks: Sequence[BlockInfo]) -> None:
+        await self.pending.wait()
+        await self.inner.commit_blocks(file_id, token, blocks)
+
+    async def set_size(self, file_id: int, token: int, size: int) -> Attrs:
+        await self.pending.wait()
+        return await self.inner.set_size(file_id, token, size)
+
+    async def seal(self, file_id: int, token: int, size: int, blocks: Sequence[BlockInfo]) -> Attrs:
+        await self.pending.wait()
+        return await self.inner.seal(file_id, token, size, blocks)
+
+    async def renew_lease(self, file_id: int, token: int) -> None:
+        await self.pending.wait()
+        await self.inner.renew_lease(file_id, token)
+
+    def superseded(self, old: BlockInfo) -> None:
+        self.inner.superseded(old)
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -94,6 +94,11 @@ class WritePath(Protocol):
         """Keep the writer token's lease alive."""
         ...
 
+    async def created(self) -> None:
+        """Return once the file exists at its shard (a create answered before it was sent,
+        tectonic_py/client/async_creates.py); raise what that create met."""
+        ...
+
     def superseded(self, old: BlockInfo) -> None:
         """A newer version of ``old`` is committed: no reader should get it from a cache."""
         ...
@@ -274,6 +279,7 @@ class FileWriter:
 
     async def _fsync(self) -> None:
         self._check()
+        await self._meta_call(self.write_path.created())
         if self._dirty and self._open_buf is not None and self._open_index is not None:
             index, n = self._open_index, self._open_len
             gen = next(self._gen)
@@ -305,6 +311,7 @@ class FileWriter:
             return self._final
         try:
             self._check()  # a sticky error: nothing more is stored
+            await self._meta_call(self.write_path.created())
             last = await self._store_open()
             await self._drain()
             self._check()

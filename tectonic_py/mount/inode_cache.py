@@ -9,6 +9,13 @@ The metadata service is the source of truth for every inode; this module only ke
   lifetimes); the count is kept so that state for an inode never outlives the kernel's use of
   it and so that a wrong count shows up in tests instead of as a leak.
 
+* **Directory attributes.** A directory's attrs, read at most ``attr_timeout`` ago, answer
+  its GETATTR. The kernel drops its own copy after every create or unlink in the directory
+  and asks again before the next path walk through it (to check its mode), so without this a
+  burst of creates costs a round trip each for the directory's attrs. This mount's own
+  changes in the directory stamp its mtime and ctime here as the shard does; another
+  mount's show within ``attr_timeout``, as any attribute does.
+
 * **Open files.** One ``OpenFile`` per inode with at least one open handle. All handles of an
   inode that write share ONE ``FileWriter``: the kernel gives dup'd descriptors and the several
   ``open`` calls of numpy/torch/DCP one inode, and a second writer would steal the writer token
@@ -26,7 +33,9 @@ only then takes a new writer token (it would otherwise fence off the seal).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +45,8 @@ if TYPE_CHECKING:
     from tectonic_py.core.records import Attrs
 
 log = logging.getLogger(__name__)
+
+MAX_DIR_ATTRS = 4096  # directories whose attrs are held
 
 
 @dataclass(eq=False)
@@ -102,6 +113,7 @@ class InodeCache:
         self.open_files: dict[int, OpenFile] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}
+        self._dirs: dict[int, tuple[float, Attrs]] = {}
         self._next_fh = 1
 
     # --- lookup counts -------------------------------------------------------------------
@@ -190,6 +202,34 @@ class InodeCache:
         return None
 
     # --- directories ----------------------------------------------------------------------
+
+    def note_dir(self, attrs: Attrs) -> None:
+        """A directory's attrs as the metadata service just gave them."""
+        self._dirs.pop(attrs.id, None)
+        self._dirs[attrs.id] = (time.monotonic(), attrs)
+        while len(self._dirs) > MAX_DIR_ATTRS:
+            del self._dirs[next(iter(self._dirs))]
+
+    def dir_attrs(self, inode: int, max_age: float) -> Attrs | None:
+        """The directory's attrs if read less than ``max_age`` seconds ago."""
+        held = self._dirs.get(inode)
+        if held is None or time.monotonic() - held[0] > max_age:
+            return None
+        return held[1]
+
+    def dir_changed(self, inode: int, links: int = 0) -> None:
+        """This mount changed the directory's entries (``links``: subdirectories made or
+        removed): its times move to now, as the shard stamps them."""
+        held = self._dirs.get(inode)
+        if held is not None:
+            now = time.time_ns()
+            attrs = dataclasses.replace(
+                held[1], mtime_ns=now, ctime_ns=now, nlink=max(2, held[1].nlink + links)
+            )
+            self._dirs[inode] = (held[0], attrs)
+
+    def forget_dir(self, inode: int) -> None:
+        self._dirs.pop(inode, None)
 
     def open_dir(self, inode: int) -> DirHandle:
         dh = DirHandle(fh=self._new_fh(), inode=inode)

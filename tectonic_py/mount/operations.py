@@ -51,7 +51,6 @@ import dataclasses
 import errno
 import logging
 import os
-import stat
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,29 +59,21 @@ import trio
 
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
-    FileExists,
     FileNotFound,
     FileSealed,
     InvalidArgument,
-    InvalidName,
     StaleWriterToken,
     TectonicError,
 )
-from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import (
-    KIND_BLK,
-    KIND_CHR,
-    KIND_DIR,
-    KIND_FIFO,
     KIND_FILE,
-    KIND_SOCK,
-    KIND_SYMLINK,
     UNSEALED,
     Attrs,
-    DirEntry,
 )
+from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S, DirListings
 from tectonic_py.mount.errno_map import fuse_op
-from tectonic_py.mount.inode_cache import DirHandle, Handle, InodeCache, OpenFile
+from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
+from tectonic_py.mount.namespace import S_IFMT_OF_KIND, NamespaceOps, fuse_name
 from tectonic_py.mount.xattrs import XattrOps
 
 if TYPE_CHECKING:
@@ -93,38 +84,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _name(raw: bytes) -> str:
-    """A FUSE name as the metadata service spells it (UTF-8, at most 255 bytes)."""
-    if len(raw) > 255:
-        raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidName(f"name {raw!r} is not UTF-8") from None
-
-
 # --- the Operations class -------------------------------------------------------------------
 
 # st_blksize sets the buffer size of Python's io (and so the size of the read/write calls of
 # torch.load's buffered reader): 128 KiB matches the kernel's FUSE read request size.
 BLKSIZE = 128 * 1024
 FRSIZE = 4096
-_S_IFMT = {
-    KIND_FILE: stat.S_IFREG,
-    KIND_DIR: stat.S_IFDIR,
-    KIND_SYMLINK: stat.S_IFLNK,
-    KIND_FIFO: stat.S_IFIFO,
-    KIND_SOCK: stat.S_IFSOCK,
-    KIND_CHR: stat.S_IFCHR,
-    KIND_BLK: stat.S_IFBLK,
-}
-_KIND_OF_IFMT = {v: k for k, v in _S_IFMT.items()}
-DOTDOT_OFFSET = 2  # readdir offsets: 1 is ".", 2 is "..", entries from 3 (DirHandle)
-READDIR_PAGE = 64  # entries per metadata page; the kernel's buffer holds roughly this many
-ATTR_FETCH_LIMIT = 32  # concurrent getattr calls per readdir page
 
 
-class Operations(XattrOps, pyfuse3.Operations):
+class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     """pyfuse3 handlers over a ``TectonicClient``.
 
     Inode numbers are metadata ids (the root directory is id 1, as FUSE's root inode).
@@ -143,6 +111,8 @@ class Operations(XattrOps, pyfuse3.Operations):
         *,
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
+        negative_timeout: float = DEFAULT_NEGATIVE_TIMEOUT_S,
+        async_creates: bool = True,
     ) -> None:
         super().__init__()
         self.client = client
@@ -150,6 +120,9 @@ class Operations(XattrOps, pyfuse3.Operations):
         self.cache = InodeCache()
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
+        self.listings = DirListings(client.meta, client.nursery, timeout=negative_timeout)
+        self.creates = client.creates
+        self.async_creates = async_creates
         # Set once the kernel's INIT request is handled: settings of the mount's backing
         # device (read_ahead_kb) made before that are overwritten by the kernel.
         self.initialized = trio.Event()
@@ -177,7 +150,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         mode = attrs.mode & 0o7777
         if ofile is None and attrs.kind == KIND_FILE and attrs.seal_state == UNSEALED:
             mode &= ~0o444  # see the module docstring: not shown as a complete file
-        e.st_mode = _S_IFMT[attrs.kind] | mode
+        e.st_mode = S_IFMT_OF_KIND[attrs.kind] | mode
         e.st_nlink = max(attrs.nlink, 2) if attrs.is_dir else attrs.nlink
         e.st_uid = attrs.uid
         e.st_gid = attrs.gid
@@ -199,13 +172,20 @@ class Operations(XattrOps, pyfuse3.Operations):
         ofile = self.cache.writing(inode)
         if ofile is not None and ofile.attrs is not None:
             return ofile.attrs
+        held_dir = self.cache.dir_attrs(inode, self.attr_timeout)
+        if held_dir is not None:
+            return held_dir
         try:
-            return await self.meta.getattr(inode)
+            attrs: Attrs = await self.meta.getattr(inode)
         except FileNotFound:
+            self.cache.forget_dir(inode)
             held = self._held_attrs(inode)
             if held is None:
                 raise
             return held
+        if attrs.is_dir:
+            self.cache.note_dir(attrs)
+        return attrs
 
     def _held_attrs(self, inode: int) -> Attrs | None:
         ofile = self.cache.open_files.get(inode)
@@ -226,7 +206,18 @@ class Operations(XattrOps, pyfuse3.Operations):
         if name == b".":
             attrs = await self._attrs(parent_inode)
         else:
-            attrs = await self.meta.lookup(parent_inode, _name(name))
+            key = fuse_name(name)
+            if self.listings.absent(parent_inode, key):
+                raise FileNotFound(f"no entry {key!r} in directory {parent_inode}")
+            await self.creates.settle_name(parent_inode, key)
+            try:
+                attrs = await self.meta.lookup(parent_inode, key)
+            except FileNotFound:
+                # What comes next is often a create of that name: have its ids at hand.
+                self.listings.missed(parent_inode)
+                if self.async_creates:
+                    self.creates.prepare(parent_inode)
+                raise
         return self._entry_taken(attrs)
 
     @fuse_op
@@ -262,6 +253,8 @@ class Operations(XattrOps, pyfuse3.Operations):
             changes["mtime_ns"] = attr.st_mtime_ns
         if changes:
             attrs = await self._set_attrs(inode, changes)
+            if attrs.is_dir:
+                self.cache.note_dir(attrs)
         else:
             attrs = await self._attrs(inode)
         return self._entry(attrs)
@@ -270,6 +263,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         """chmod, chown, utimes. With a writer open here the change is made under the
         writer's lock, so it lands either before a flush or seal (which then puts the times
         back) or after it, never in the middle where the flush's stamp would undo it."""
+        await self.creates.settle_file(inode)
         ofile = self.cache.open_files.get(inode)
         if ofile is None or (ofile.writer is None and not ofile.lock.locked()):
             return await self.meta.setattr(inode, **changes)
@@ -316,15 +310,31 @@ class Operations(XattrOps, pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        writer = await self.client.create_in(
-            parent_inode,
-            _name(name),
-            mode=mode & 0o7777,
-            uid=ctx.uid,
-            gid=ctx.gid,
-            exclusive=bool(flags & os.O_EXCL),
-            ec=None,
-        )
+        key = fuse_name(name)
+        started = None
+        if (
+            self.async_creates
+            and flags & os.O_TRUNC
+            and not flags & os.O_EXCL
+            and self.listings.absent(parent_inode, key)
+        ):
+            started = await self.client.create_pending(
+                parent_inode, key, mode=mode & 0o7777, uid=ctx.uid, gid=ctx.gid
+            )
+        if started is not None:
+            writer = started[0]
+        else:
+            writer = await self.client.create_in(
+                parent_inode,
+                key,
+                mode=mode & 0o7777,
+                uid=ctx.uid,
+                gid=ctx.gid,
+                exclusive=bool(flags & os.O_EXCL),
+                ec=None,
+            )
+        self.listings.added(parent_inode, key)
+        self.cache.dir_changed(parent_inode)
         attrs = writer.attrs
         ofile = self.cache.open_file(attrs.id)
         if ofile.writer is not None:
@@ -333,7 +343,9 @@ class Operations(XattrOps, pyfuse3.Operations):
             log.warning("create of %r replaced the open writer of inode %d", name, attrs.id)
             await _abort(ofile.writer)
         ofile.writer, ofile.attrs, ofile.error = writer, attrs, None
-        ofile.write_seq = ofile.synced_seq = 0
+        # A create answered before it was sent is not yet durable: the first flush (every
+        # close) waits for it, even with nothing written.
+        ofile.write_seq, ofile.synced_seq = (1 if started is not None else 0), 0
         # A handle that holds a writer reference is writable whatever its flags say, so
         # that its release seals the new file.
         handle = self.cache.add_handle(
@@ -347,6 +359,7 @@ class Operations(XattrOps, pyfuse3.Operations):
         writable = acc in (os.O_WRONLY, os.O_RDWR)
         readable = acc in (os.O_RDONLY, os.O_RDWR)
         truncate = writable and bool(flags & os.O_TRUNC)
+        await self.creates.settle_file(inode)
         ofile = self.cache.open_file(inode)
         reader = None
         try:
@@ -533,176 +546,6 @@ class Operations(XattrOps, pyfuse3.Operations):
         except KeyError:
             raise pyfuse3.FUSEError(errno.EBADF) from None
 
-    # --- namespace ------------------------------------------------------------------------
-
-    @fuse_op
-    async def mkdir(
-        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        attrs = await self.meta.mkdir(
-            parent_inode, _name(name), mode=mode & 0o7777, uid=ctx.uid, gid=ctx.gid
-        )
-        return self._entry_taken(attrs)
-
-    @fuse_op
-    async def symlink(
-        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        attrs = await self.meta.symlink(
-            parent_inode, _name(name), bytes(target), uid=ctx.uid, gid=ctx.gid
-        )
-        return self._entry_taken(attrs)
-
-    @fuse_op
-    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.meta.readlink(inode)
-
-    @fuse_op
-    async def mknod(
-        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        """Special files are metadata only (a FIFO or socket here is a name; the kernel
-        keeps the pipe); a regular file is created empty and sealed."""
-        kind = _KIND_OF_IFMT.get(stat.S_IFMT(mode) or stat.S_IFREG)
-        if kind is None or kind in (KIND_DIR, KIND_SYMLINK):
-            raise InvalidArgument(f"mknod of mode {mode:o}")
-        if kind == KIND_FILE:
-            writer = await self.client.create_in(
-                parent_inode,
-                _name(name),
-                mode=mode & 0o7777,
-                uid=ctx.uid,
-                gid=ctx.gid,
-                exclusive=True,
-            )
-            attrs = await writer.close()
-        else:
-            attrs = await self.meta.mknod(
-                parent_inode,
-                _name(name),
-                kind,
-                mode=mode & 0o7777,
-                rdev=rdev if kind in (KIND_CHR, KIND_BLK) else 0,
-                uid=ctx.uid,
-                gid=ctx.gid,
-            )
-        return self._entry_taken(attrs)
-
-    @fuse_op
-    async def link(
-        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        attrs = await self.meta.link(inode, new_parent_inode, _name(new_name))
-        ofile = self.cache.writing(inode)
-        if ofile is not None and ofile.attrs is not None:
-            ofile.attrs.nlink = attrs.nlink
-        return self._entry_taken(attrs)
-
-    @fuse_op
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.meta.rmdir(parent_inode, _name(name))
-
-    @fuse_op
-    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        # Open handles keep their FileReader/FileWriter, so the data stays readable until
-        # the last release; the metadata service collects the blocks after a grace period.
-        file_id = await self.meta.unlink(parent_inode, _name(name))
-        ofile = self.cache.writing(file_id)
-        if ofile is not None and ofile.attrs is not None:  # fstat of our writer's handles
-            ofile.attrs = dataclasses.replace(ofile.attrs, nlink=max(ofile.attrs.nlink - 1, 0))
-
-    @fuse_op
-    async def rename(
-        self,
-        parent_inode_old: int,
-        name_old: bytes,
-        parent_inode_new: int,
-        name_new: bytes,
-        flags: int,
-        ctx: pyfuse3.RequestContext,
-    ) -> None:
-        old, new = _name(name_old), _name(name_new)
-        if flags & pyfuse3.RENAME_EXCHANGE:
-            raise InvalidArgument("RENAME_EXCHANGE is not supported")
-        if flags & pyfuse3.RENAME_NOREPLACE:
-            # Not atomic against a concurrent create of the target by another mount; within
-            # this mount the kernel holds the directory locks across the whole call.
-            try:
-                await self.meta.lookup(parent_inode_new, new)
-            except FileNotFound:
-                pass
-            else:
-                raise FileExists(f"{new!r} exists")
-        await self.meta.rename(parent_inode_old, old, parent_inode_new, new)
-
-    @fuse_op
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        return self.cache.open_dir(inode).fh
-
-    @fuse_op
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        try:
-            dh = self.cache.dir_handle(fh)
-        except KeyError:
-            raise pyfuse3.FUSEError(errno.EBADF) from None
-        if start_id < DOTDOT_OFFSET:
-            if not await self._reply_dots(dh, start_id, token):
-                return
-            after: str | None = ""
-        else:
-            after = dh.cursors.get(start_id)
-            if after is None:
-                raise InvalidArgument(f"readdir offset {start_id} was never handed out")
-        while True:
-            entries, cursor = await self.meta.readdir(dh.inode, after, READDIR_PAGE)
-            attrs = await self._attrs_of(entries)
-            for entry in entries:
-                a = attrs.get(entry.id)
-                if a is None:
-                    continue  # removed since the page was read
-                offset = dh.next_offset
-                dh.next_offset += 1
-                dh.cursors[offset] = entry.name
-                if not pyfuse3.readdir_reply(
-                    token, entry.name.encode("utf-8"), self._entry(a), offset
-                ):
-                    return
-                self.cache.remember(a.id)  # the kernel took a reference (readdirplus)
-            if cursor is None or not entries:
-                return
-            after = cursor
-
-    async def _reply_dots(self, dh: DirHandle, start_id: int, token: pyfuse3.ReaddirToken) -> bool:
-        """``.`` and ``..`` first (offsets 1 and 2), as programs that count entries expect.
-        The kernel links neither into its cache and takes no reference for them, so only
-        their inode number and type matter (no attribute round trip)."""
-        if start_id == 0 and not pyfuse3.readdir_reply(token, b".", _dir_entry(dh.inode), 1):
-            return False
-        parent = dh.inode if dh.inode == ROOT_ID else await self.meta.parent(dh.inode)
-        dh.cursors[DOTDOT_OFFSET] = ""  # resuming after ".." starts at the first entry
-        return bool(pyfuse3.readdir_reply(token, b"..", _dir_entry(parent), DOTDOT_OFFSET))
-
-    async def _attrs_of(self, entries: list[DirEntry]) -> dict[int, Attrs]:
-        """Attributes of a readdir page, fetched concurrently; vanished entries are left out."""
-        out: dict[int, Attrs] = {}
-        limiter = trio.CapacityLimiter(ATTR_FETCH_LIMIT)
-
-        async def one(entry: DirEntry) -> None:
-            async with limiter:
-                try:
-                    out[entry.id] = await self._attrs(entry.id)
-                except FileNotFound:
-                    pass
-
-        async with trio.open_nursery() as nursery:
-            for entry in entries:
-                nursery.start_soon(one, entry)
-        return out
-
-    @fuse_op
-    async def releasedir(self, fh: int) -> None:
-        self.cache.close_dir(fh)
-
     @fuse_op
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Real capacity from the node registry, as usable bytes under the cluster's
@@ -741,13 +584,6 @@ class Operations(XattrOps, pyfuse3.Operations):
                 if handle.reader is not None:
                     await _aclose_reader(handle.reader)
                     handle.reader = None
-
-
-def _dir_entry(inode: int) -> pyfuse3.EntryAttributes:
-    e = pyfuse3.EntryAttributes()
-    e.st_ino = inode
-    e.st_mode = stat.S_IFDIR
-    return e
 
 
 async def _abort(writer: Any) -> None:

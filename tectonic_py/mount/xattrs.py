@@ -44,6 +44,7 @@ class XattrOps:
 
     meta: Any
     cache: InodeCache
+    creates: Any  # the client's AsyncCreates: a file's create lands before calls about it
 
     async def _attrs(self, inode: int) -> Attrs:
         raise NotImplementedError
@@ -58,6 +59,7 @@ class XattrOps:
             return (await self._attrs(inode)).ec.encode()
         if key == DURABILITY_XATTR:
             return (await self._durability(inode)).encode()
+        await self.creates.settle_file(inode)
         return await self.meta.getxattr(inode, key)
 
     async def _durability(self, inode: int) -> str:
@@ -93,7 +95,9 @@ class XattrOps:
                 # A file's blocks are already coded; only new files may choose a policy.
                 raise pyfuse3.FUSEError(errno.EPERM)
             await self.meta.setattr(inode, ec=policy.name)
+            self.cache.forget_dir(inode)
             return
+        await self.creates.settle_file(inode)
         await self.meta.setxattr(inode, key, value)
 
     @fuse_op
@@ -101,6 +105,7 @@ class XattrOps:
         # Ours are read and set by name only: listed, cp --preserve=xattr and rsync -X
         # would copy them (a status, a policy the destination's directory decides) and
         # rsync would remove them from a copy whose source lacks them.
+        await self.creates.settle_file(inode)
         names = await self.meta.listxattr(inode)
         return [n.encode() for n in names if n not in (EC_XATTR, DURABILITY_XATTR)]
 
@@ -110,4 +115,5 @@ class XattrOps:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         if _key(name) in (EC_XATTR, DURABILITY_XATTR):
             raise pyfuse3.FUSEError(errno.EPERM)
+        await self.creates.settle_file(inode)
         await self.meta.removexattr(inode, _key(name))
