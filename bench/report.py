@@ -83,6 +83,15 @@ def _bursts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for b in tec.get("bursts") or [] if isinstance(b, dict)]
 
 
+def _creates_until_last_open(burst: dict[str, Any]) -> Any:
+    """A burst's ranks over the time until its last create returned: the loadtest's
+    ``creates_per_s_until_last_open``, which results written before that name existed
+    carried as ``creates_per_s`` (now files over the burst's wall time)."""
+    if "creates_per_s_until_last_open" in burst:
+        return burst["creates_per_s_until_last_open"]
+    return burst.get("creates_per_s")
+
+
 # --- the Markdown report ---------------------------------------------------------------------
 
 
@@ -347,7 +356,7 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {_burst_label(b)} | {b.get('processes')} | {_fmt(b.get('write_gbps'), 3)} "
             f"| {_fmt(b.get('read_gbps'), 3)} | {_fmt(b.get('pause_s'), 2)} | {quantiles}"
-            f" | {_fmt(b.get('creates_per_s'))} | {b.get('errors')} "
+            f" | {_fmt(_creates_until_last_open(b))} | {b.get('errors')} "
             f"| {_fmt(b.get('bytes_verified'))} | {_fmt(b.get('cpu_s_per_gib_write'), 1)} / "
             f"{_fmt(b.get('cpu_s_per_gib_read'), 1)} | {_fmt(b.get('cpu_ms_per_file'), 1)} / "
             f"{_fmt(b.get('cpu_ms_per_file_gross'), 1)} | {_fmt(b.get('pause_over_stream'), 2)} "
@@ -394,7 +403,7 @@ def _per_file_targets(bursts: list[dict[str, Any]], target: Any) -> None:
         f"{_fmt(ratio, 2)}",
         None if ratio is None else ratio <= 2,
     )
-    creates = [b.get("creates_per_s") for b in bursts if b.get("ranks") == 4096]
+    creates = [_creates_until_last_open(b) for b in bursts if b.get("ranks") == 4096]
     best = max((c for c in creates if isinstance(c, (int, float))), default=None)
     target(
         "burst 4,096 ranks into one directory: creates >= 3,000/s",
@@ -436,9 +445,10 @@ def _metadata(results: dict[str, Any]) -> list[str]:
                     f"| {_fmt(run_.get(key))} | {_fmt(raw)} | {_ratio(run_.get(key), raw)} |"
                 )
     for b in _bursts(results):
+        rate = _creates_until_last_open(b)
         lines.append(
             f"| loadtest burst {_burst_label(b)} (all ranks create at once) "
-            f"| {_fmt(b.get('creates_per_s'))} | {_fmt(raw)} | {_ratio(b.get('creates_per_s'), raw)} |"
+            f"| {_fmt(rate)} | {_fmt(raw)} | {_ratio(rate, raw)} |"
         )
     lines.append("")
     return lines

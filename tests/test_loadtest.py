@@ -1,9 +1,11 @@
-"""tectonic loadtest: small real bursts (client library on a local cluster, and file I/O on a
-directory standing in for a mount), corruption caught by the restore's checksums, time bounds,
-and bad arguments refused with one clear line."""
+"""tectonic loadtest: small real bursts (client library on a local cluster, file I/O on a
+directory standing in for a mount, and through a real FUSE mount of a local cluster),
+corruption caught by the restore's checksums, time bounds, the creates figures, and bad
+arguments refused with one clear line."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -20,7 +22,9 @@ from tectonic_py.cli.loadtest import client_options
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.units import parse_size
-from tectonic_py.loadtest import LoadtestConfig, ShardData, run_loadtest
+from tectonic_py.loadtest import LoadtestConfig, RankResult, ShardData, run_loadtest
+from tectonic_py.loadtest.metrics import Recorder, phase_figures
+from tectonic_py.loadtest.report import creates_table, summary_table
 
 REPO = Path(__file__).resolve().parent.parent
 KiB = 1024
@@ -63,6 +67,11 @@ async def test_client_burst_every_byte_verified(local_cluster):
     assert result["write_gbps"] > 0 and result["read_gbps"] > 0 and result["pause_s"] > 0
     assert result["rank_write_p50_s"] <= result["rank_write_p99_s"] <= result["rank_write_max_s"]
     assert result["cpu_s_per_gib_write"] > 0 and result["watched_max_rss"] > 0
+    # no open() without a mount: the client's create call is what is timed
+    assert result["create_call"] == "client.create"
+    assert result["files_created"] == result["files_written"] == 64
+    assert 0 < result["open_ms"]["p50"] <= result["open_ms"]["max"]
+    assert 0 < result["open_share"] < 1
     # it cleaned up after itself
     async with open_client(local_cluster.cluster_file) as client:
         names = [e.name for e in await client.listdir("/")]
@@ -303,8 +312,22 @@ def test_cli_json_and_plot(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    for key in ("errors", "ranks", "write_gbps", "read_gbps", "pause_s", "bytes_verified"):
+    for key in (
+        "errors",
+        "ranks",
+        "write_gbps",
+        "read_gbps",
+        "pause_s",
+        "bytes_verified",
+        "files_created",
+        "creates_per_s",
+        "open_ms",
+        "open_share",
+        "create_call",
+    ):
         assert key in out
+    assert out["files_created"] == 8 and out["open_ms"]["max"] > 0
+    assert "creates: open() per write step" in r.stderr  # the table (stderr under --json)
     assert out["errors"] == 0 and out["bytes_verified"] == 8 * 1_000_000
     assert (res / "loadtest-mount-8.png").stat().st_size > 1000
     assert json.loads((res / "loadtest-mount-8.json").read_text())["timeline"]
@@ -352,3 +375,113 @@ def test_shard_data_is_deterministic_and_distinct(seed, step, rank, size):
         assert other != one
         later = b"".join(bytes(p) for p in a.pieces(step + 1, rank, size, buf))
         assert later != one
+
+
+def _rank(step, rank, *, open_s, busy_s, t_done, error=None, phase="write"):
+    return RankResult(
+        rank, step, phase, 100, 0.01, t_done, 0, error=error, open_s=open_s, busy_s=busy_s
+    )
+
+
+def test_creates_figures_per_step_and_overall():
+    """files created are the ranks whose create returned (a rank that failed later still
+    created its file; one whose open failed did not); creates/s is over the burst's wall time
+    (barrier to last close), not over the time spent in open(); open() times are ms
+    quantiles; the share is seconds in open() over seconds on the files, summed over ranks.
+    The run's figures pool the steps' ranks and sum their wall times; a read has no creates."""
+    cfg = LoadtestConfig(through_mount="/mnt", ranks=4, steps=2, run_dir="/r")
+    rec = Recorder(cfg)
+    step1 = [
+        _rank(1, 0, open_s=0.001, busy_s=0.5, t_done=0.5),
+        _rank(1, 1, open_s=0.003, busy_s=1.0, t_done=1.0),
+        _rank(1, 2, open_s=0.002, busy_s=0.8, t_done=0.9, error="OSError: EIO on write"),
+        _rank(1, 3, open_s=None, busy_s=0.1, t_done=0.1, error="OSError: EACCES on open"),
+    ]
+    step2 = [_rank(2, r, open_s=0.010 * (r + 1), busy_s=0.2, t_done=0.25) for r in range(4)]
+    reads = [_rank(2, r, open_s=0.0005, busy_s=0.1, t_done=0.1, phase="read") for r in range(4)]
+    phases = [("write", 1, step1), ("write", 2, step2), ("read", 2, reads)]
+    for phase, step, results in phases:
+        rec.add_phase(phase_figures(phase, step, 0.0, results, [], {}), results)
+
+    one, two, read = rec.phases
+    assert one["files_created"] == 3 and one["files"] == 2  # created vs written whole
+    assert one["seconds"] == 1.0 and one["creates_per_s"] == pytest.approx(3.0)
+    assert one["open_ms"] == {
+        "p50": pytest.approx(2.0),
+        "p99": pytest.approx(2.98),
+        "max": pytest.approx(3.0),
+    }
+    assert one["open_share"] == pytest.approx(0.006 / 2.3)
+    assert two["files_created"] == 4 and two["creates_per_s"] == pytest.approx(4 / 0.25)
+    assert two["open_ms"]["max"] == pytest.approx(40.0)
+    assert two["open_share"] == pytest.approx(0.1 / 0.8)
+    assert "files_created" not in read and "creates_per_s" not in read
+    assert read["open_ms"]["max"] == pytest.approx(0.5)
+
+    result = rec.result(processes=2, worker_max_rss=0, watched_max_rss=0)
+    assert result["create_call"] == "open(O_CREAT|O_TRUNC)"
+    assert result["files_created"] == 7
+    assert result["creates_per_s"] == pytest.approx(7 / 1.25)
+    assert result["open_ms"]["p50"] == pytest.approx(10.0)  # of 1, 3, 2, 10, 20, 30, 40 ms
+    assert result["open_ms"]["max"] == pytest.approx(40.0)
+    assert result["open_share"] == pytest.approx(0.106 / 3.1)
+    # the old figure, under its own name: ranks over the time until the last create returned
+    assert result["creates_per_s_until_last_open"] == pytest.approx(8 / 0.02)
+
+    text = _rendered(summary_table(result)) + _rendered(creates_table(result))
+    assert "creates/s (files / burst wall time)" in text and "5.6" in text
+    assert "open() ms p50/p99/max" in text and "3.4%" in text  # 0.106 / 3.1
+    assert "timed in each rank's thread" in text
+
+
+def test_creates_figures_absent_when_nothing_was_timed():
+    """A run with no write burst (verify-only) has no creates figures: null, not zero."""
+    rec = Recorder(LoadtestConfig(cluster_file="c.toml", ranks=2, run_dir="/r"))
+    result = rec.result(processes=1, worker_max_rss=0, watched_max_rss=0)
+    assert result["create_call"] == "client.create" and result["files_created"] == 0
+    assert result["creates_per_s"] is None
+    assert result["open_ms"] is None and result["open_share"] is None
+    text = _rendered(summary_table(result)) + _rendered(creates_table(result))
+    assert "client.create ms p50/p99/max" in text and "no open() without a mount" in text
+
+
+def _rendered(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
+
+
+@pytest.mark.fuse
+async def test_creates_and_open_times_through_a_real_fuse_mount(mount):
+    """A small burst through a real FUSE mount of a local cluster: every file written was
+    created and counted once, each open() took a measurable time, and the figures hold
+    together per step and overall."""
+    cfg = LoadtestConfig(
+        through_mount=os.fspath(mount),
+        ranks=4,
+        processes=2,
+        shard_size=256 * KiB,
+        steps=2,
+        run_dir="/lt-creates",
+        max_seconds=180,
+        watch_pids=[mount.pid],
+    )
+    result = await run_loadtest(cfg)
+    assert result["errors"] == 0, result["error_samples"]
+    assert result["create_call"] == "open(O_CREAT|O_TRUNC)"
+    assert result["files_created"] == result["files_written"] == 4 * 2
+    writes = [p for p in result["phases"] if p["phase"] == "write"]
+    assert [p["files_created"] for p in writes] == [4, 4]
+    for fig in (*writes, result):
+        ms = fig["open_ms"]
+        assert 0 < ms["p50"] <= ms["p99"] <= ms["max"]
+        assert 0 < fig["open_share"] < 1
+    for p in writes:
+        assert p["creates_per_s"] == pytest.approx(4 / p["seconds"])
+        # open() is timed alone: it ends before the rank's last close
+        assert p["open_ms"]["max"] / 1000 < p["seconds"]
+    wall = sum(p["seconds"] for p in writes)
+    assert result["creates_per_s"] == pytest.approx(8 / wall)
+    assert not (mount / "lt-creates").exists()  # cleaned up through the mount

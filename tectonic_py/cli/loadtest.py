@@ -1,9 +1,11 @@
 """``tectonic loadtest``: the command over ``tectonic_py.loadtest`` (what a run does and
 measures is described there).
 
-Output: a live progress bar (stderr, on a terminal), a summary table, ``--json`` (one object
-on stdout with at least errors, ranks, write_gbps, read_gbps, pause_s, bytes_verified,
-creates_per_s, cpu_ms_per_file, metadata_batches and baseline_stream), and
+Output: a live progress bar (stderr, on a terminal), a summary table and a table of the
+creates per write step, ``--json`` (one object on stdout with at least errors, ranks,
+write_gbps, read_gbps, pause_s, bytes_verified, files_created, creates_per_s, open_ms,
+open_share, create_call, cpu_ms_per_file, metadata_batches and baseline_stream; each write
+step's creates are in its ``phases`` entry), and
 ``loadtest-<mode>-<ranks>.json`` in ``--results-dir``, with a ``.png`` of throughput over time
 and the completion-time CDF when matplotlib (the ``bench`` extra) is installed. Exit code 3
 when any rank saw an error.
@@ -26,7 +28,7 @@ from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.units import size_arg
 from tectonic_py.loadtest import LoadtestConfig, run_loadtest
 from tectonic_py.loadtest.config import SIZE_DISTS
-from tectonic_py.loadtest.report import summary_table, write_plot
+from tectonic_py.loadtest.report import creates_table, summary_table, write_plot
 
 
 def _pids(text: str) -> list[int]:
@@ -165,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console(stderr=args.json)
     console.print(summary_table(result))
+    console.print(creates_table(result))
     if result["error_samples"]:
         console.print("[red]errors:[/red]", *result["error_samples"], sep="\n  ")
     if args.json:

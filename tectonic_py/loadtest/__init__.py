@@ -22,8 +22,9 @@ The rooms:
 * ``daemons``: the local cluster's metadata servers and chunk stores, found from the cluster
   file, the node registry and their listening ports, so their CPU is counted too.
 * ``metrics``: the figures (a new one is one line there; ``docs/loadtest.md`` defines
-  them, ``cpu_ms_per_file`` among them); ``report``: progress bar, summary
-  table and the optional plot. The command itself is ``tectonic_py.cli.loadtest``.
+  them, ``cpu_ms_per_file`` and the creates with their open() times among them);
+  ``report``: progress bar, summary table, creates table and the optional plot. The
+  command itself is ``tectonic_py.cli.loadtest``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,12 @@
 shared by its ranks) or real file I/O on a mounted filesystem (tectonic's FUSE mount, or a
 peer's, for comparison). Both offer the same few calls, so the worker and the coordinator do
 not care which one runs.
+
+``write_file`` and ``read_file`` call ``opened(seconds)`` once the file is open, with the
+seconds spent inside the create/open call alone: through a mount the ``os.open`` itself,
+timed in the thread that makes it (no wait for a thread or the limiter counted); through the
+client library the ``create`` / ``open_read`` call (resolve and metadata round trip), timed
+on the worker's trio loop, so it includes time the loop spent on other ranks meanwhile.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,8 +38,9 @@ class ClientBackend:
         await self.client.mkdir(path, parents=True)
 
     async def write_file(self, path: str, pieces: Iterable[memoryview], opened: Any) -> None:
+        t = time.perf_counter()
         w = await self.client.create(path)
-        opened()
+        opened(time.perf_counter() - t)
         try:
             for piece in pieces:
                 await w.write(piece)
@@ -42,8 +50,9 @@ class ClientBackend:
         await w.close()
 
     async def read_file(self, path: str, size: int, sink: Any, opened: Any) -> None:
+        t = time.perf_counter()
         r = await self.client.open_read(path)
-        opened()
+        opened(time.perf_counter() - t)
         try:
             offset = 0
             while offset < size:
@@ -134,10 +143,13 @@ class MountBackend:
         await self._run(lambda: os.makedirs(self._path(path), exist_ok=True))
 
     async def write_file(self, path: str, pieces: Iterable[memoryview], opened: Any) -> None:
-        fd = await self._run(
-            os.open, self._path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
+        fd, open_s = await self._run(
+            _timed_open,
+            self._path(path),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+            0o644,
         )
-        opened()
+        opened(open_s)
         try:
             for piece in pieces:
                 view = piece
@@ -149,8 +161,8 @@ class MountBackend:
             await self._run(os.close, fd)
 
     async def read_file(self, path: str, size: int, sink: Any, opened: Any) -> None:
-        fd = await self._run(os.open, self._path(path), os.O_RDONLY | os.O_CLOEXEC)
-        opened()
+        fd, open_s = await self._run(_timed_open, self._path(path), os.O_RDONLY | os.O_CLOEXEC)
+        opened(open_s)
         # A restore follows a restart: drop what the page cache kept from the write, so the
         # read reaches the filesystem (as the client-library mode always does).
         await self._run(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -190,3 +202,10 @@ class MountBackend:
             os.rename(tmp, target)
 
         await self._run(write)
+
+
+def _timed_open(path: str, flags: int, mode: int = 0o777) -> tuple[int, float]:
+    """``os.open`` and the seconds it took, measured around the call alone (in the thread)."""
+    t = time.perf_counter()
+    fd = os.open(path, flags, mode)
+    return fd, time.perf_counter() - t

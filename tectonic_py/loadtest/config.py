@@ -121,6 +121,13 @@ class RankResult:
     crc: int
     error: str | None = None
     verified: int = 0
+    # Seconds inside the create/open call itself (write: open(O_CREAT|O_TRUNC) through a
+    # mount, the client's create otherwise); None when it did not return (it failed).
+    open_s: float | None = None
+    # Seconds the rank spent on its file: from its start after the barrier (just before its
+    # create/open call) to its close or failure; the share of its time inside open() is
+    # open_s over this.
+    busy_s: float = 0.0
 
 
 def shard_size(cfg: LoadtestConfig, rank: int) -> int:

@@ -1,5 +1,6 @@
-"""How a run is shown: a live progress bar while it runs (stderr), the summary table, and
-the plot (throughput over time, completion-time CDF) next to the JSON results."""
+"""How a run is shown: a live progress bar while it runs (stderr), the summary table, the
+creates table (per write step and overall), and the plot (throughput over time,
+completion-time CDF) next to the JSON results."""
 
 from __future__ import annotations
 
@@ -86,7 +87,15 @@ def summary_table(result: dict[str, Any]) -> Any:
         ),
     )
     row("restore (s)", f"{result['restore_s']:.3f}")
-    row("creates/s during burst", f"{result['creates_per_s']:.0f}")
+    call = _call_label(result)
+    row("files created (write bursts)", str(result.get("files_created", 0)))
+    row("creates/s (files / burst wall time)", _num(result.get("creates_per_s"), 1))
+    row(f"{call} ms p50/p99/max", _open_ms(result.get("open_ms")))
+    row(f"share of rank time in {call}", _share(result.get("open_share")))
+    row(
+        "creates/s to the last create returned",
+        _num(result.get("creates_per_s_until_last_open"), 0),
+    )
     row("metadata ops", str(result["metadata_ops"]))
     for key in ("cpu_s_per_gib_write", "cpu_s_per_gib_read"):
         v = result[key]
@@ -129,6 +138,78 @@ def summary_table(result: dict[str, Any]) -> Any:
         "peak RSS worker / watched",
         f"{format_size(result['worker_max_rss'])} / {format_size(result['watched_max_rss'])}",
     )
+    return table
+
+
+CALL_LABELS = {"open(O_CREAT|O_TRUNC)": "open()", "client.create": "client.create"}
+CALL_NOTES = {
+    "open(O_CREAT|O_TRUNC)": "open(O_CREAT|O_TRUNC) timed in each rank's thread, apart from "
+    "write/fsync/close",
+    "client.create": "no open() without a mount: the client's create call (resolve + metadata "
+    "create) timed on the worker's trio loop",
+}
+MAX_STEP_ROWS = 20  # more steps: the first and last half of these, the rest in --json
+
+
+def _call_label(result: dict[str, Any]) -> str:
+    return CALL_LABELS.get(str(result.get("create_call")), "create")
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _open_ms(v: dict[str, float] | None) -> str:
+    return "-" if v is None else "/".join(f"{v[k]:.2f}" for k in ("p50", "p99", "max"))
+
+
+def creates_table(result: dict[str, Any]) -> Any:
+    """Files created per write step and overall: creates/s over the burst's wall time, the
+    create call's times and the share of the ranks' time spent inside it."""
+    from rich.table import Table
+
+    call = _call_label(result)
+    table = Table(
+        title=f"creates: {call} per write step",
+        caption=CALL_NOTES.get(str(result.get("create_call")), ""),
+    )
+    for name in (
+        "step",
+        "files created",
+        "wall s",
+        "creates/s",
+        f"{call} ms p50",
+        "p99",
+        "max",
+        f"share in {call}",
+    ):
+        table.add_column(name, justify="right")
+
+    def add(label: str, fig: dict[str, Any], seconds: float | None) -> None:
+        ms = fig.get("open_ms")
+        table.add_row(
+            label,
+            str(fig.get("files_created", 0)),
+            _num(seconds, 3),
+            _num(fig.get("creates_per_s"), 1),
+            *(("-",) * 3 if ms is None else (f"{ms[k]:.2f}" for k in ("p50", "p99", "max"))),
+            _share(fig.get("open_share")),
+        )
+
+    writes = [p for p in result.get("phases", []) if p.get("phase") == "write"]
+    shown = writes
+    if len(writes) > MAX_STEP_ROWS:
+        half = MAX_STEP_ROWS // 2
+        shown = writes[:half] + writes[-half:]
+    for i, p in enumerate(shown):
+        if len(shown) < len(writes) and i == MAX_STEP_ROWS // 2:
+            table.add_row(f"({len(writes) - len(shown)} more in --json)", *([""] * 7))
+        add(str(p["step"]), p, p.get("seconds"))
+    add("all", result, sum(p["seconds"] for p in writes) if writes else None)
     return table
 
 

@@ -134,6 +134,7 @@ class _Phase:
 
     async def _one_rank(self, rank: int) -> None:
         res = RankResult(rank, self.step, self.phase, shard_size(self.cfg, rank), 0.0, 0.0, 0)
+        started = time.perf_counter()
         try:
             if self.phase == "write":
                 await self._write(res)
@@ -144,12 +145,16 @@ class _Phase:
         except Exception as e:  # a bug in a lower layer must show as an error, not a hang
             log.exception("rank %d %s failed", rank, self.phase)
             res.error = f"{type(e).__name__}: {e}"
+        res.busy_s = time.perf_counter() - started
         res.t_done = time.time() - self.t0
         self.results.append(res)
 
     def _opened(self, res: RankResult) -> Any:
-        def opened() -> None:
+        """The backend's ``opened(seconds)``: when the open returned, and how long it took."""
+
+        def opened(open_s: float) -> None:
             res.t_open = time.time() - self.t0
+            res.open_s = open_s
 
         return opened
 
