@@ -14,7 +14,7 @@ import trio
 from tectonic_py.cli import mount as fs_cli
 from tectonic_py.core import errors
 from tectonic_py.mount import errno_map as fs
-from tectonic_py.mount import operations as ops
+from tectonic_py.mount import namespace
 from tectonic_py.mount.inode_cache import InodeCache
 
 
@@ -111,13 +111,13 @@ async def test_cancellation_is_not_swallowed():
 
 
 def test_names():
-    assert ops._name(b"rank_0.pt") == "rank_0.pt"
-    assert ops._name("ünïcode".encode()) == "ünïcode"
+    assert namespace.fuse_name(b"rank_0.pt") == "rank_0.pt"
+    assert namespace.fuse_name("ünïcode".encode()) == "ünïcode"
     with pytest.raises(pyfuse3.FUSEError) as info:
-        ops._name(b"x" * 256)
+        namespace.fuse_name(b"x" * 256)
     assert info.value.errno == errno.ENAMETOOLONG
     with pytest.raises(errors.InvalidName):
-        ops._name(b"\xff\xfe")
+        namespace.fuse_name(b"\xff\xfe")
 
 
 def test_lookup_counts():

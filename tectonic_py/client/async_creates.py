@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.errors import TectonicError
+from tectonic_py.core.errors import TectonicError, Unavailable
 from tectonic_py.core.ids import new_id
 from tectonic_py.core.records import KIND_FILE, Attrs
 
@@ -185,6 +185,8 @@ class AsyncCreates:
                 e,
             )
         finally:
+            if pending.attrs is None and pending.error is None:  # cancelled: the client closes
+                pending.error = Unavailable(f"create of {pending.name!r} was not sent: closing")
             self.pending.pop(pending.file_id, None)
             in_dir = self._by_dir.get(pending.dir_id)
             if in_dir is not None and in_dir.get(pending.name) is pending:

@@ -14,7 +14,8 @@ and as the kernel's own ``entry_timeout`` for names that exist):
   then fails with ENOENT, as it would have a moment earlier. An ``O_CREAT|O_TRUNC`` open
   makes a file of this mount's, which takes the name over at the shard: the two writers are
   serialized as the later one's rewrite (tectonic_py/client/async_creates.py). Readdir,
-  rename and ``tectonic commit`` always ask the metadata service.
+  rename and ``tectonic commit`` always ask the metadata service, and the names a readdir
+  returns join the listing.
 * This mount's own creates, removals and renames change its listings at once, also those
   made while a listing is being read, so the mount never answers absent for a name it made.
 * A name that the listing holds is always looked up at the service: an entry that another
@@ -150,6 +151,12 @@ class DirListings:
         reading = self._reading.get(dir_id)
         if reading is not None:
             reading.append((name, present))
+
+    def seen(self, dir_id: int, names: list[str]) -> None:
+        """A readdir page of ``dir_id`` from the service: its names exist (so ``ls`` and
+        then ``open`` of another mount's new file finds it)."""
+        for name in names:
+            self._change(dir_id, name, True)
 
     def forget(self, dir_id: int) -> None:
         """The directory went (rmdir): its listing with it."""

@@ -171,7 +171,7 @@ class NamespaceOps:
         # Open handles keep their FileReader/FileWriter, so the data stays readable until
         # the last release; the metadata service collects the blocks after a grace period.
         key = fuse_name(name)
-        await self.creates.settlefuse_name(parent_inode, key)
+        await self.creates.settle_name(parent_inode, key)
         file_id = await self.meta.unlink(parent_inode, key)
         self.listings.removed(parent_inode, key)
         self.cache.dir_changed(parent_inode)
@@ -190,8 +190,8 @@ class NamespaceOps:
         ctx: pyfuse3.RequestContext,
     ) -> None:
         old, new = fuse_name(name_old), fuse_name(name_new)
-        await self.creates.settlefuse_name(parent_inode_old, old)
-        await self.creates.settlefuse_name(parent_inode_new, new)
+        await self.creates.settle_name(parent_inode_old, old)
+        await self.creates.settle_name(parent_inode_new, new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise InvalidArgument("RENAME_EXCHANGE is not supported")
         if flags & pyfuse3.RENAME_NOREPLACE:
@@ -230,6 +230,7 @@ class NamespaceOps:
                 raise InvalidArgument(f"readdir offset {start_id} was never handed out")
         while True:
             entries, cursor = await self.meta.readdir(dh.inode, after, READDIR_PAGE)
+            self.listings.seen(dh.inode, [e.name for e in entries])
             attrs = await self._attrs_of(entries)
             for entry in entries:
                 a = attrs.get(entry.id)
