@@ -43,7 +43,8 @@ from tectonic_py.core.records import KIND_FILE, Attrs
 
 log = logging.getLogger(__name__)
 
-POOL_TARGET = 256  # ids held per shard; a refill is asked for below half of it
+POOL_TARGET = 256  # ids held per shard at first; a refill is asked for below half of it
+MAX_POOL = 4096  # what a burst into one shard may grow its pool to (name.delegate's limit)
 # A delegation lasts an hour on the server; ids older than this are dropped unused, so a
 # create never carries an id whose reservation may have lapsed.
 POOL_MAX_AGE_S = 1800.0
@@ -71,6 +72,7 @@ class PendingCreate:
 @dataclass
 class _Pool:
     ids: deque[tuple[int, float]] = field(default_factory=deque)
+    target: int = POOL_TARGET  # doubled each time the pool runs dry, up to MAX_POOL
     refilling: bool = False
     failed_at: float = 0.0
 
@@ -87,8 +89,9 @@ class AsyncCreates:
         self._pools: dict[int, _Pool] = {}
         self.pending: dict[int, PendingCreate] = {}  # by file id
         self._by_dir: dict[int, dict[str, PendingCreate]] = {}
-        self.started = 0
-        self.failed = 0
+        self.started = 0  # creates answered without waiting
+        self.failed = 0  # of those, the ones the shard refused
+        self.dry = 0  # creates that found no id at hand (and waited)
 
     def prepare(self, dir_id: int) -> None:
         """Have ids of ``dir_id``'s shard at hand (asked for now if the pool is low), so
@@ -96,12 +99,18 @@ class AsyncCreates:
         self._take_id(self.meta.shard_of(dir_id), take=False)
 
     def _take_id(self, shard: int, *, take: bool = True) -> int | None:
-        pool = self._pools.setdefault(shard, _Pool())
+        pool = self._pools.get(shard)
+        if pool is None:
+            pool = self._pools[shard] = _Pool(target=self.pool_target)
         now = time.monotonic()
         while pool.ids and now - pool.ids[0][1] > POOL_MAX_AGE_S:
             pool.ids.popleft()
+        if take and not pool.ids:
+            # A burst outran the refills: hold more ids of this shard from now on.
+            pool.target = min(MAX_POOL, pool.target * 2)
+            self.dry += 1
         if (
-            len(pool.ids) < self.pool_target // 2
+            len(pool.ids) < pool.target // 2
             and not pool.refilling
             and now - pool.failed_at > self.REFILL_BACKOFF_S
         ):
@@ -111,7 +120,7 @@ class AsyncCreates:
 
     async def _refill(self, shard: int, pool: _Pool) -> None:
         try:
-            ids, _ = await self.meta.delegate(shard, self.pool_target - len(pool.ids))
+            ids, _ = await self.meta.delegate(shard, max(1, pool.target - len(pool.ids)))
             now = time.monotonic()
             pool.ids.extend((i, now) for i in ids)
         except TectonicError as e:

@@ -74,16 +74,22 @@ class DirListings:
 
     def absent(self, dir_id: int, name: str) -> bool:
         """True only if a listing younger than the timeout says ``name`` is not there."""
+        return self.absent_for(dir_id, name) > 0
+
+    def absent_for(self, dir_id: int, name: str) -> float:
+        """How many more seconds a listing says ``name`` is not in ``dir_id`` (0: it may
+        be there; ask the service). The kernel may keep the negative entry that long."""
         listing = self._listings.get(dir_id)
         if listing is None:
-            return False
-        if time.monotonic() - listing.read_at > self.timeout:
+            return 0.0
+        left = self.timeout - (time.monotonic() - listing.read_at)
+        if left <= 0:
             del self._listings[dir_id]
-            return False
+            return 0.0
         if name in listing.names:
-            return False
+            return 0.0
         self.hits += 1
-        return True
+        return left
 
     def missed(self, dir_id: int) -> None:
         """The service said a name is absent in ``dir_id``: read its listing, so that the
