@@ -76,12 +76,13 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def run_timed(cmd: list[str]) -> tuple[float, float]:
+def run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Run ``cmd`` to completion (an error if it fails): ``(wall seconds, its CPU seconds)``,
-    user + system from RUSAGE_CHILDREN, so a dd's CPU counts beside the daemons' CPU."""
+    user + system from RUSAGE_CHILDREN, so a dd's CPU counts beside the daemons' CPU.
+    ``env``: the command's environment (this process's when None)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
     seconds = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -40,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -53,6 +55,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 GLUSTER_PORT = 24007
+VOLUME = "disperse 6 redundancy 2 (4+2)"
 
 
 class GlusterUnavailable(RuntimeError):
@@ -278,6 +281,23 @@ class GlusterVolume:
             return "(no log)"
 
 
+@contextmanager
+def dispersed_volume(install: bool = False, root: str | None = None) -> Iterator[GlusterVolume]:
+    """The 4+2 volume, mounted, in a new tmp directory under ``root``: every bench that
+    measures the peer builds it here, so all of them measure the same volume. On exit it is
+    torn down (``GlusterVolume.stop``) and the directory removed, whatever happened; when it
+    cannot be built here, GlusterUnavailable says why (``why_unavailable``'s reasons, or the
+    step of the setup that failed)."""
+    reason = why_unavailable(install)
+    if reason:
+        raise GlusterUnavailable(reason)
+    with (
+        tempfile.TemporaryDirectory(prefix="gluster-bench-", dir=root) as tmp,
+        GlusterVolume(tmp) as vol,
+    ):
+        yield vol
+
+
 def loadtest_through(
     mountpoint: str,
     ranks: int,
@@ -343,23 +363,19 @@ def measure(
     max_seconds: float = 600,
 ) -> dict[str, Any]:
     """The peer's figures, or ``{"available": False, "reason": ...}``."""
-    reason = why_unavailable(install)
-    if reason:
-        return {"available": False, "reason": reason}
-    result: dict[str, Any] = {"available": True, "volume": "disperse 6 redundancy 2 (4+2)"}
-    with tempfile.TemporaryDirectory(prefix="gluster-bench-", dir=root) as tmp:
-        try:
-            with GlusterVolume(tmp) as vol:
-                result["version"] = vol.version
-                result["bricks"] = vol.bricks
-                result.update(dd_workload(vol.mountpoint, size, vol.pids, vol.remount))
-                result.update(torch_workload(vol.mountpoint, size, vol.pids, vol.remount))
-                if loadtest_ranks:
-                    result["loadtest"] = loadtest_through(
-                        vol.mountpoint, loadtest_ranks, shard_size, vol.pids(), max_seconds
-                    )
-        except GlusterUnavailable as e:
-            return {"available": False, "reason": str(e)}
+    result: dict[str, Any] = {"available": True, "volume": VOLUME}
+    try:
+        with dispersed_volume(install, root) as vol:
+            result["version"] = vol.version
+            result["bricks"] = vol.bricks
+            result.update(dd_workload(vol.mountpoint, size, vol.pids, vol.remount))
+            result.update(torch_workload(vol.mountpoint, size, vol.pids, vol.remount))
+            if loadtest_ranks:
+                result["loadtest"] = loadtest_through(
+                    vol.mountpoint, loadtest_ranks, shard_size, vol.pids(), max_seconds
+                )
+    except GlusterUnavailable as e:
+        return {"available": False, "reason": str(e)}
     return result
 
 
