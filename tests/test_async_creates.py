@@ -21,6 +21,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -245,7 +246,10 @@ def test_rename_and_unlink_of_a_name_just_created_follow_it(mounts: Mounts) -> N
     assert _contents(mounts.truth, step) == expected
 
 
-def test_kill_mount_after_close_keeps_every_closed_file(tmp_path: Path) -> None:
+@contextmanager
+def _own_cluster(tmp_path: Path) -> Iterator[tuple[LocalCluster, Mount, Mount]]:
+    """A cluster of the test's own (it kills things), a mount with a step directory it
+    holds the listing of, and a truth mount; both always unmounted."""
     reason = fuse_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -257,61 +261,52 @@ def test_kill_mount_after_close_keeps_every_closed_file(tmp_path: Path) -> None:
             truth.start(*TRUTH)
             os.mkdir(mount / "step")
             assert not os.path.exists(mount / "step" / "absent")
-            files = {f"rank_{i:03d}": os.urandom(5000) for i in range(48)}
-            for name, data in files.items():
-                _write(mount / "step" / name, data)
-            mount.kill()  # kill -9 right after the last close returned
-            got = _contents(truth, "step")
-            assert got == files
+            yield cluster, mount, truth
         finally:
             mount.stop()
             truth.stop()
+
+
+def test_kill_mount_after_close_keeps_every_closed_file(tmp_path: Path) -> None:
+    with _own_cluster(tmp_path) as (_, mount, truth):
+        files = {f"rank_{i:03d}": os.urandom(5000) for i in range(48)}
+        for name, data in files.items():
+            _write(mount / "step" / name, data)
+        mount.kill()  # kill -9 right after the last close returned
+        assert _contents(truth, "step") == files
 
 
 def test_kill_metadata_server_during_creates_applies_each_once(tmp_path: Path) -> None:
-    reason = fuse_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with _cluster(tmp_path / "cluster") as cluster:
-        mount = Mount(cluster, _dir(tmp_path / "m"), tmp_path / "m.log")
-        truth = Mount(cluster, _dir(tmp_path / "t"), tmp_path / "t.log")
+    with _own_cluster(tmp_path) as (cluster, mount, truth):
         mount.expect_warnings = mount.expect_errors = True
-        try:
-            mount.start()
-            truth.start(*TRUTH)
-            os.mkdir(mount / "step")
-            assert not os.path.exists(mount / "step" / "absent")
-            closed: dict[str, bytes] = {}
-            failed: list[str] = []
+        closed: dict[str, bytes] = {}
+        failed: list[str] = []
 
-            def rank(i: int) -> None:
-                name = f"rank_{i:03d}"
-                data = os.urandom(3000)
-                try:
-                    _write(mount / "step" / name, data)
-                except OSError:
-                    failed.append(name)
-                else:
-                    closed[name] = data
+        def rank(i: int) -> None:
+            name = f"rank_{i:03d}"
+            data = os.urandom(3000)
+            try:
+                _write(mount / "step" / name, data)
+            except OSError:
+                failed.append(name)
+            else:
+                closed[name] = data
 
-            threads = [threading.Thread(target=rank, args=(i,)) for i in range(96)]
-            for t in threads[:48]:
-                t.start()
-            for i in range(2):  # whichever server holds the directory's shard
-                cluster.kill_metadata(i)
-            for t in threads[48:]:
-                t.start()
-            for i in range(2):
-                cluster.start_metadata(i)
-            for t in threads:
-                t.join(timeout=180)
-            got = _contents(truth, "step")
-            for name, data in closed.items():  # every close that returned: there, its bytes
-                assert got.get(name) == data, name
-            assert set(got) <= set(closed) | set(failed)  # one entry per name, no strays
-        finally:
-            mount.stop()
-            truth.stop()
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(96)]
+        for t in threads[:48]:
+            t.start()
+        for i in range(2):  # whichever server holds the directory's shard
+            cluster.kill_metadata(i)
+        for t in threads[48:]:
+            t.start()
+        for i in range(2):
+            cluster.start_metadata(i)
+        for t in threads:
+            t.join(timeout=180)
+        got = _contents(truth, "step")
+        for name, data in closed.items():  # every close that returned: there, its bytes
+            assert got.get(name) == data, name
+        assert set(got) <= set(closed) | set(failed)  # one entry per name, no strays
 
 
 # --- a model of one directory, operated on from two mounts ------------------------------
