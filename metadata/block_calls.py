@@ -52,13 +52,16 @@ class BlockCalls:
         ec: str,
         hedge: int = 2,
         nodes: Sequence[NodeInfo] | None = None,
+        *,
+        pack: bool = False,
     ) -> BlockGrant:
         """A new block id plus k+m+hedge placed nodes and a capability token; with ``nodes``,
         on those (a new version of a block keeps each chunk index on its old node).
 
         The metadata service refuses token 0 (no writer, no capability); a stale token is
         refused when the block is committed, not here: a fenced writer can only waste an
-        allocation, which the GC reclaims."""
+        allocation, which the GC reclaims. ``pack``: a block shared by files of the file's
+        shard (``FileCalls.commit_pack``), allocated by one of their writers."""
         policy = ECPolicy.parse(ec)
         if nodes is None:
             # At least the default write quorum (k+1): with a node down in a cluster of
@@ -75,6 +78,7 @@ class BlockCalls:
                 "token": token,
                 "ec": policy.name,
                 "nodes": [n.node_id for n in nodes],
+                "pack": pack,
             },
         )
         return BlockGrant(block_id=a["block_id"], nodes=list(nodes), capability=a["capability"])

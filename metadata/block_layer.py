@@ -25,6 +25,11 @@ reports (recorded by repair), the inventory's missing or mismatched chunks, and 
 writer committed without a chunk (``commit``, node_id "": the write quorum is below n). Repair
 rebuilds each. A row goes when its chunk moves (``repoint_chunk``) or the block is forgotten.
 
+A *pack* is a block shared by many small files (and tails of large files) of one shard,
+written together by one client: each holds an extent of it (``file_extents``), and the
+block's ``file_id`` is ``PACK_OWNER``. It is committed with its files' extents in one
+transaction (``write_ops.commit_pack``) and queued for the GC when its last extent goes.
+
 commit_blocks ordering (client side): Block layer first, File layer append second. A crash
 between the two leaves a committed block no file references: garbage the GC finds by
 checking ``file_id``/``file_index`` against the File layer after a grace period; never a file
@@ -46,6 +51,9 @@ from tectonic_py.core.ids import MAX_CHUNK_INDEX, NODE_ID_RE, new_id, shard_of
 from tectonic_py.core.records import BlockInfo, ChunkPlacement
 
 MAX_CHUNK_LEN = 256 * 1024 * 1024
+# The ``file_id`` of a pack block: one block whose extents belong to many files of its shard
+# (file_layer's ``file_extents``), so no one file owns it; it lives while any extent does.
+PACK_OWNER = 0
 
 
 def draw_block_id(conn: sqlite3.Connection, shard: int, total_shards: int) -> int:

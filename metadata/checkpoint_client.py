@@ -78,7 +78,8 @@ class CheckpointCalls:
         chunks reported bad), one call per block shard."""
         r = await self._r.call_shard(self._r.shard_of(file_id), "file.blocks", {"id": file_id})
         by_shard: dict[int, list[int]] = {}
-        for _, block_id in r["blocks"]:
+        for entry in r["blocks"]:
+            block_id = entry[1]
             by_shard.setdefault(self._r.shard_of(int(block_id)), []).append(int(block_id))
 
         def job(shard: int, ids: list[int]) -> Callable[[], Awaitable[dict[str, Any]]]:

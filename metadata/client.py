@@ -200,6 +200,7 @@ class MetadataClient:
         self.renew_lease = files.renew_lease
         self.commit_blocks = files.commit_blocks
         self.close = files.close
+        self.commit_pack = files.commit_pack
         self.seal = files.seal
         self.set_size = files.set_size
         self.block_list = files.block_list

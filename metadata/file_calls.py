@@ -15,15 +15,16 @@ The cache is filled from every directory's attributes this client reads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from metadata.block_calls import BlockCalls
 from metadata.routing import Router, gather
-from tectonic_py.core.errors import FileSealed, NotADirectory
+from tectonic_py.core.errors import FileSealed, NotADirectory, TectonicError, error_from_code
 from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.core.records import Attrs, BlockInfo
+from tectonic_py.core.records import Attrs, BlockInfo, PackedExtent
 
 DIR_POLICY_TTL_S = 2.0
 
@@ -192,15 +193,33 @@ class FileCalls:
         except FileSealed:
             attrs = await self.getattr(file_id)
             have = {
-                (int(i), int(b))
-                for i, b in (await self._r.call_shard(shard, "file.blocks", {"id": file_id}))[
-                    "blocks"
-                ]
+                (int(e[0]), int(e[1]))
+                for e in (await self._r.call_shard(shard, "file.blocks", {"id": file_id}))["blocks"]
             }
             if attrs.size != size or not {(b.file_index, b.block_id) for b in blocks} <= have:
                 raise
             return attrs
         return Attrs.from_wire(r["attrs"])
+
+    async def commit_pack(
+        self, pack: BlockInfo, files: Sequence[PackedExtent]
+    ) -> list[Attrs | TectonicError]:
+        """Commit a pack block and its files' extents (each with its size, and the seal for
+        a close) in one transaction of the pack's shard, where every file must live
+        (``file.commit_pack``). Each file's outcome is its own: attrs or the error it met.
+        Sent again after a lost reply: a repeat finds its commits and seals done."""
+        r = await self._r.call_shard(
+            self._r.shard_of(pack.block_id),
+            "file.commit_pack",
+            {"block": pack.to_wire(), "files": [f.to_wire() for f in files]},
+        )
+        out: list[Attrs | TectonicError] = []
+        for item in r["results"]:
+            if "err" in item:
+                out.append(error_from_code(str(item["err"]), str(item.get("msg", ""))))
+            else:
+                out.append(Attrs.from_wire(item["attrs"]))
+        return out
 
     async def seal(self, file_id: int, token: int, size: int) -> Attrs:
         """Set the final size, release the writer token and seal the file."""
@@ -219,8 +238,10 @@ class FileCalls:
         """Every committed block of the file, sorted by file_index, with chunk placements
         (addresses filled in from the registry)."""
         r = await self._at(file_id, "file.blocks", {})
-        pairs = [(int(i), int(b)) for i, b in r["blocks"]]
-        infos = await self._blocks.locate_blocks([b for _, b in pairs])
-        for (index, _), info in zip(pairs, infos):
-            info.file_index = index
-        return sorted(infos, key=lambda i: i.file_index)
+        rows = [(*map(int, e), 0, 0)[:4] for e in r["blocks"]]  # (index, id, offset, length)
+        infos = await self._blocks.locate_blocks([e[1] for e in rows])
+        out = []
+        for (index, _, offset, length), info in zip(rows, infos):
+            # A copy per entry: one pack block may hold several of the file's extents.
+            out.append(dataclasses.replace(info, file_index=index, ext_off=offset, ext_len=length))
+        return sorted(out, key=lambda i: i.file_index)

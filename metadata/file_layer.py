@@ -32,6 +32,7 @@ stored blocks cover (holes excluded), for st_blocks.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 from metadata.dir_entries import has_entries
@@ -237,11 +238,36 @@ def _writable(conn: sqlite3.Connection, file_id: int, token: int) -> tuple[Any, 
     return row
 
 
-def _queue_gc(conn: sqlite3.Connection, block_ids: list[int], now_ns: int) -> None:
+def _queue_gc(
+    conn: sqlite3.Connection, block_ids: list[int], now_ns: int, *, superseded: bool = False
+) -> None:
+    """Queue for the GC the blocks no file holds any more. A pack block is held by every
+    file with an extent in it, so it goes with the last of them; a block of its own goes
+    with its file's entry."""
+    gone = [
+        b
+        for b in block_ids
+        if conn.execute("SELECT 1 FROM file_blocks WHERE block_id = ? LIMIT 1", (b,)).fetchone()
+        is None
+    ]
     conn.executemany(
         "INSERT OR IGNORE INTO gc_blocks (block_id, queued_ns) VALUES (?, ?)",
-        [(b, now_ns) for b in block_ids],
+        [(b, now_ns) for b in gone],
     )
+    if superseded:
+        conn.executemany(
+            "INSERT OR IGNORE INTO gc_superseded (block_id) VALUES (?)", [(b,) for b in gone]
+        )
+
+
+def queue_if_unheld(conn: sqlite3.Connection, block_id: int, now_ns: int) -> None:
+    """Queue a block for the GC if no file holds it (a pack whose files all refused it)."""
+    _queue_gc(conn, [block_id], now_ns)
+
+
+def bytes_per_block(conn: sqlite3.Connection, file_id: int) -> int:
+    """The file bytes one block of the file covers (k chunks of its chunk size)."""
+    return _bytes_per_block(_row(conn, file_id))
 
 
 def _drop_blocks_from(
@@ -254,8 +280,9 @@ def _drop_blocks_from(
             (file_id, first_index),
         )
     ]
-    _queue_gc(conn, ids, now_ns)
     conn.execute("DELETE FROM file_blocks WHERE file_id = ? AND idx >= ?", (file_id, first_index))
+    conn.execute("DELETE FROM file_extents WHERE file_id = ? AND idx >= ?", (file_id, first_index))
+    _queue_gc(conn, ids, now_ns)
 
 
 def _delete_record(conn: sqlite3.Connection, file_id: int, now_ns: int) -> None:
@@ -298,23 +325,33 @@ def commit_blocks(
     conn: sqlite3.Connection,
     file_id: int,
     token: int,
-    entries: list[tuple[int, int]],
+    entries: Sequence[tuple[int, int] | tuple[int, int, int, int]],
     now_ns: int,
 ) -> None:
-    """Put blocks at their indexes; a replaced block is queued for GC as superseded (a
-    reader that misses its chunks re-reads the file's block list and finds the new one)."""
+    """Put blocks at their indexes: ``(index, block_id)`` for a block of the file's own,
+    ``(index, block_id, offset, length)`` for an extent of a pack. A replaced block is
+    queued for GC as superseded (a reader that misses its chunks re-reads the file's block
+    list and finds the new one), a pack only once no extent is left in it."""
     _writable(conn, file_id, token)
-    for index, block_id in entries:
+    for entry in entries:
+        index, block_id = entry[0], entry[1]
         old = conn.execute(
             "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
         ).fetchone()
-        if old is not None and old[0] != block_id:
-            _queue_gc(conn, [old[0]], now_ns)
-            conn.execute("INSERT OR IGNORE INTO gc_superseded (block_id) VALUES (?)", (old[0],))
         conn.execute(
             "INSERT OR REPLACE INTO file_blocks (file_id, idx, block_id) VALUES (?, ?, ?)",
             (file_id, index, block_id),
         )
+        if len(entry) == 4:
+            conn.execute(
+                "INSERT OR REPLACE INTO file_extents (file_id, idx, offset, length)"
+                " VALUES (?, ?, ?, ?)",
+                (file_id, index, entry[2], entry[3]),
+            )
+        else:
+            conn.execute("DELETE FROM file_extents WHERE file_id = ? AND idx = ?", (file_id, index))
+        if old is not None and old[0] != block_id:
+            _queue_gc(conn, [old[0]], now_ns, superseded=True)
     conn.execute("UPDATE files SET mtime_ns = ? WHERE id = ?", (now_ns, file_id))
 
 
@@ -450,12 +487,17 @@ def drop(
     _delete_record(conn, file_id, now_ns)
 
 
-def blocks(conn: sqlite3.Connection, file_id: int) -> list[tuple[int, int]]:
+def blocks(conn: sqlite3.Connection, file_id: int) -> list[tuple[int, int, int, int]]:
+    """(index, block_id, offset, length) of each block of the file; length 0: the whole
+    block, else the extent of a pack block it is."""
     _row(conn, file_id)
     return [
-        (r[0], r[1])
+        (r[0], r[1], r[2] or 0, r[3] or 0)
         for r in conn.execute(
-            "SELECT idx, block_id FROM file_blocks WHERE file_id = ? ORDER BY idx", (file_id,)
+            "SELECT b.idx, b.block_id, e.offset, e.length FROM file_blocks b"
+            " LEFT JOIN file_extents e ON e.file_id = b.file_id AND e.idx = b.idx"
+            " WHERE b.file_id = ? ORDER BY b.idx",
+            (file_id,),
         )
     ]
 

@@ -69,7 +69,7 @@ from typing import Any
 
 import msgpack
 
-from metadata.block_layer import holders, locate, repoint_chunk
+from metadata.block_layer import PACK_OWNER, holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
@@ -171,6 +171,8 @@ def forget_block(
         return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
+    if row[1] == PACK_OWNER and _pack_held(conn, block_id):
+        return None  # an extent was committed into it after it was queued or suspected
     chunks = locate(conn, [block_id])[0].chunks if state == "committed" else []
     placed = [(c.node_id, c.storage_block(block_id), c.index) for c in chunks]
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
@@ -297,10 +299,19 @@ def gc_ack(conn: sqlite3.Connection, block_ids: list[int]) -> None:
     conn.executemany("DELETE FROM gc_superseded WHERE block_id = ?", [(b,) for b in block_ids])
 
 
+def _pack_held(conn: sqlite3.Connection, block_id: int) -> bool:
+    row = conn.execute("SELECT 1 FROM file_blocks WHERE block_id = ? LIMIT 1", (block_id,))
+    return row.fetchone() is not None
+
+
 def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> list[bool]:
-    """For each (file_id, index, block_id): does the file hold that block at that index?"""
+    """For each (file_id, index, block_id): does the file hold that block at that index?
+    For a pack (file_id ``PACK_OWNER``): does any file hold an extent in it?"""
     out = []
     for file_id, index, block_id in refs:
+        if file_id == PACK_OWNER:
+            out.append(_pack_held(conn, block_id))
+            continue
         row = conn.execute(
             "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
         ).fetchone()

@@ -496,7 +496,9 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         Token 0 (no writer) is refused: a capability is a licence to write chunks, never
         handed to a caller that holds no lease. The block's shard is not the file's, so
         whether a non-zero token is still the file's is checked when the block is committed
-        (a fenced writer can only waste an allocation, which the GC reclaims)."""
+        (a fenced writer can only waste an allocation, which the GC reclaims). ``pack``: the
+        block is a pack shared by files of this shard (block_layer.PACK_OWNER); the file is
+        one of them, whose writer asks."""
         store = self._store(req)
         file_id = req["file_id"]
         if req["token"] == 0:
@@ -506,7 +508,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
             block_layer.allocate,
             store.shard,
             self.total_shards,
-            file_id,
+            block_layer.PACK_OWNER if req["pack"] else file_id,
             req["ec"],
             nodes,
             now_ns(),

@@ -82,6 +82,13 @@ CREATE INDEX IF NOT EXISTS files_unnamed ON files (named, created_ns);
 CREATE TABLE IF NOT EXISTS file_blocks (
     file_id INTEGER NOT NULL, idx INTEGER NOT NULL, block_id INTEGER NOT NULL,
     PRIMARY KEY (file_id, idx)) WITHOUT ROWID;
+-- A file's block that is an extent of a shared pack block (small files and the tails of large
+-- files, written together): bytes [offset, offset + length) of the block file_blocks names.
+-- No row: the file's block is the whole block. A pack lives while any extent points into it.
+CREATE TABLE IF NOT EXISTS file_extents (
+    file_id INTEGER NOT NULL, idx INTEGER NOT NULL, offset INTEGER NOT NULL,
+    length INTEGER NOT NULL, PRIMARY KEY (file_id, idx)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS file_blocks_block ON file_blocks (block_id);
 CREATE TABLE IF NOT EXISTS xattrs (
     file_id INTEGER NOT NULL, name TEXT NOT NULL, value BLOB NOT NULL,
     PRIMARY KEY (file_id, name)) WITHOUT ROWID;

@@ -23,6 +23,8 @@ name.delegate        count                                                 ids, 
 name.unlink          dir, name                                             id, released
 file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
 file.close           id, token, size, entries, [blocks]                    attrs
+file.commit_pack     block, files [{id, token, index, offset, length,      results
+                     size, seal}, ...]
 ==================== ===================================================== ==============
 
 ``name.create`` makes a regular file, named at once (no orphan window) and holding its writer
@@ -36,6 +38,15 @@ committed in the same transaction as the entries that point at them. Blocks in o
 references (GC), never an entry pointing at an uncommitted block. ``file.close`` is
 ``file.commit`` and then the seal of ``file_layer.seal``; a stale writer token refuses the
 whole transaction, blocks included.
+
+``file.commit_pack`` serves the small files a client wrote at the same time (and the tails
+of large files): their bytes were coded and stored together as ONE *pack* block (allocated
+with ``block.allocate`` ``pack``), and one transaction commits it and gives each file its
+extent ``[offset, offset + length)`` of it at its block ``index``, its size, and for a close
+its seal. Each file is checked and applied in a savepoint of its own, so a fenced writer or a
+file removed meanwhile gets its own error and the others go on; a pack that no file took is
+queued for the GC at once. A repeat after a lost reply finds its seals done (the same
+extent, the same size) and answers them again.
 """
 
 from __future__ import annotations
@@ -45,10 +56,16 @@ from typing import Any
 
 from metadata import block_layer, file_layer, name_layer
 from metadata.shard import now_ns
-from tectonic_py.core.errors import FileExists, InvalidArgument, WrongShard
-from tectonic_py.core.ids import shard_of
-from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo
-from tectonic_py.core.rpc_server import Request
+from tectonic_py.core.errors import (
+    FileExists,
+    FileSealed,
+    InvalidArgument,
+    TectonicError,
+    WrongShard,
+)
+from tectonic_py.core.ids import MAX_ID, shard_of
+from tectonic_py.core.records import KIND_FILE, Attrs, BlockInfo, PackedExtent
+from tectonic_py.core.rpc_server import Request, error_to_header
 
 DELEGATION_NS = 3600 * 10**9  # a delegated id unused this long is no longer reserved
 
@@ -179,6 +196,87 @@ def close(
     return file_layer.seal(conn, file_id, token, size, now)
 
 
+def packed_from_wire(item: Any) -> PackedExtent:
+    """One file of a ``file.commit_pack`` request, checked."""
+    if not isinstance(item, dict):
+        raise InvalidArgument("file.commit_pack: each file must be a map")
+    try:
+        f = PackedExtent(
+            item["id"],
+            item["token"],
+            item["index"],
+            item["offset"],
+            item["length"],
+            item["size"],
+            item.get("seal", False),
+        )
+    except KeyError as e:
+        raise InvalidArgument(f"file.commit_pack: a file lacks {e.args[0]!r}") from None
+    ints = (f.file_id, f.token, f.index, f.offset, f.length, f.size)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+        raise InvalidArgument("file.commit_pack: file fields must be integers")
+    if not isinstance(f.seal, bool):
+        raise InvalidArgument("file.commit_pack: 'seal' must be a boolean")
+    if not (0 < f.file_id <= MAX_ID and 0 < f.token <= MAX_ID and 0 <= f.index < 2**40):
+        raise InvalidArgument(f"file.commit_pack: bad id, token or index of {f.file_id}")
+    if f.offset < 0 or f.length <= 0 or not 0 <= f.size < 2**62:
+        raise InvalidArgument(f"file.commit_pack: bad extent or size of file {f.file_id}")
+    return f
+
+
+def _pack_one(conn: sqlite3.Connection, info: BlockInfo, f: PackedExtent, now: int) -> Attrs:
+    if f.offset + f.length > info.data_len:
+        raise InvalidArgument(
+            f"extent {f.offset}+{f.length} of file {f.file_id} lies outside pack"
+            f" {info.block_id:016x} ({info.data_len} bytes)"
+        )
+    per_block = file_layer.bytes_per_block(conn, f.file_id)
+    if f.length > per_block or f.index * per_block + f.length > f.size:
+        raise InvalidArgument(
+            f"extent of {f.length} bytes at block {f.index} does not fit file {f.file_id}"
+            f" of size {f.size} ({per_block} bytes a block)"
+        )
+    entry = (f.index, info.block_id, f.offset, f.length)
+    try:
+        file_layer.commit_blocks(conn, f.file_id, f.token, [entry], now)
+    except FileSealed:
+        # A repeat of this very close (its reply was lost): the seal is done if the file
+        # holds this extent at this size.
+        have = file_layer.blocks(conn, f.file_id)
+        attrs = file_layer.get(conn, f.file_id, now)
+        if not f.seal or entry not in have or attrs.size != f.size:
+            raise
+        return attrs
+    if f.seal:
+        return file_layer.seal(conn, f.file_id, f.token, f.size, now)
+    return file_layer.set_size(conn, f.file_id, f.token, f.size, now)
+
+
+def commit_pack(
+    conn: sqlite3.Connection,
+    shard: int,
+    total_shards: int,
+    info: BlockInfo,
+    files: list[PackedExtent],
+    now: int,
+) -> list[Attrs | TectonicError]:
+    """The pack block and every file's extent, one transaction (module docstring)."""
+    block_layer.commit(conn, info, block_layer.PACK_OWNER)
+    out: list[Attrs | TectonicError] = []
+    for f in files:
+        conn.execute("SAVEPOINT pack_file")
+        try:
+            if shard_of(f.file_id, total_shards) != shard:
+                raise WrongShard(f"file {f.file_id} is not in shard {shard}")
+            out.append(_pack_one(conn, info, f, now))
+        except TectonicError as e:
+            conn.execute("ROLLBACK TO pack_file")
+            out.append(e)
+        conn.execute("RELEASE pack_file")
+    file_layer.queue_if_unheld(conn, info.block_id, now)
+    return out
+
+
 class WriteOps:
     """Mixin of ``MetadataServer``: the combined ops of the write path (module docstring)."""
 
@@ -278,3 +376,21 @@ class WriteOps:
             now_ns(),
         )
         return {"attrs": dict(attrs.__dict__)}
+
+    async def op_file__commit_pack(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        info = block_layer.info_from_wire(req["block"])
+        if shard_of(info.block_id, self.total_shards) != store.shard:
+            raise WrongShard(f"pack {info.block_id:016x} is not in shard {store.shard}")
+        files = [packed_from_wire(item) for item in req["files"]]
+        results = await store.write(
+            commit_pack, store.shard, self.total_shards, info, files, now_ns()
+        )
+        out: list[dict[str, Any]] = []
+        for r in results:
+            if isinstance(r, Attrs):
+                out.append({"attrs": dict(r.__dict__)})
+            else:
+                header = error_to_header(0, r)
+                out.append({"err": header["err"], "msg": header["msg"]})
+        return {"results": out}

@@ -46,6 +46,7 @@ MAX_SCAN = 10_000  # items of one maintenance scan or call
 MAX_BLOCKS = 100_000  # block ids of one block.durability
 MAX_STATES = 10_000  # file ids of one file.states, entries of one name.staging page
 MAX_BATCH_OPS = 512
+MAX_PACK_FILES = 4096  # files of one pack block (a block of 4 KiB files at most)
 MAX_DELEGATE = 4096  # file ids one name.delegate reserves
 MAX_XATTR_VALUE = 64 * 1024
 MAX_CHUNK_SIZE = 64 * 2**20
@@ -178,7 +179,8 @@ def _file_layer() -> list[Op]:
         _op("file.drop", fid, "{}", by("id"), WRITE, mutates=True, repeatable=True,
             doc="a record no name reaches; a client may drop only a dead directory or an "
                 "unnamed record"),
-        _op("file.blocks", fid, "blocks [[index, id]]", by("id"), READ, mutates=False),
+        _op("file.blocks", fid, "blocks [[index, id, offset, length]]", by("id"), READ,
+            mutates=False, doc="length 0: the whole block; else an extent of a pack"),
         _op("file.getxattr", [*fid, str_("name", max_len=255)], "value", by("id"), READ,
             mutates=False),
         _op("file.setxattr",
@@ -197,6 +199,11 @@ def _file_layer() -> list[Op]:
         _op("file.close", [*fid, _TOKEN, int_("size", hi=MAX_SIZE), _ENTRIES, _BLOCK_INFOS],
             "attrs", by("id"), WRITE, mutates=True, coalesce=True,
             doc="file.commit and the seal; resent by the client, which checks a repeat's seal"),
+        _op("file.commit_pack",
+            [Arg("block", "map"), list_("files", max_len=MAX_PACK_FILES)], "results",
+            SCAN, WRITE, mutates=True, repeatable=True,
+            doc="a pack block and its files' extents (each commit, size, [seal]): one "
+                "transaction; each file's error is its own"),
         _op("file.states", [list_("ids", "ids", max_len=MAX_STATES)], "states", by("ids"),
             READ, mutates=False),
         _op("file.gc_queue",
@@ -217,9 +224,9 @@ def _block_layer() -> list[Op]:
     return [
         _op("block.allocate",
             [id_("file_id"), int_("token", 0, hi=MAX_ID), str_("ec", max_len=16),
-             list_("nodes", "node_ids", max_len=256)],
+             list_("nodes", "node_ids", max_len=256), bool_("pack", False)],
             "block_id, capability", by("file_id"), WRITE, mutates=True, repeatable=True,
-            coalesce=True),
+            coalesce=True, doc="pack: a block shared by files of the shard (write_ops)"),
         _op("block.grant", [*bid, list_("nodes", "node_ids", max_len=256)],
             "nodes, capability", by("block_id"), WRITE, mutates=True, repeatable=True,
             coalesce=True),

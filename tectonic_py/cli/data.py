@@ -344,10 +344,22 @@ def cmd_stat(args: argparse.Namespace) -> int:
         attrs = await client.stat(_remote(args.path))
         if attrs.is_dir:
             return attrs.to_wire()
+        blocks = await client.meta.block_list(attrs.id) if attrs.size else []
         return {
             **attrs.to_wire(),
             "state": STATE_TEXT.get(attrs.seal_state, attrs.seal_state),
             "durability": await client.meta.durability(attrs.id, attrs),
+            # Each block of the file: its own, or an extent of a pack shared with other files.
+            "extents": [
+                {
+                    "index": b.file_index,
+                    "block": f"{b.block_id:016x}",
+                    "offset": b.ext_off,
+                    "length": b.file_len,
+                    "packed": b.packed,
+                }
+                for b in blocks
+            ],
         }
 
     print(json.dumps(trio.run(_run, args.cluster_file, go), indent=2))

@@ -78,6 +78,7 @@ class BlockWrite:
     data_len: int
     base: BlockInfo | None = None
     dirty: tuple[int, int] | None = None
+    pack: bool = False  # a pack of many files' blocks (client/packing.py); file_id is one
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class BlockIO:
             )
         else:
             grant = await self.meta.allocate_block(
-                file_id, token, policy.name, hedge=self.tuning.hedge
+                file_id, token, policy.name, hedge=self.tuning.hedge, pack=write.pack
             )
         self.node_view.refresh_soon()
         quorum = self.quorum(policy)

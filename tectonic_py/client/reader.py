@@ -147,13 +147,12 @@ class FileReader:
             # The common sequential case: one copy from the cached block (none for a view).
             piece = pieces[0]
             info = self._blocks.get(piece.block_index)
-            if info is not None and piece.block_offset + piece.length <= info.data_len:
+            if info is not None and piece.block_offset + piece.length <= info.file_len:
                 self._readahead(sequential, offset, length)
                 data = await self.client.read_part(
-                    info, piece.block_offset, piece.length, view=view
+                    info, info.ext_off + piece.block_offset, piece.length, view=view
                 )
-                if piece.block_offset + piece.length == info.data_len:
-                    self.client.cache.done(info.block_id)
+                self._done_with(info, piece.block_offset + piece.length)
                 return data
         out = bytearray(length)
         await self._fill(offset, memoryview(out), sequential)
@@ -190,21 +189,25 @@ class FileReader:
             info = self._blocks.get(piece.block_index)
             avail = 0
             if info is not None:
-                avail = max(0, min(piece.length, info.data_len - piece.block_offset))
+                avail = max(0, min(piece.length, info.file_len - piece.block_offset))
             if avail < piece.length:
                 dst[avail:] = bytes(piece.length - avail)  # a hole, or past a short block
             if not avail:
                 continue
             assert info is not None
+            at = info.ext_off + piece.block_offset
             if sequential or avail >= bs // 2:
-                dst[:avail] = await self.client.read_part(
-                    info, piece.block_offset, avail, view=True
-                )
-                if piece.block_offset + avail == info.data_len:
-                    self.client.cache.done(info.block_id)
+                dst[:avail] = await self.client.read_part(info, at, avail, view=True)
+                self._done_with(info, piece.block_offset + avail)
             else:
-                await self.client.read_range(info, piece.block_offset, dst[:avail])
+                await self.client.read_range(info, at, dst[:avail])
         self._readahead(sequential, offset, length)
+
+    def _done_with(self, info: BlockInfo, end: int) -> None:
+        """A read reached the end of the file's part of a block: the cache may let it go
+        first. Not a pack: the other files in it are likely read next (a restore)."""
+        if end == info.file_len and not info.packed:
+            self.client.cache.done(info.block_id)
 
     def _readahead(self, sequential: bool, offset: int, length: int) -> None:
         if sequential and length and self.client.readahead_blocks:

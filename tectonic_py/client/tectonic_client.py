@@ -15,7 +15,8 @@ the client's resources. The rest of the package, one concept a module: ``writer`
 (FileWriter: the open block, flushes, commits), ``reader`` (FileReader: sequential detection,
 readahead), ``block_io`` (one block to and from chunk stores, with ``block_put`` and
 ``block_get``), ``buffers`` (the writers' window and the readers' block cache),
-``node_view`` (which chunk stores to plan around), ``bad_chunks`` (reports for repair),
+``node_view`` (which chunk stores to plan around), ``packing`` (small blocks of many files
+stored as one), ``bad_chunks`` (reports for repair),
 ``codec`` and ``stripe``. Connections to chunk stores are ``chunkstore.client.ChunkPool``.
 Writers and readers see the client through the narrow ``writer.WritePath`` (``_WritePath``
 here) and ``reader.ReadPath``, so none of the modules this one wires together imports it.
@@ -49,6 +50,7 @@ from tectonic_py.client.block_io import BlockIO, BlockWrite, IOTuning
 from tectonic_py.client.buffers import BlockCache, BufferPool
 from tectonic_py.client.codec import Codec
 from tectonic_py.client.node_view import NodeView
+from tectonic_py.client.packing import Packer, PackTuning
 from tectonic_py.client.reader import FileReader
 from tectonic_py.client.stats import ClientStats
 from tectonic_py.client.writer import FileWriter
@@ -99,7 +101,11 @@ class TectonicClient:
       cut link drops SYNs silently);
     * ``node_backoff_s``: a chunk store this client failed to reach is avoided this long
       (reads go degraded, puts go to other nodes), so it costs one timeout, not one per
-      block; nodes the registry marks down are avoided until it marks them up.
+      block; nodes the registry marks down are avoided until it marks them up;
+    * ``pack_delay_s``: an open pack of small files' blocks waits this long for more
+      files before it is stored (client/packing.py);
+    * ``max_packs``: packs open or being stored at once;
+    * ``pack_limit``: blocks up to this fraction of a whole block go into packs (0: none).
     """
 
     def __init__(
@@ -120,9 +126,17 @@ class TectonicClient:
         max_reconstructions: int = 2,
         connect_timeout: float = 3.0,
         node_backoff_s: float = 10.0,
+        pack_delay_s: float = 0.005,
+        max_packs: int = 4,
+        pack_limit: float = 0.5,
     ) -> None:
         if window_bytes < MiB:
             raise InvalidArgument("window_bytes must be at least 1 MiB")
+        if not (pack_delay_s >= 0 and max_packs >= 1 and 0 <= pack_limit <= 1):
+            raise InvalidArgument(
+                f"pack_delay_s ({pack_delay_s}) must be >= 0, max_packs ({max_packs}) >= 1"
+                f" and pack_limit ({pack_limit}) between 0 and 1"
+            )
         if not connect_timeout > 0 or not node_backoff_s >= 0:
             raise InvalidArgument(
                 f"connect_timeout ({connect_timeout}) must be > 0 and node_backoff_s "
@@ -158,7 +172,15 @@ class TectonicClient:
         self.blocks = BlockIO(
             meta, self.pool, self.node_view, self.codec, self.cache, self.stats, nursery, tuning
         )
-        self._write_path = _WritePath(meta, self.blocks, self.buffers, nursery)
+        self.packer = Packer(
+            self.blocks.store_block,
+            meta.commit_pack,
+            meta.shard_of,
+            self.buffers,
+            nursery,
+            PackTuning(pack_delay_s, max_packs, pack_limit),
+        )
+        self._write_path = _WritePath(meta, self.blocks, self.buffers, nursery, self.packer)
         self.creates = AsyncCreates(meta, nursery)
         self._closed = False
 
@@ -344,6 +366,7 @@ class _WritePath:
     blocks: BlockIO
     buffers: BufferPool
     nursery: trio.Nursery
+    packer: Packer | None
 
     async def store_block(self, block: BlockWrite) -> BlockInfo:
         return await self.blocks.store_block(block)
@@ -388,6 +411,10 @@ class _PendingPath:
     @property
     def nursery(self) -> trio.Nursery:
         return self.inner.nursery
+
+    @property
+    def packer(self) -> Packer | None:
+        return self.inner.packer
 
     async def store_block(self, block: BlockWrite) -> BlockInfo:
         return await self.inner.store_block(block)

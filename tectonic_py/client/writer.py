@@ -15,6 +15,12 @@ writes changed: when it is stored, ``BlockIO.store_block`` puts only the data ch
 range and the parity, and adopts the base's other chunks, so a 4 KiB write into a big block
 costs one data chunk and m parity chunks, not the whole block.
 
+A small open block made durable by ``fsync`` or ``close`` (a small file, or the tail of a
+large one) is not stored alone: it is copied into a *pack* with other files' blocks
+(client/packing.py), and the pack's one commit gives this file its extent, size and, for a
+close, the seal. A block loaded from a pack is patched and stored anew (never a version that
+adopts chunks: the pack's chunks hold other files' bytes).
+
 ``fsync`` flushes the open block, even a short one (committed at its index; when the writer
 later fills it, the full block replaces it at the same index), and waits until every flush
 task has committed. ``close`` stores the open block, waits for the flush tasks, and commits
@@ -40,6 +46,7 @@ import trio
 
 from tectonic_py.client.block_io import BlockWrite
 from tectonic_py.client.buffers import BufferPool
+from tectonic_py.client.packing import Packer
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, TectonicError
@@ -69,6 +76,11 @@ class WritePath(Protocol):
 
     @property
     def nursery(self) -> trio.Nursery: ...
+
+    @property
+    def packer(self) -> Packer | None:
+        """Where small blocks go to be stored with other files' (None: never packed)."""
+        ...
 
     async def store_block(self, block: BlockWrite) -> BlockInfo:
         """Make one block durable on chunk stores (not yet part of the file)."""
@@ -247,10 +259,11 @@ class FileWriter:
             info = self._committed.get(piece.block_index)
             if info is None:
                 continue
-            avail = max(0, min(piece.length, info.data_len - piece.block_offset))
+            avail = max(0, min(piece.length, info.file_len - piece.block_offset))
             if avail:
                 data = await self.write_path.read_block(info)
-                dst[:avail] = data[piece.block_offset : piece.block_offset + avail]
+                at = info.ext_off + piece.block_offset
+                dst[:avail] = data[at : at + avail]
         return bytes(out)
 
     async def _truncate(self, size: int) -> None:
@@ -268,7 +281,7 @@ class FileWriter:
             self.size = size
             bi = layout.block_of(size)
             info = self._committed.get(bi)
-            if info is not None and layout.block_start(bi) + info.data_len > size:
+            if info is not None and layout.block_start(bi) + info.file_len > size:
                 # Cut the block that straddles the new end, so that growing the file later
                 # shows zeros there rather than the old bytes.
                 await self._switch_open(bi)
@@ -280,6 +293,13 @@ class FileWriter:
     async def _fsync(self) -> None:
         self._check()
         await self._meta_call(self.write_path.created())
+        if self._packable():
+            await self._drain()
+            self._check()
+            await self._pack(seal=False)
+            self._synced_size = self.size
+            self._stamped = False
+            return
         if self._dirty and self._open_buf is not None and self._open_index is not None:
             index, n = self._open_index, self._open_len
             gen = next(self._gen)
@@ -312,6 +332,11 @@ class FileWriter:
         try:
             self._check()  # a sticky error: nothing more is stored
             await self._meta_call(self.write_path.created())
+            if self._packable():
+                await self._drain()
+                self._check()
+                self._final = await self._pack(seal=True)
+                return self._final
             last = await self._store_open()
             await self._drain()
             self._check()
@@ -329,6 +354,45 @@ class FileWriter:
         finally:
             self._release_open()
             self._closed = True
+
+    def _packable(self) -> bool:
+        """Whether the open block goes into a pack when it is made durable: dirty, small,
+        and not a version of a committed block that could adopt its chunks."""
+        packer = self.write_path.packer
+        if packer is None or not self._dirty or self._open_buf is None:
+            return False
+        if self._open_index is None or self._open_base is not None or not self._open_len:
+            return False
+        return self._open_len <= packer.limit(self.policy, self.attrs.chunk_size)
+
+    async def _pack(self, *, seal: bool) -> Attrs:
+        """Store the open block in a pack and commit it there, with the file's size (and
+        for a close the seal): one commit for every file of the pack."""
+        packer = self.write_path.packer
+        assert packer is not None and self._open_buf is not None and self._open_index is not None
+        index, gen = self._open_index, next(self._gen)
+        view = memoryview(self._open_buf)[: self._open_len]
+        try:
+            ticket = await packer.add(
+                self.file_id,
+                self.token,
+                self.policy,
+                self.attrs.chunk_size,
+                index,
+                view,
+                self.size,
+                seal=seal,
+            )
+        finally:
+            view.release()
+        self._dirty = False
+        self._dirty_lo = self._dirty_hi = 0
+        if seal:
+            self._release_open()  # the pack holds a copy: the window gets the buffer back
+        attrs, info = await self._meta_call(ticket.result())
+        self._note_committed(gen, info)
+        self.attrs = attrs
+        return attrs
 
     async def _store_open(self) -> tuple[int, BlockInfo] | None:
         """Store the dirty open block without committing it: its generation and record."""
@@ -444,10 +508,10 @@ class FileWriter:
         info = self._committed.get(index)
         have = 0
         if info is not None:
-            have = min(info.data_len, valid)
+            have = min(info.file_len, valid)
             data = await self.write_path.read_block(info)
-            buf[:have] = data[:have]
-            if have == info.data_len == valid:
+            buf[:have] = data[info.ext_off : info.ext_off + have]
+            if have == info.data_len == valid and not info.packed:
                 self._open_base = info
         buf[have:valid] = bytes(valid - have)
         self._open_len = valid

@@ -181,8 +181,12 @@ class BlockInfo:
     """A committed block: its erasure code, lengths and chunks (Block layer record).
 
     ``file_index`` is the block's position in its file: it covers file bytes
-    ``[file_index * k * file_chunk_size, ... + data_len)``. ``chunk_len`` is the padded
+    ``[file_index * k * file_chunk_size, ... + file_len)``. ``chunk_len`` is the padded
     length of each chunk of this block (short for a file's last, short block).
+
+    A file's block may be an *extent* of a pack, a block shared with other files written at
+    the same time: then its bytes are ``[ext_off, ext_off + ext_len)`` of the block (a view
+    the File layer gives a file's block list; the Block layer's record has no extent).
     """
 
     block_id: int
@@ -191,9 +195,20 @@ class BlockInfo:
     data_len: int
     chunks: list[ChunkPlacement] = field(default_factory=list)
     file_index: int = 0
+    ext_off: int = 0
+    ext_len: int = 0  # 0: the file's block is the whole block
+
+    @property
+    def file_len(self) -> int:
+        """The file bytes this block holds."""
+        return self.ext_len or self.data_len
+
+    @property
+    def packed(self) -> bool:
+        return self.ext_len > 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "block_id": self.block_id,
             "ec": self.ec,
             "chunk_len": self.chunk_len,
@@ -201,12 +216,40 @@ class BlockInfo:
             "chunks": [c.to_wire() for c in self.chunks],
             "file_index": self.file_index,
         }
+        if self.ext_len:
+            wire["ext_off"], wire["ext_len"] = self.ext_off, self.ext_len
+        return wire
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> BlockInfo:
         info = _from_wire(cls, data)
         info.chunks = [ChunkPlacement.from_wire(c) for c in data.get("chunks", [])]
         return info
+
+
+@dataclass(frozen=True)
+class PackedExtent:
+    """One file's part of a pack commit (``file.commit_pack``): its writer, the extent of
+    the pack that is its block ``index``, its size after, and whether it is the close."""
+
+    file_id: int
+    token: int
+    index: int
+    offset: int
+    length: int
+    size: int
+    seal: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.file_id,
+            "token": self.token,
+            "index": self.index,
+            "offset": self.offset,
+            "length": self.length,
+            "size": self.size,
+            "seal": self.seal,
+        }
 
 
 @dataclass

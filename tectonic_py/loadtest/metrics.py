@@ -11,6 +11,9 @@ rusage), the coordinator, the local cluster's metadata servers and chunk stores 
 filesystem's daemons), per GiB written and read. Peak RSS of workers and watched processes
 shows memory stays bounded.
 
+``chunk_puts_per_file``: the chunk puts the workers' clients sent (stored chunks and
+hedges) over the files written; None through a mount, whose client is the mount's.
+
 The cost of a file (``cpu_ms_per_file``) is what the burst cost beyond its bytes: the CPU of
 all processes during the write bursts, less what the same number of bytes costs when written
 as one stream (``baseline``: CPU-s per byte of one file of the same total size, measured in
@@ -138,6 +141,11 @@ def phase_figures(
         "errors": sum(1 for r in results if r.error),
         "verified": sum(r.verified for r in results),
         "client_batches": _client_batches(done),
+        "chunk_puts": (
+            sum(int(m["chunk_puts"]) for m in done)
+            if done and all(m.get("chunk_puts") is not None for m in done)
+            else None
+        ),
     }
 
 
@@ -302,8 +310,11 @@ def _per_file_figures(
     files = sum(p["files"] for p in writes)
     cpu = sum(p["cpu_s"] for p in writes)
     moved = sum(p["bytes"] for p in writes)
+    counted = writes and all(p.get("chunk_puts") is not None for p in writes)
+    puts = sum(p["chunk_puts"] for p in writes) if counted else None
     out: dict[str, Any] = {
         "files_written": files,
+        "chunk_puts_per_file": puts / files if puts is not None and files else None,
         "cpu_ms_per_file_gross": 1000 * cpu / files if files else None,
         "cpu_ms_per_file": None,
         "baseline_stream": baseline,

@@ -105,6 +105,7 @@ def summary_table(result: dict[str, Any]) -> Any:
     for key, label in (
         ("cpu_ms_per_file", "CPU ms per file (less one stream's)"),
         ("cpu_ms_per_file_gross", "CPU ms per file (gross)"),
+        ("chunk_puts_per_file", "chunk puts per file"),
     ):
         v = result.get(key)
         row(label, "-" if v is None else f"{v:.2f}")

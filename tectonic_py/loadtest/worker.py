@@ -81,6 +81,15 @@ def _meta_batches(backend: Any) -> dict[str, int]:
     return dict(stats()) if stats is not None else {}
 
 
+def _chunk_puts(backend: Any) -> int | None:
+    """Chunk puts this process's client sent so far (stored chunks and hedges); None
+    through a mount, whose client lives in the mount's process."""
+    stats = getattr(getattr(backend, "client", None), "stats", None)
+    if stats is None:
+        return None
+    return int(stats.chunks_written + stats.hedged_puts)
+
+
 def _usage() -> tuple[float, int]:
     """CPU-seconds (user + system) and peak RSS in bytes of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -104,6 +113,7 @@ class _Phase:
         """Wait for the barrier, run every rank at once, report progress until all are done."""
         cpu0 = time.process_time()
         batches0 = _meta_batches(self.backend)
+        puts0 = _chunk_puts(self.backend)
         await trio.sleep_until(trio.current_time() + max(0.0, self.t0 - time.time()))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._progress, out)
@@ -114,6 +124,7 @@ class _Phase:
         await out.send({"ev": "progress", "t": time.time(), "bytes": self.done_bytes})
         _, rss = _usage()
         batches = {k: v - batches0.get(k, 0) for k, v in _meta_batches(self.backend).items()}
+        puts1 = _chunk_puts(self.backend)
         await out.send(
             {
                 "ev": "done",
@@ -123,6 +134,7 @@ class _Phase:
                 "rss": rss,
                 "conns": _connections(),
                 "meta_batches": batches,
+                "chunk_puts": None if puts0 is None or puts1 is None else puts1 - puts0,
                 "ranks": [asdict(r) for r in self.results],
             }
         )
