@@ -4,18 +4,23 @@ A checkpoint of many small shards used to cost each file a block of its own: n f
 puts and a block commit per file, whatever its size. Here the open block of a file that is
 small when it is made durable (the whole of a small file, the tail of a large one) is copied
 into the client's open *pack* for its shard and scheme, with the other files' blocks that
-arrive meanwhile. A pack is stored when it is full, or ``delay_s`` after it was opened, so a
-lone file waits a few milliseconds and a burst of ranks fills whole packs: one encode, one set
-of n chunk puts and one metadata transaction (``file.commit_pack``: the block, each file's
-extent, size and, for a close, its seal) serve every file in it. A file's fsync or close
+arrive meanwhile. A pack is stored at once when no other pack of its shard and scheme is
+being stored (a lone file, or ``tar -x`` of one file after another, waits for nothing), else
+when it is full or ``delay_s`` after it was opened: a burst of ranks fills whole packs while
+the previous ones are on the wire, as group commit does. One encode, one set of n chunk puts
+and one metadata transaction (``file.commit_pack``: the block, each file's extent, size and,
+for a close, its seal) serve every file in a pack. A file's fsync or close
 returns when its pack is committed, so durability is what it was (the pack's write quorum,
 k+1 chunks by default).
 
 At most ``max_packs`` packs are open or being stored at once per client. A writer that finds
 none free waits for a store to finish, and the writers that wait together then share the
-next pack: the busier the cluster, the fuller the packs. Pack buffers are taken over the
-client's window when it is full (writers waiting for a pack hold their own buffers, so a
-pack that waited for room in the window could wait for ever); ``max_packs`` bounds them.
+next pack: the busier the cluster, the fuller the packs. The pack buffers are the packer's
+own, reused from pack to pack (a fresh block-sized buffer per pack costs its page faults,
+and drew the window's spare buffers away from the writers), and not charged to the window:
+writers waiting for a pack hold their own buffers there, so a pack that waited for room in
+the window could wait for ever. Their memory is bounded by ``max_packs`` blocks, with the
+parity of those being encoded.
 
 Files of one shard share a pack (a directory's files all live in its shard, see
 metadata/write_ops.py), so the files of one step directory share packs, and deleting the step
@@ -31,7 +36,6 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from tectonic_py.client.block_io import BlockWrite
-from tectonic_py.client.buffers import BufferPool
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import TectonicError, Unavailable
 from tectonic_py.core.records import Attrs, BlockInfo, PackedExtent
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_PACK_FILES = 4096  # the metadata service's bound on the files of one pack commit
 PAD = 4096  # >= k - 1: the encode pads the data up to a multiple of k
+JOIN_S = 0.0005  # what a pack opened with no other being stored waits for writers woken with it
 
 StoreBlock = Callable[[BlockWrite], Awaitable[BlockInfo]]
 CommitPack = Callable[[BlockInfo, Sequence[PackedExtent]], Awaitable[list[Attrs | TectonicError]]]
@@ -61,7 +66,6 @@ class _Pack:
     policy: ECPolicy
     capacity: int
     buf: bytearray
-    charge: int
     used: int = 0
     files: list[PackedExtent] = field(default_factory=list)
     results: list[Attrs | TectonicError] = field(default_factory=list)
@@ -100,19 +104,19 @@ class Packer:
         store_block: StoreBlock,
         commit_pack: CommitPack,
         shard_of: Callable[[int], int],
-        buffers: BufferPool,
         nursery: trio.Nursery,
         tuning: PackTuning,
     ) -> None:
         self._store_block = store_block
         self._commit_pack = commit_pack
         self._shard_of = shard_of
-        self._buffers = buffers
         self._nursery = nursery
         self.tuning = tuning
         self._open: dict[tuple[int, str, int], _Pack] = {}
         self._opening: dict[tuple[int, str, int], trio.Event] = {}
         self._slots = trio.Semaphore(max(1, tuning.max_packs))
+        self._storing: dict[tuple[int, str, int], int] = {}
+        self._spare: dict[int, list[bytearray]] = {}
         self.packs_stored = 0
         self.files_packed = 0
 
@@ -167,15 +171,24 @@ class Packer:
             await self._slots.acquire()
             capacity = policy.k * chunk_size
             size = capacity + PAD
-            charge = size * policy.n // policy.k
-            buf = await self._buffers.acquire(size, charge, wait=False)
-            pack = _Pack(key, policy, capacity, buf, charge)
+            spares = self._spare.get(size)
+            buf = spares.pop() if spares else bytearray(size)
+            pack = _Pack(key, policy, capacity, buf)
             self._open[key] = pack
             self._nursery.start_soon(self._run, pack)
             return pack
         finally:
             del self._opening[key]
             event.set()
+
+    def _give_back(self, buf: bytearray) -> None:
+        """Keep a pack buffer for the next pack: at most ``max_packs`` in all, of the sizes
+        used last (a client's files nearly always have one scheme and chunk size)."""
+        self._spare.setdefault(len(buf), []).append(buf)
+        while sum(len(v) for v in self._spare.values()) > self.tuning.max_packs:
+            sizes = sorted(self._spare, key=lambda size: size == len(buf))  # others first
+            self._spare[sizes[0]].pop()
+            self._spare = {size: v for size, v in self._spare.items() if v}
 
     def _close(self, pack: _Pack) -> None:
         """No more files join ``pack``; its store starts now (``_run``)."""
@@ -184,18 +197,32 @@ class Packer:
         pack.full.set()
 
     async def _run(self, pack: _Pack) -> None:
-        """Wait for the pack to fill or its delay to pass, then store and commit it."""
+        """Store and commit the pack: at once when no other pack of its key is being
+        stored (a lone file waits for nothing), else when it is full or ``delay_s`` has
+        passed, so that the files arriving meanwhile share it."""
+        key = pack.key
         try:
-            with trio.move_on_after(self.tuning.delay_s):
-                await pack.full.wait()
+            if self._storing.get(key, 0):
+                with trio.move_on_after(self.tuning.delay_s):
+                    await pack.full.wait()
+            else:
+                await trio.sleep(JOIN_S)  # writers woken with this pack's opening join it
             self._close(pack)
-            pack.results = await self._store(pack)
+            self._storing[key] = self._storing.get(key, 0) + 1
+            try:
+                pack.results = await self._store(pack)
+            finally:
+                left = self._storing[key] - 1
+                if left:
+                    self._storing[key] = left
+                else:
+                    del self._storing[key]
         finally:
             if len(pack.results) != len(pack.files):  # cancelled: the client is closing
                 pack.results = [Unavailable("the client closed before the pack was stored")] * len(
                     pack.files
                 )
-            self._buffers.release(pack.buf, pack.charge)
+            self._give_back(pack.buf)
             self._slots.release()
             pack.done.set()
 

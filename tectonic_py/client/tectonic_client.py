@@ -176,7 +176,6 @@ class TectonicClient:
             self.blocks.store_block,
             meta.commit_pack,
             meta.shard_of,
-            self.buffers,
             nursery,
             PackTuning(pack_delay_s, max_packs, pack_limit),
         )
