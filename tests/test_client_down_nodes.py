@@ -104,3 +104,31 @@ async def test_dead_and_stopped_stores_cost_one_attempt_each(cluster, caplog):
             with pytest.raises(InvalidArgument):
                 async with open_client(cluster.cluster_file, **bad):
                     pass
+
+
+async def test_a_random_read_on_a_dead_store_rebuilds_its_range_not_the_block(cluster):
+    """A small random read whose data chunk is on a dead store is rebuilt from the same range
+    of k other chunks: no whole block is fetched, and the bytes are exact, also for a range
+    that spans a live and a dead data chunk."""
+    async with open_client(cluster.cluster_file) as writer:
+        probe = await writer.create("/probe")
+        block = probe.layout.block_size
+        await probe.close()
+        data = _data(BLOCKS * block + 777, seed=3)
+        await _put(writer, "/r", data)
+        attrs = await writer.stat("/r")
+        infos = {b.file_index: b for b in await writer.meta.block_list(attrs.id)}
+    info = infos[5]
+    cl = info.chunk_len
+    (lost,) = [pl for pl in info.chunks if pl.index == 1]
+    cluster.kill_chunkstore(int(lost.node_id.removeprefix("cs")))
+    async with open_client(cluster.cluster_file, node_backoff_s=600.0) as fresh:
+        r = await fresh.open_read("/r")
+        inside = 5 * block + cl + 1000  # inside data chunk 1 of block 5
+        assert await r.pread(inside, 4096) == data[inside : inside + 4096]
+        r = await fresh.open_read("/r")  # a new reader: not a continuation of that read
+        across = 5 * block + 2 * cl - 300  # the end of chunk 1 (dead), the start of chunk 2
+        assert await r.pread(across, 600) == data[across : across + 600]
+        assert fresh.stats.range_rebuilds == 2
+        assert fresh.stats.blocks_read == 0  # no whole-block fetch
+        assert fresh.stats.degraded_reads == 2

@@ -40,6 +40,24 @@ def test_any_k_chunks_rebuild_the_block(policy, data, draw):
     assert bytes(out[: len(data)]) == data
 
 
+@settings(max_examples=60, deadline=None)
+@given(policies, st.binary(min_size=1, max_size=3000), st.data())
+def test_a_range_of_a_lost_chunk_follows_from_the_same_range_of_k_others(policy, data, draw):
+    """What a degraded range read relies on (client/range_rebuild.py): the code is bytewise,
+    so bytes [a, a + L) of k chunks rebuild bytes [a, a + L) of the lost one."""
+    buf, cl = _padded(data, policy.k)
+    enc = encode_block(policy, buf, cl)
+    lost = draw.draw(st.integers(0, policy.k - 1))
+    a = draw.draw(st.integers(0, cl - 1))
+    n = draw.draw(st.integers(1, cl - a))
+    others = [i for i in draw.draw(st.permutations(range(policy.n))) if i != lost][: policy.k]
+    pieces = {i: bytes(memoryview(enc.chunks[i])[a : a + n]) for i in others}
+    out = memoryview(bytearray(policy.k * n))
+    in_place = frozenset(range(policy.k)) - {lost}
+    decode_into(policy, pieces, n, out, in_place)
+    assert bytes(out[lost * n : (lost + 1) * n]) == bytes(buf[lost * cl + a : lost * cl + a + n])
+
+
 def test_every_loss_pattern_rs_4_2():
     policy = ECPolicy(4, 2)
     buf, cl = _padded(bytes(range(256)) * 3, 4)

@@ -18,14 +18,16 @@ byte for byte is adopted.
 
 Reads: a whole block is fetched by ``BlockFetch`` into the bounded ``BlockCache``; a range
 read asks for byte ranges of data chunks only (systematic code: no decoding), verified by the
-chunk store's CRC of the range, and falls back to a whole (degraded) block read when any
-range fails. A whole chunk is checked against the CRC-32C recorded in the Block layer (end
-to end). Every bad chunk is logged at WARNING and kept in ``statistics().bad_chunks``; a
+chunk store's CRC of the range; a range that fails is rebuilt from the same range of k other
+chunks (``range_rebuild``), and the whole (degraded) block is read only when that fails too.
+A whole chunk is checked against the CRC-32C recorded in the Block layer (end to end).
+Every bad chunk is logged at WARNING and kept in ``statistics().bad_chunks``; a
 chunk found corrupt or missing is also reported to the metadata service for repair
 (``BadChunkReporter``).
 
 Slowness is never failure: a slow get only starts a hedge while the original keeps running;
-only a range read, which has a whole-block read to fall back on, gives up on a slow chunk.
+only a range read, which has a rebuild and a whole-block read to fall back on, gives up on a
+slow chunk.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tectonic_py.client.block_put import BlockPut
 from tectonic_py.client.buffers import BlockCache, block_buffer_size
 from tectonic_py.client.codec import Codec
 from tectonic_py.client.node_view import NodeView
+from tectonic_py.client.range_rebuild import rebuild_range
 from tectonic_py.client.stats import ClientStats
 from tectonic_py.client.stripe import ChunkRange, chunk_len_for, chunk_ranges
 from tectonic_py.core.aio import open_service_nursery
@@ -401,8 +404,9 @@ class BlockIO:
 
     async def read_range(self, info: BlockInfo, block_offset: int, out: memoryview) -> None:
         """Block bytes ``[block_offset, block_offset + len(out))`` (inside data_len) into
-        ``out``: the systematic fast path (data-chunk ranges only, no decoding), falling back
-        to a whole (degraded) block read if any range fails or lies on an avoided node."""
+        ``out``: the systematic fast path (data-chunk ranges only, no decoding); a range
+        that fails, is slow or lies on an avoided node is rebuilt from the same range of k
+        other chunks (``rebuild_range``), and only if that fails too is the whole block read."""
         cached = self.cache.get(info.block_id)
         if cached is not None:
             self.stats.cache_hits += 1
@@ -411,13 +415,12 @@ class BlockIO:
         policy = ECPolicy.parse(info.ec)
         by_index = {pl.index: pl for pl in info.chunks}
         ranges = chunk_ranges(info.chunk_len, block_offset, out.nbytes, policy.k)
-        on_avoided = any(
-            pl is not None and self.node_view.avoid(pl.node_id, self.address_of(pl))
-            for pl in (by_index.get(r.chunk_index) for r in ranges)
-        )
-        if on_avoided or not await self._read_ranges(info, by_index, ranges, out):
-            data = await self.read_block(info)
-            out[:] = data[block_offset : block_offset + out.nbytes]
+        lost, skip = await self._read_ranges(info, by_index, ranges, out)
+        for r in lost:
+            if not await rebuild_range(self, info, r, skip, out):
+                data = await self.read_block(info)
+                out[:] = data[block_offset : block_offset + out.nbytes]
+                return
 
     async def _read_ranges(
         self,
@@ -425,30 +428,34 @@ class BlockIO:
         by_index: dict[int, ChunkPlacement],
         ranges: Sequence[ChunkRange],
         out: memoryview,
-    ) -> bool:
-        """Every range into its place in ``out``; False if any failed or was slow."""
-        failed = False
+    ) -> tuple[list[ChunkRange], set[int]]:
+        """Every range into its place in ``out``; the ranges that failed, were slow or lie
+        on an avoided node (not asked), and the chunk indices not worth asking again."""
+        lost: list[ChunkRange] = []
+        skip: set[int] = set()
 
         async def fetch(r: ChunkRange) -> None:
-            nonlocal failed
             pl = by_index.get(r.chunk_index)
-            if pl is None:
-                failed = True
+            if pl is None or self.node_view.avoid(pl.node_id, self.address_of(pl)):
+                lost.append(r)
+                skip.add(r.chunk_index)
                 return
             dst = out[r.out_offset : r.out_offset + r.length]
             try:
                 await self.get_into(info, pl, dst, r.chunk_offset, limit=self.slow_chunk_s)
             except Timeout:
-                failed = True  # slow, not bad: read the whole block (hedged), report nothing
+                lost.append(r)  # slow, not bad: rebuilt from others, reported nowhere
+                skip.add(r.chunk_index)
             except TectonicError as e:
                 self.report_bad(info, pl, e)
-                failed = True
+                lost.append(r)
+                skip.add(r.chunk_index)
 
         self.stats.range_reads += 1
         async with open_service_nursery() as nursery:
             for r in ranges:
                 nursery.start_soon(fetch, r)
-        return not failed
+        return lost, skip
 
     def prefetch(self, infos: Sequence[BlockInfo]) -> None:
         """Start whole-block fetches in the background (readahead); errors surface later in

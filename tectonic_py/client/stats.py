@@ -25,6 +25,8 @@ class ClientStats:
     bytes_read: int = 0
     range_reads: int = 0
     degraded_reads: int = 0
+    # Degraded range reads rebuilt from the same range of k other chunks, no whole block.
+    range_rebuilds: int = 0
     corrupt_chunks: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
