@@ -46,3 +46,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --no-compile -e ".[test,bench,lint]"
     touch "$stamp"
 fi
+
+# mount(8) finds filesystem helpers in /sbin: `mount -t tectonic` and fstab lines of type
+# tectonic run this venv's mount.tectonic. One that works already (another checkout's) is
+# kept; a missing or dangling one is (re)made.
+helper=/sbin/mount.tectonic
+if [ "$(id -u)" -eq 0 ] && [ ! -e "$helper" ]; then
+    ln -sfn "$PWD/.venv/bin/mount.tectonic" "$helper"
+fi

@@ -6,7 +6,10 @@ unmounted (``tectonic umount MOUNTPOINT`` or ``fusermount3 -u``) or the process 
 or SIGINT. Without ``--foreground`` it forks into the background and returns only once the
 mount is up, with the child's error if it failed, so scripts can rely on its exit status.
 It refuses a mount point that is not empty (files there would be hidden while mounted, and
-a user who mounts over the wrong directory hears so) unless given ``--nonempty``.
+a user who mounts over the wrong directory hears so) unless given ``--nonempty``. Every
+tuning option (the data-path client's, the FUSE layer's, the mount's own) is a flag and an
+``-o key=value`` option, declared once in ``cli/mount_options.py``; ``mount.tectonic``
+(``cli/mount_helper.py``) lets mount(8) and fstab run this command.
 
 ``tectonic umount`` also clears a mount whose daemon died (its mount point answers "Transport
 endpoint is not connected"), as ``fusermount3 -u`` does, and says so.
@@ -29,25 +32,26 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
 
+from tectonic_py.cli import mount_options as knobs
 from tectonic_py.cli.common import add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S
 
 if TYPE_CHECKING:
     from tectonic_py.mount.operations import Operations
 
 log = logging.getLogger(__name__)
 
-DEFAULT_READ_AHEAD_KB = 1024
+DEFAULT_READ_AHEAD_KB = knobs.DEFAULT_READ_AHEAD_KB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,50 +59,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_file(p)
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
-    p.add_argument(
-        "--allow-other",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="let users other than the mounter in, with the kernel checking modes "
-        "(default: on when mounted by root, as a shared mount; off otherwise, where it needs "
-        "user_allow_other in /etc/fuse.conf)",
-    )
-    p.add_argument(
-        "--nonempty", action="store_true", help="mount over a directory that has files in it"
-    )
-    p.add_argument(
-        "--read-ahead-kb",
-        type=int,
-        default=DEFAULT_READ_AHEAD_KB,
-        help="kernel read-ahead of the mount (0 keeps the kernel's default)",
-    )
-    p.add_argument(
-        "--entry-timeout",
-        type=float,
-        default=1.0,
-        help="seconds the kernel trusts a name without asking (another mount's removal or "
-        "rename shows after this long at most)",
-    )
-    p.add_argument(
-        "--attr-timeout",
-        type=float,
-        default=1.0,
-        help="seconds the kernel (and the mount, for directories) trusts attributes",
-    )
-    p.add_argument(
-        "--negative-timeout",
-        type=float,
-        default=DEFAULT_NEGATIVE_TIMEOUT_S,
-        help="seconds a directory listing answers lookups of absent names without a round "
-        "trip; another mount's new name may read as absent that long (0: always ask)",
-    )
+    knobs.add_flags(p)
     p.add_argument(
         "--sync-creates",
-        action="store_true",
-        help="every create waits for its metadata commit (default: an O_CREAT|O_TRUNC of a "
-        "name known absent is answered at once and made durable by close)",
+        dest="async_creates",
+        action="store_false",
+        default=None,
+        help="the same as --no-async-creates",
     )
-    p.add_argument("--ready-file", help="write {mountpoint, pid} as JSON here once mounted")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check the cluster file, the mount point and the options, then exit without "
+        "mounting (mount(8)'s -f)",
+    )
+    p.add_argument(
+        "--ready-file", help="write {mountpoint, pid, options} as JSON here once mounted"
+    )
     p.add_argument("--log-file", help="log here when in the background (default: discard)")
     p.set_defaults(func=cmd_mount)
 
@@ -169,32 +146,39 @@ def _check_fuse_device() -> None:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     config = cluster_file.load(args.cluster_file)
-    mnt = _check_mountpoint(args.mountpoint, nonempty=args.nonempty)
+    settings = knobs.resolve(args)
+    mnt = _check_mountpoint(args.mountpoint, nonempty=settings["mount"]["nonempty"])
     _check_fuse_device()
-    options = mount_options(config, allow_other=args.allow_other)
-    tuning = _tuning(args)
-    if args.foreground:
-        trio.run(
-            serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file, None, tuning
-        )
+    options = mount_options(config, allow_other=settings["mount"]["allow_other"])
+    run = MountRun(
+        read_ahead_kb=settings["mount"]["read_ahead_kb"],
+        ready_file=args.ready_file,
+        fuse=settings["fuse"],
+        client=settings["client"],
+    )
+    if args.check_only:
         return 0
-    return _daemonize(config, mnt, options, args)
+    if args.foreground:
+        trio.run(serve_mount, config, mnt, options, run)
+        return 0
+    return _daemonize(config, mnt, options, run, args.log_file)
 
 
-def _tuning(args: argparse.Namespace) -> dict[str, Any]:
-    """The mount's timeouts and create mode (keyword arguments of ``Operations``)."""
-    timeouts = {
-        "entry_timeout": args.entry_timeout,
-        "attr_timeout": args.attr_timeout,
-        "negative_timeout": args.negative_timeout,
-    }
-    for name, value in timeouts.items():
-        if not 0 <= value <= 3600:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: give 0..3600 seconds")
-    return {**timeouts, "async_creates": not args.sync_creates}
+@dataclass(frozen=True)
+class MountRun:
+    """What one mount process is told beyond the cluster and mount point: the kernel
+    read-ahead, where to announce itself, and the keyword arguments of ``Operations``
+    (``fuse``) and of the data-path client (``client``), from ``cli/mount_options``."""
+
+    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
+    ready_file: str | None = None
+    fuse: dict[str, Any] = field(default_factory=dict)
+    client: dict[str, Any] = field(default_factory=dict)
 
 
-def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argparse.Namespace) -> int:
+def _daemonize(
+    config: ClusterConfig, mnt: str, options: set[str], run: MountRun, log_file: str | None
+) -> int:
     """Fork; the parent waits on a pipe for "ok" or the child's error line."""
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -212,8 +196,8 @@ def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argpars
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
-    if args.log_file:
-        log_fd = os.open(args.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    if log_file:
+        log_fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log_fd, 2)
     else:
         os.dup2(devnull, 2)
@@ -224,16 +208,7 @@ def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argpars
 
     code = 0
     try:
-        trio.run(
-            serve_mount,
-            config,
-            mnt,
-            options,
-            args.read_ahead_kb,
-            args.ready_file,
-            ready,
-            _tuning(args),
-        )
+        trio.run(serve_mount, config, mnt, options, run, ready)
     except BaseException as e:
         log.exception("mount of %s failed", mnt)
         try:
@@ -248,20 +223,18 @@ async def serve_mount(
     config: ClusterConfig,
     mountpoint: str,
     options: set[str],
-    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB,
-    ready_file: str | None = None,
+    run: MountRun | None = None,
     ready: Callable[[], None] | None = None,
-    tuning: dict[str, Any] | None = None,
 ) -> None:
-    """Mount and serve until unmounted or signalled; always leaves no mount behind.
-    ``tuning``: keyword arguments of ``Operations`` (the mount's timeouts and creates)."""
+    """Mount and serve until unmounted or signalled; always leaves no mount behind."""
     from tectonic_py.client.tectonic_client import open_client
     from tectonic_py.mount.operations import Operations
 
-    async with open_client(config) as client:
+    run = run or MountRun()
+    async with open_client(config, **run.client) as client:
         # Fail now, with the client's one-line error, rather than mount a dead cluster.
         await client.meta.getattr(ROOT_ID)
-        ops = Operations(client, **(tuning or {}))
+        ops = Operations(client, **run.fuse)
         try:
             pyfuse3.init(ops, mountpoint, options)
         except RuntimeError as e:  # libfuse printed its reason on stderr already
@@ -269,10 +242,10 @@ async def serve_mount(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signal)
-                if read_ahead_kb > 0:
-                    nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
-                if ready_file:
-                    _write_ready_file(ready_file, mountpoint)
+                if run.read_ahead_kb > 0:
+                    nursery.start_soon(_raise_read_ahead, ops, mountpoint, run.read_ahead_kb)
+                if run.ready_file:
+                    _write_ready_file(run.ready_file, mountpoint, run)
                 if ready is not None:
                     ready()
                 log.info("mounted %s on %s", config.name, mountpoint)
@@ -294,10 +267,13 @@ async def _terminate_on_signal() -> None:
             return
 
 
-def _write_ready_file(path: str, mountpoint: str) -> None:
+def _write_ready_file(path: str, mountpoint: str, run: MountRun) -> None:
+    """``{mountpoint, pid, options}``: the options are every value the mount runs with,
+    so a script (or a test) can see what its flags and ``-o`` came to."""
     tmp = f"{path}.tmp"
+    settings = {**run.client, **run.fuse, "read_ahead_kb": run.read_ahead_kb}
     with open(tmp, "w") as f:
-        json.dump({"mountpoint": mountpoint, "pid": os.getpid()}, f)
+        json.dump({"mountpoint": mountpoint, "pid": os.getpid(), "options": settings}, f)
     os.replace(tmp, path)
 
 
