@@ -238,6 +238,8 @@ class MetadataClient:
         self.referenced = maintenance.referenced
         self.expired_leases = maintenance.expired_leases
         self.recover_lease = maintenance.recover_lease
+        self.pack_usage = maintenance.pack_usage
+        self.relocate_extents = maintenance.relocate_extents
 
     async def aclose(self) -> None:
         self._closed = True

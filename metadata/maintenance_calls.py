@@ -16,6 +16,7 @@ from typing import Any
 
 from metadata.routing import Router
 from tectonic_py.core.errors import FileNotFound, NotADirectory
+from tectonic_py.core.records import BlockInfo
 
 
 class MaintenanceCalls:
@@ -207,3 +208,38 @@ class MaintenanceCalls:
             {"id": file_id, "token": token, "before_ns": before_ns},
         )
         return str(r["outcome"])
+
+    async def pack_usage(
+        self, shard: int, *, older_than_ns: int, max_live: float, after: int = 0, limit: int = 1000
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Packs of ``shard`` allocated before ``older_than_ns`` whose live extents hold at
+        most ``max_live`` of their bytes, among ``limit`` after block id ``after``; each with
+        its live extents ``[file_id, index, offset, length]``. And the cursor (0: done)."""
+        r = await self._r.call_shard(
+            shard,
+            "block.pack_usage",
+            {
+                "after": after,
+                "limit": limit,
+                "older_than_ns": older_than_ns,
+                "max_live_permille": max(0, min(1000, int(max_live * 1000))),
+            },
+        )
+        return list(r["packs"]), int(r["next"])
+
+    async def relocate_extents(
+        self, pack: BlockInfo, old_block_id: int, moves: Sequence[tuple[int, int, int, int, int]]
+    ) -> int:
+        """Commit the new ``pack`` and move the extents ``(file_id, index, old_offset,
+        length, new_offset)`` that still name ``old_block_id`` into it, one transaction of
+        the packs' shard (metadata/compaction_ops.py); how many moved."""
+        r = await self._r.call_shard(
+            self._r.shard_of(pack.block_id),
+            "file.relocate_extents",
+            {
+                "block": pack.to_wire(),
+                "old_block_id": old_block_id,
+                "moves": [list(m) for m in moves],
+            },
+        )
+        return int(r["moved"])

@@ -40,6 +40,7 @@ import trio
 from metadata import backup, block_layer, file_layer, name_layer
 from metadata.api import OPS
 from metadata.checkpoint_ops import CheckpointOps
+from metadata.compaction_ops import CompactionOps
 from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
@@ -48,7 +49,14 @@ from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
 from metadata.write_ops import WriteOps
 from tectonic_py.core import capability, rpc_client, rpc_server, sockets
-from tectonic_py.core.auth import ROLE_CLIENT, ROLE_NODE, Credential, Keyring
+from tectonic_py.core.auth import (
+    ROLE_ADMIN,
+    ROLE_CLIENT,
+    ROLE_MAINTENANCE,
+    ROLE_NODE,
+    Credential,
+    Keyring,
+)
 from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
@@ -91,7 +99,7 @@ def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
     os.replace(tmp, path)
 
 
-class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
+class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
     The ops of the background services come from ``MaintenanceOps``
@@ -498,10 +506,12 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
         whether a non-zero token is still the file's is checked when the block is committed
         (a fenced writer can only waste an allocation, which the GC reclaims). ``pack``: the
         block is a pack shared by files of this shard (block_layer.PACK_OWNER); the file is
-        one of them, whose writer asks."""
+        one of them, whose writer asks, or the maintenance daemon, which asks for a pack to
+        move live extents into without any writer token (metadata/compaction_ops.py)."""
         store = self._store(req)
         file_id = req["file_id"]
-        if req["token"] == 0:
+        compaction = req["pack"] and req.role in (ROLE_MAINTENANCE, ROLE_ADMIN)
+        if req["token"] == 0 and not compaction:
             raise StaleWriterToken(f"block.allocate for file {file_id} without a writer token")
         nodes = req["nodes"]
         block_id = await store.write(

@@ -204,6 +204,12 @@ def _file_layer() -> list[Op]:
             SCAN, WRITE, mutates=True, repeatable=True,
             doc="a pack block and its files' extents (each commit, size, [seal]): one "
                 "transaction; each file's error is its own"),
+        _op("file.relocate_extents",
+            [Arg("block", "map"), id_("old_block_id"),
+             list_("moves", "pairs", max_len=MAX_PACK_FILES, width=5)], "moved", SCAN, UPKEEP,
+            mutates=True, repeatable=True,
+            doc="compaction: commit a new pack and move [file_id, index, old_offset, length, "
+                "new_offset] extents that still name the old one (compaction_ops)"),
         _op("file.states", [list_("ids", "ids", max_len=MAX_STATES)], "states", by("ids"),
             READ, mutates=False),
         _op("file.gc_queue",
@@ -226,7 +232,14 @@ def _block_layer() -> list[Op]:
             [id_("file_id"), int_("token", 0, hi=MAX_ID), str_("ec", max_len=16),
              list_("nodes", "node_ids", max_len=256), bool_("pack", False)],
             "block_id, capability", by("file_id"), WRITE, mutates=True, repeatable=True,
-            coalesce=True, doc="pack: a block shared by files of the shard (write_ops)"),
+            coalesce=True,
+            doc="pack: a block shared by files of the shard (write_ops); a maintenance or "
+                "admin caller allocates one without a token (compaction)"),
+        _op("block.pack_usage",
+            [id_("after", 0, lo=0), _LIMIT, int_("older_than_ns", hi=I64),
+             int_("max_live_permille", 500, hi=1000)],
+            "packs, next", SCAN, UPKEEP, mutates=False,
+            doc="packs whose live extents hold at most this share of their bytes"),
         _op("block.grant", [*bid, list_("nodes", "node_ids", max_len=256)],
             "nodes, capability", by("block_id"), WRITE, mutates=True, repeatable=True,
             coalesce=True),

@@ -81,9 +81,16 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--rebalance-max-moves", type=int, default=256, help="chunk moves per round")
     p.add_argument(
+        "--compact-below",
+        type=float,
+        default=0.25,
+        help="rewrite packs of small files at most this share of whose bytes are still live, "
+        "every sweep interval, once older than the grace (0: never)",
+    )
+    p.add_argument(
         "--services",
-        default="repair,gc,rebalance,inventory",
-        help="comma-separated subset of repair,gc,rebalance,inventory",
+        default="repair,gc,rebalance,inventory,compaction",
+        help="comma-separated subset of repair,gc,rebalance,inventory,compaction",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
     # a service log shows start, ready and shutdown without -v
@@ -122,6 +129,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
         rebalance=not args.no_rebalance,
         rebalance_tolerance=args.rebalance_tolerance,
         rebalance_max_moves=args.rebalance_max_moves,
+        compact_below=args.compact_below,
         services=tuple(s.strip() for s in args.services.split(",") if s.strip()),
     )
 

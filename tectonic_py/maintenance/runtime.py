@@ -55,7 +55,9 @@ class MaintenanceSettings:
     rebalance: bool = True
     rebalance_tolerance: float = 0.1  # move while fullest - emptiest > this * mean used
     rebalance_max_moves: int = 256  # chunk moves per rebalance round
-    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory")
+    # compaction: packs at most this share of whose bytes are live are rewritten (0: never)
+    compact_below: float = 0.25
+    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction")
 
     def __post_init__(self) -> None:
         for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
@@ -66,7 +68,9 @@ class MaintenanceSettings:
                 raise ConfigError(f"{name.replace('_', '-')} must not be negative")
         if self.repair_concurrency < 1 or self.rebalance_max_moves < 0:
             raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
-        unknown = set(self.services) - {"repair", "gc", "rebalance", "inventory"}
+        if not 0 <= self.compact_below < 1:
+            raise ConfigError("compact-below must be at least 0 and below 1")
+        unknown = set(self.services) - {"repair", "gc", "rebalance", "inventory", "compaction"}
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")
 
@@ -103,6 +107,8 @@ class Counters:
     forgotten_blocks: int = 0
     leases_recovered: int = 0
     orphans_collected: int = 0
+    packs_compacted: int = 0
+    compacted_bytes_freed: int = 0
     rounds: dict[str, int] = field(default_factory=dict)
 
 

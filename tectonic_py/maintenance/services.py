@@ -19,9 +19,11 @@ from typing import Any
 import trio
 
 from metadata.client import MetadataClient
+from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import TectonicError
+from tectonic_py.maintenance.compaction import Compactor
 from tectonic_py.maintenance.gc import GarbageCollector
 from tectonic_py.maintenance.inventory import Inventory
 from tectonic_py.maintenance.rebalance import Rebalancer
@@ -29,6 +31,8 @@ from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
 log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
 
 
 def _write_ready_file(path: Path) -> None:
@@ -74,6 +78,9 @@ async def run_services(
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, settings, meta, nursery)
+        # The data path of compaction (read a pack, code and store the new one), with a
+        # small write window and block cache: packs are rewritten one at a time.
+        client = TectonicClient(config, meta, nursery, window_bytes=64 * MiB, cache_bytes=0)
         try:
             if "repair" in settings.services:
                 nursery.start_soon(_loop, m, "repair", settings.interval, Repairer(m).round)
@@ -84,11 +91,15 @@ async def run_services(
             if "inventory" in settings.services:
                 inventory = Inventory(m).round
                 nursery.start_soon(_loop, m, "inventory", settings.inventory_interval, inventory)
+            if "compaction" in settings.services:
+                compaction = Compactor(m, client).round
+                nursery.start_soon(_loop, m, "compaction", settings.sweep_interval, compaction)
             if ready_file is not None:
                 await trio.to_thread.run_sync(_write_ready_file, ready_file)
             task_status.started(m)
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
+                await client.aclose()
                 await m.pool.aclose()
                 await meta.aclose()
