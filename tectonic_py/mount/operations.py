@@ -59,6 +59,7 @@ import trio
 
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
+    DanglingName,
     FileNotFound,
     FileSealed,
     InvalidArgument,
@@ -70,6 +71,7 @@ from tectonic_py.core.records import (
     UNSEALED,
     Attrs,
 )
+from tectonic_py.mount.dangling import DanglingNames, placeholder
 from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S, DirListings
 from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
@@ -118,6 +120,7 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         self.client = client
         self.meta = client.meta
         self.cache = InodeCache()
+        self.dangling = DanglingNames()
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.listings = DirListings(client.meta, client.nursery, timeout=negative_timeout)
@@ -177,10 +180,11 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
             return held_dir
         try:
             attrs: Attrs = await self.meta.getattr(inode)
-        except FileNotFound:
+        except FileNotFound as e:
             self.cache.forget_dir(inode)
             held = self._held_attrs(inode)
             if held is None:
+                self.dangling.check(inode, e)
                 raise
             return held
         if attrs.is_dir:
@@ -218,6 +222,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
             await self.creates.settle_name(parent_inode, key)
             try:
                 attrs = await self.meta.lookup(parent_inode, key)
+            except DanglingName as e:
+                return self._dangling_taken(e)
             except FileNotFound:
                 # What comes next is often a create of that name: have its ids at hand.
                 self.listings.missed(parent_inode)
@@ -225,6 +231,13 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                     self.creates.prepare(parent_inode)
                 raise
         return self._entry_taken(attrs)
+
+    def _dangling_taken(self, error: DanglingName) -> pyfuse3.EntryAttributes:
+        """A dangling name's placeholder entry (tectonic_py.mount.dangling), counted as any
+        entry the kernel takes."""
+        self.dangling.note(error)
+        self.cache.remember(error.file_id)
+        return placeholder(error)
 
     @fuse_op
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -386,6 +399,10 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                         pass
                 if ofile.writer is None:
                     reader = await self.client.open_reader(inode)
+        except FileNotFound as e:
+            self.cache.drop_if_idle(ofile)
+            self.dangling.check(inode, e)
+            raise
         except BaseException:
             self.cache.drop_if_idle(ofile)
             raise
