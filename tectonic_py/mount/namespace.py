@@ -213,11 +213,41 @@ class NamespaceOps:
                 pass
             else:
                 raise FileExists(f"{new!r} exists")
+            replaced = None
+        else:
+            replaced = await self._reader_of_replaced(parent_inode_new, new)
+        if replaced is not None:
+            # Kept before the rename is sent: an OPEN of the old inode may be handled while
+            # the rename is in flight, once its shard has freed the record.
+            extra = self.cache.keep(replaced.file_id, replaced)
+            if extra is not None:
+                await extra.aclose()
         await self.meta.rename(parent_inode_old, old, parent_inode_new, new)
         self.listings.removed(parent_inode_old, old)
         self.listings.added(parent_inode_new, new)
         self.cache.forget_dir(parent_inode_old)  # link counts may move: read them afresh
         self.cache.forget_dir(parent_inode_new)
+
+    async def _reader_of_replaced(self, dir_id: int, name: str) -> Any:
+        """A reader of the file a rename is about to replace, if the kernel holds its inode
+        (it may send OPEN for it after the rename: inode_cache's "replaced files"), else
+        None. Costs a lookup and a block list per rename over a held file."""
+        if self.listings.absent(dir_id, name):
+            return None
+        try:
+            victim = await self.meta.lookup(dir_id, name)
+        except (FileNotFound, DanglingName):
+            return None
+        if (
+            victim.kind != KIND_FILE
+            or victim.nlink > 1  # another name keeps the record
+            or not self.cache.lookup_count(victim.id)
+        ):
+            return None
+        try:
+            return await self.client.reader_at(victim)
+        except FileNotFound:
+            return None
 
     @fuse_op
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:

@@ -194,7 +194,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     def _held_attrs(self, inode: int) -> Attrs | None:
         ofile = self.cache.open_files.get(inode)
         if ofile is None:
-            return None
+            kept = self.cache.kept.get(inode)
+            return None if kept is None else dataclasses.replace(kept.attrs, nlink=0)
         for fh in ofile.handles:
             reader = self.cache.handles[fh].reader
             if reader is not None:
@@ -242,7 +243,10 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     @fuse_op
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, count in inode_list:
-            self.cache.forget(inode, count)
+            if self.cache.forget(inode, count):
+                kept = self.cache.unkeep(inode)
+                if kept is not None:
+                    await _aclose_reader(kept)
 
     @fuse_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -398,7 +402,7 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                     async with ofile.lock:  # wait for the seal of the last writer
                         pass
                 if ofile.writer is None:
-                    reader = await self.client.open_reader(inode)
+                    reader = await self._open_reader(inode)
         except FileNotFound as e:
             self.cache.drop_if_idle(ofile)
             self.dangling.check(inode, e)
@@ -409,6 +413,18 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         handle = self.cache.add_handle(ofile, readable=readable, writable=writable)
         handle.reader = reader
         return pyfuse3.FileInfo(fh=handle.fh)
+
+    async def _open_reader(self, inode: int) -> Any:
+        """A reader of the inode; of a replaced file the kernel still holds, a copy of the
+        reader kept at the rename (inode_cache: the open gets the old file, as on a local
+        filesystem)."""
+        try:
+            return await self.client.open_reader(inode)
+        except FileNotFound:
+            kept = self.cache.kept.get(inode)
+            if kept is None:
+                raise
+            return self.client.reader_like(kept)
 
     async def _guard(self, ofile: OpenFile, call: Awaitable[T]) -> T:
         """Run a write-path call; its first failure becomes the inode's sticky error.
@@ -450,7 +466,7 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                 if ofile.writer is not None:
                     return await ofile.writer.pread(off, size)
                 if handle.reader is None:
-                    handle.reader = await self.client.open_reader(ofile.inode)
+                    handle.reader = await self._open_reader(ofile.inode)
         return await handle.reader.pread_view(off, size)
 
     @fuse_op
