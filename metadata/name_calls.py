@@ -35,6 +35,7 @@ from metadata.file_calls import FileCalls
 from metadata.routing import Router
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
+    DanglingName,
     DirectoryNotEmpty,
     FileExists,
     FileNotFound,
@@ -85,9 +86,33 @@ class NameCalls:
         """Attrs of the child ``name`` of ``dir_id``; FileNotFound if absent."""
         validate_name(name)
         r = await self._in(dir_id, "name.lookup", {"dir": dir_id, "name": name})
+        return await self._entry_attrs(dir_id, name, r)
+
+    async def _entry_attrs(self, dir_id: int, name: str, r: dict[str, Any]) -> Attrs:
+        """The attrs of the record a ``name.lookup`` reply names. A record found missing is
+        either a race (an unlink or rename of the name since it was read: FileNotFound) or
+        a dangling name (the name is still there: ``DanglingName``, so that only this name
+        fails and the caller can still remove it); the name is read once more to tell."""
         if "attrs" in r:
             return Attrs.from_wire(r["attrs"])
-        return await self._files.getattr(r["id"])
+        try:
+            return await self._files.getattr(r["id"])
+        except FileNotFound:
+            pass
+        again = await self._in(dir_id, "name.lookup", {"dir": dir_id, "name": name})
+        if "attrs" in again:
+            return Attrs.from_wire(again["attrs"])
+        try:
+            return await self._files.getattr(again["id"])
+        except FileNotFound:
+            if again["id"] != r["id"]:
+                raise
+        raise DanglingName(
+            f"{name!r} in directory {dir_id} names record {r['id']}, which is gone"
+            " (remove the name with rm)",
+            file_id=r["id"],
+            kind=r["kind"],
+        )
 
     async def resolve(self, path: str) -> Attrs:
         """Walk an absolute path ('/a/b') from the root directory."""
@@ -96,17 +121,16 @@ class NameCalls:
         parts = [p for p in path.split("/") if p]
         if not parts:
             return await self._files.getattr(ROOT_ID)
-        current, kind, attrs = ROOT_ID, KIND_DIR, None
+        current, kind, parent, r = ROOT_ID, KIND_DIR, ROOT_ID, {}
         for part in parts:
             # Directories on the way need only their id and kind, which name.lookup gives.
             if kind != KIND_DIR:
                 raise NotADirectory(f"{part!r}: a component before it is not a directory")
             validate_name(part)
+            parent = current
             r = await self._in(current, "name.lookup", {"dir": current, "name": part})
-            current, kind, attrs = r["id"], r["kind"], r.get("attrs")
-        if attrs is None:
-            return await self._files.getattr(current)
-        found = Attrs.from_wire(attrs)
+            current, kind = r["id"], r["kind"]
+        found = await self._entry_attrs(parent, parts[-1], r)
         self._files.note_policy(found)
         return found
 

@@ -148,6 +148,35 @@ async def test_lookup_counts_and_forget(ops: Operations) -> None:
     assert ops.cache.lookups == {}
 
 
+async def test_a_replaced_file_stays_openable_until_forget(ops: Operations) -> None:
+    """The kernel resolved a name to an inode, then a rename replaced the file: its OPEN
+    of that inode still gets the old file (issue 34), until its FORGET frees the reader."""
+    d = await ops.mkdir(ROOT_ID, b"swap", 0o755, CTX)
+    made = {}
+    for name, data in ((b"target", b"old" * 100), (b"tmp", b"new" * 100)):
+        fi, made[name] = await ops.create(d.st_ino, name, 0o644, RW | os.O_CREAT, CTX)
+        await ops.write(fi.fh, 0, data)
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+    old = await ops.lookup(d.st_ino, b"target", CTX)
+    await ops.rename(d.st_ino, b"tmp", d.st_ino, b"target", 0, CTX)
+    assert (await ops.meta.lookup(d.st_ino, "target")).id != old.st_ino
+    fi = await ops.open(old.st_ino, os.O_RDONLY, CTX)
+    assert await ops.read(fi.fh, 0, 1000) == b"old" * 100
+    assert (await ops.getattr(old.st_ino, CTX)).st_nlink == 0
+    await ops.release(fi.fh)
+    assert ops.cache.lookup_count(old.st_ino) == 2  # its create's entry and the lookup
+    await ops.forget([(old.st_ino, 1)])
+    assert list(ops.cache.kept) == [old.st_ino]
+    await ops.forget([(old.st_ino, 1)])
+    assert ops.cache.kept == {}
+    assert await _errno(ops.open(old.st_ino, os.O_RDONLY, CTX)) == errno.ENOENT
+    # A rename over a file the kernel does not hold keeps nothing.
+    await ops.forget([(made[b"tmp"].st_ino, 1)])
+    await ops.rename(d.st_ino, b"target", d.st_ino, b"again", 0, CTX)
+    assert ops.cache.kept == {}
+
+
 async def test_bad_calls_get_their_errno(ops: Operations) -> None:
     assert await _errno(ops.read(999, 0, 10)) == errno.EBADF
     assert await _errno(ops.write(999, 0, b"x")) == errno.EBADF

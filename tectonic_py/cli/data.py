@@ -40,12 +40,14 @@ from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
     ConfigError,
+    DanglingName,
     FileExists,
+    FileNotFound,
     InvalidArgument,
     IsADirectory,
     NotADirectory,
 )
-from tectonic_py.core.records import KIND_DIR, UNSEALED, WRITING, Attrs, DirEntry
+from tectonic_py.core.records import KIND_DIR, KIND_FILE, UNSEALED, WRITING, Attrs, DirEntry
 
 MiB = 1024 * 1024
 PIECE = 8 * MiB
@@ -230,12 +232,28 @@ async def _ls(client: TectonicClient, path: str, long: bool) -> list[dict[str, A
     for e in await client.listdir(path):
         row: dict[str, Any] = {"name": e.name, "kind": e.kind}
         if long:
-            a = await client.meta.getattr(e.id)
+            try:
+                a = await _entry_attrs(client, attrs.id, e)
+            except FileNotFound:
+                continue  # removed while listed
+            except DanglingName as bad:
+                row["error"] = str(bad)  # this entry fails alone, as ls(1) does
+                out.append(row)
+                continue
             row.update(
                 size=a.size, ec=a.ec, sealed=a.sealed, state=a.seal_state, mtime_ns=a.mtime_ns
             )
         out.append(row)
     return out
+
+
+async def _entry_attrs(client: TectonicClient, dir_id: int, e: DirEntry) -> Attrs:
+    """An entry's attrs; a record found missing is looked up again by name, which tells a
+    name removed meanwhile (FileNotFound) from a dangling one (DanglingName)."""
+    try:
+        return await client.meta.getattr(e.id)
+    except FileNotFound:
+        return await client.meta.lookup(dir_id, e.name)
 
 
 def _is_root(path: str) -> bool:
@@ -251,7 +269,10 @@ async def _rm(client: TectonicClient, paths: list[str], recursive: bool) -> None
     for path in paths:
         parts = [p for p in path.split("/") if p and p != "."]
         parent = await client.stat("/" + "/".join(parts[:-1]))
-        attrs = await client.meta.lookup(parent.id, parts[-1])
+        try:
+            attrs = await client.meta.lookup(parent.id, parts[-1])
+        except DanglingName as e:  # its name is removed like any other (never its entries)
+            attrs = Attrs(id=e.file_id, kind=e.kind if e.kind == KIND_DIR else KIND_FILE)
         if attrs.is_dir and not recursive:
             raise IsADirectory(f"{path} is a directory (use -r)")
         if path.endswith("/") and not attrs.is_dir:
@@ -277,7 +298,10 @@ async def _entries(client: TectonicClient, dir_id: int) -> list[DirEntry]:
     out: list[DirEntry] = []
     after = ""
     while True:
-        page, nxt = await client.meta.readdir(dir_id, after, 1000)
+        try:
+            page, nxt = await client.meta.readdir(dir_id, after, 1000)
+        except FileNotFound:
+            return out  # a dangling directory's name: no record, nothing listed under it
         out.extend(page)
         if nxt is None or not page:
             return out
@@ -321,17 +345,23 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     rows = trio.run(_run, args.cluster_file, _ls, _remote(args.path), args.long)
+    # As ls(1): an entry that cannot be read fails alone, the others are listed, exit 1.
+    failed = [row for row in rows if "error" in row]
+    for row in failed:
+        print(f"tectonic ls: cannot access {row['name']!r}: {row['error']}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return 1 if failed else 0
     for row in rows:
         suffix = "/" if row["kind"] == "dir" else ""
-        if args.long and row["kind"] != "dir":
+        if "error" in row:
+            print(f"{'?':>14} {'?':>8} {row['name']}{suffix}  [dangling]")
+        elif args.long and row["kind"] != "dir":
             state = f"  [{STATE_TEXT[row['state']]}]" if row["state"] in STATE_TEXT else ""
             print(f"{row['size']:>14} {row['ec']:>8} {row['name']}{suffix}{state}")
         else:
             print(f"{row['name']}{suffix}")
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -235,6 +235,10 @@ class FileReader:
     def tell(self) -> int:
         return self._pos
 
+    def located(self) -> dict[int, BlockInfo]:
+        """The block map this reader reads by (a copy), for another reader of it."""
+        return dict(self._blocks)
+
     async def aclose(self) -> None:
         self._blocks = {}
 

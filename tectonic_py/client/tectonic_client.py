@@ -341,7 +341,11 @@ class TectonicClient:
         return FileWriter(self._write_path, attrs, token, blocks)
 
     async def open_reader(self, file_id: int) -> FileReader:
-        attrs = await self.meta.getattr(file_id)
+        return await self.reader_at(await self.meta.getattr(file_id))
+
+    async def reader_at(self, attrs: Attrs) -> FileReader:
+        """A reader of the file whose attrs the caller just read (one round trip less)."""
+        file_id = attrs.id
         if attrs.is_dir:
             raise IsADirectory(f"file id {file_id} is a directory")
         blocks = await self.meta.block_list(file_id) if attrs.size else []
@@ -354,6 +358,12 @@ class TectonicClient:
         round trip, and it works after the file lost its last name (an open file that was
         unlinked stays readable)."""
         return FileReader(self, writer.attrs, writer.committed_blocks())
+
+    def reader_like(self, reader: FileReader) -> FileReader:
+        """Another reader of what ``reader`` located, from its block map: no round trip,
+        and it works after the file's record is gone (a replaced file the mount keeps
+        openable while the kernel still holds its inode)."""
+        return FileReader(self, reader.attrs, reader.located())
 
 
 @dataclass(frozen=True)

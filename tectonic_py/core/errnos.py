@@ -15,6 +15,7 @@ from tectonic_py.core.errors import (
     ChunkCorrupt,
     ChunkNotFound,
     ConfigError,
+    DanglingName,
     DirectoryNotEmpty,
     DiskFull,
     FileExists,
@@ -70,6 +71,9 @@ ERRNO: dict[type[TectonicError], int] = {
     BadCapability: errno.EIO,
     AuthError: errno.EIO,
     PermissionDenied: errno.EACCES,
+    # A name whose record is gone: that name's own stat and open fail, as a damaged inode
+    # of a local filesystem does; the directory still lists and unlink removes the name.
+    DanglingName: errno.EIO,
     ProtocolError: errno.EIO,
     UnknownOp: errno.EIO,
     ConfigError: errno.EIO,

@@ -201,6 +201,20 @@ class FileSealed(TectonicError):
     code = "sealed"
 
 
+class DanglingName(TectonicError):
+    """A name whose file record is gone or cannot be read (an admin's ``file.drop`` of a
+    named file, a damaged shard). Only that name fails; unlink and rm still remove it.
+    Raised by the metadata client, which knows the entry behind it: ``file_id`` and
+    ``kind`` say what the name pointed at."""
+
+    code = "dangling"
+
+    def __init__(self, message: str = "", *, file_id: int = 0, kind: str = "") -> None:
+        super().__init__(message)
+        self.file_id = file_id
+        self.kind = kind
+
+
 class XattrNotFound(TectonicError):
     """The file has no extended attribute of that name."""
 

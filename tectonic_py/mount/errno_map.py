@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from tectonic_py.core.errnos import ERRNO, errno_for
-from tectonic_py.core.errors import TectonicError
+from tectonic_py.core.errors import DanglingName, TectonicError
 
 __all__ = ["ERRNO", "errno_of", "fuse_op"]
 
@@ -93,7 +93,7 @@ def fuse_op(fn: F) -> F:
             name = errno.errorcode.get(code, str(code))
             if not domain:
                 log.exception("%s%r: internal error -> %s", op, args[:2], name)
-            elif code in _ANSWERS:
+            elif code in _ANSWERS or isinstance(e, DanglingName):  # logged once when met
                 log.debug("%s%r: %s -> %s", op, args[:2], e, name)
             else:
                 log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)

@@ -9,6 +9,13 @@ The metadata service is the source of truth for every inode; this module only ke
   lifetimes); the count is kept so that state for an inode never outlives the kernel's use of
   it and so that a wrong count shows up in tests instead of as a leak.
 
+* **Replaced files the kernel still holds.** A rename over a file frees its record at once,
+  but the kernel may have resolved the name to that inode just before (a path walk racing
+  ``os.replace``) and send OPEN for it after. On a local filesystem such an open gets the
+  old file; here a reader of the old file, located before the rename, is kept for the
+  inode (``keep``) and each such open reads through a copy of it, until the kernel's last
+  FORGET of the inode drops it. Its blocks last as an open handle's do: the GC's grace.
+
 * **Directory attributes.** A directory's attrs, read at most ``attr_timeout`` ago, answer
   its GETATTR. The kernel drops its own copy after every create or unlink in the directory
   and asks again before the next path walk through it (to check its mode), so without this a
@@ -113,6 +120,7 @@ class InodeCache:
         self.open_files: dict[int, OpenFile] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}
+        self.kept: dict[int, Any] = {}  # inode -> FileReader of a replaced file still held
         self._dirs: dict[int, tuple[float, Attrs]] = {}
         self._next_fh = 1
 
@@ -140,6 +148,20 @@ class InodeCache:
 
     def lookup_count(self, inode: int) -> int:
         return self.lookups.get(inode, 0)
+
+    def keep(self, inode: int, reader: Any) -> Any:
+        """Keep ``reader`` for a replaced file while the kernel holds ``inode``; returns a
+        reader to close (the one it replaces, or ``reader`` itself if nothing holds it)."""
+        if not self.lookups.get(inode):
+            return reader
+        old = self.kept.get(inode)
+        self.kept[inode] = reader
+        return old
+
+    def unkeep(self, inode: int) -> Any:
+        """The kept reader of ``inode`` (None if none), out of the table: the kernel forgot
+        it."""
+        return self.kept.pop(inode, None)
 
     # --- open files ----------------------------------------------------------------------
 

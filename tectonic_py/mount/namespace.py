@@ -18,7 +18,14 @@ from typing import Any
 import pyfuse3
 import trio
 
-from tectonic_py.core.errors import FileExists, FileNotFound, InvalidArgument, InvalidName
+from tectonic_py.core.errors import (
+    DanglingName,
+    FileExists,
+    FileNotFound,
+    InvalidArgument,
+    InvalidName,
+    TectonicError,
+)
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import (
     KIND_BLK,
@@ -31,6 +38,7 @@ from tectonic_py.core.records import (
     Attrs,
     DirEntry,
 )
+from tectonic_py.mount.dangling import DanglingNames, placeholder
 from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import DirHandle, InodeCache
 
@@ -74,6 +82,7 @@ class NamespaceOps:
     cache: InodeCache
     creates: Any  # the client's AsyncCreates
     listings: Any  # DirListings
+    dangling: DanglingNames
 
     def _entry_taken(self, attrs: Attrs) -> pyfuse3.EntryAttributes:
         raise NotImplementedError
@@ -175,6 +184,7 @@ class NamespaceOps:
         file_id = await self.meta.unlink(parent_inode, key)
         self.listings.removed(parent_inode, key)
         self.cache.dir_changed(parent_inode)
+        self.dangling.removed(file_id)
         ofile = self.cache.writing(file_id)
         if ofile is not None and ofile.attrs is not None:  # fstat of our writer's handles
             ofile.attrs = dataclasses.replace(ofile.attrs, nlink=max(ofile.attrs.nlink - 1, 0))
@@ -203,11 +213,41 @@ class NamespaceOps:
                 pass
             else:
                 raise FileExists(f"{new!r} exists")
+            replaced = None
+        else:
+            replaced = await self._reader_of_replaced(parent_inode_new, new)
+        if replaced is not None:
+            # Kept before the rename is sent: an OPEN of the old inode may be handled while
+            # the rename is in flight, once its shard has freed the record.
+            extra = self.cache.keep(replaced.file_id, replaced)
+            if extra is not None:
+                await extra.aclose()
         await self.meta.rename(parent_inode_old, old, parent_inode_new, new)
         self.listings.removed(parent_inode_old, old)
         self.listings.added(parent_inode_new, new)
         self.cache.forget_dir(parent_inode_old)  # link counts may move: read them afresh
         self.cache.forget_dir(parent_inode_new)
+
+    async def _reader_of_replaced(self, dir_id: int, name: str) -> Any:
+        """A reader of the file a rename is about to replace, if the kernel holds its inode
+        (it may send OPEN for it after the rename: inode_cache's "replaced files"), else
+        None. Costs a lookup and a block list per rename over a held file."""
+        if self.listings.absent(dir_id, name):
+            return None
+        try:
+            victim = await self.meta.lookup(dir_id, name)
+        except (FileNotFound, DanglingName):
+            return None
+        if (
+            victim.kind != KIND_FILE
+            or victim.nlink > 1  # another name keeps the record
+            or not self.cache.lookup_count(victim.id)
+        ):
+            return None
+        try:
+            return await self.client.reader_at(victim)
+        except FileNotFound:
+            return None
 
     @fuse_op
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -231,7 +271,7 @@ class NamespaceOps:
         while True:
             entries, cursor = await self.meta.readdir(dh.inode, after, READDIR_PAGE)
             self.listings.seen(dh.inode, [e.name for e in entries])
-            attrs = await self._attrs_of(entries)
+            attrs = await self._attrs_of(dh.inode, entries)
             for entry in entries:
                 a = attrs.get(entry.id)
                 if a is None:
@@ -239,11 +279,10 @@ class NamespaceOps:
                 offset = dh.next_offset
                 dh.next_offset += 1
                 dh.cursors[offset] = entry.name
-                if not pyfuse3.readdir_reply(
-                    token, entry.name.encode("utf-8"), self._entry(a), offset
-                ):
+                reply = placeholder(a) if isinstance(a, DanglingName) else self._entry(a)
+                if not pyfuse3.readdir_reply(token, entry.name.encode("utf-8"), reply, offset):
                     return
-                self.cache.remember(a.id)  # the kernel took a reference (readdirplus)
+                self.cache.remember(entry.id)  # the kernel took a reference (readdirplus)
             if cursor is None or not entries:
                 return
             after = cursor
@@ -258,9 +297,13 @@ class NamespaceOps:
         dh.cursors[DOTDOT_OFFSET] = ""  # resuming after ".." starts at the first entry
         return bool(pyfuse3.readdir_reply(token, b"..", dir_entry(parent), DOTDOT_OFFSET))
 
-    async def _attrs_of(self, entries: list[DirEntry]) -> dict[int, Attrs]:
-        """Attributes of a readdir page, fetched concurrently; vanished entries are left out."""
-        out: dict[int, Attrs] = {}
+    async def _attrs_of(
+        self, dir_id: int, entries: list[DirEntry]
+    ) -> dict[int, Attrs | DanglingName]:
+        """Attributes of a readdir page, fetched concurrently. Vanished entries are left out;
+        one whose record is gone or unreadable is listed as dangling (its own stat answers
+        EIO), never failing the listing."""
+        out: dict[int, Attrs | DanglingName] = {}
         limiter = trio.CapacityLimiter(ATTR_FETCH_LIMIT)
 
         async def one(entry: DirEntry) -> None:
@@ -268,7 +311,29 @@ class NamespaceOps:
                 try:
                     out[entry.id] = await self._attrs(entry.id)
                 except FileNotFound:
-                    pass
+                    await confirm(entry)
+                except TectonicError as e:  # an unreadable record fails alone
+                    unreadable = DanglingName(
+                        f"{entry.name!r} in directory {dir_id}: record {entry.id} cannot be"
+                        f" read ({type(e).__name__}: {e})",
+                        file_id=entry.id,
+                        kind=entry.kind,
+                    )
+                    self.dangling.note(unreadable)
+                    out[entry.id] = unreadable
+
+        async def confirm(entry: DirEntry) -> None:
+            """Removed since the page was read (left out), or dangling (listed)."""
+            try:
+                found = await self.meta.lookup(dir_id, entry.name)
+            except FileNotFound:
+                return
+            except DanglingName as e:
+                self.dangling.note(e)
+                out[entry.id] = e
+                return
+            if found.id == entry.id:
+                out[entry.id] = found
 
         async with trio.open_nursery() as nursery:
             for entry in entries:

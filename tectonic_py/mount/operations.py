@@ -59,6 +59,7 @@ import trio
 
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
+    DanglingName,
     FileNotFound,
     FileSealed,
     InvalidArgument,
@@ -70,6 +71,7 @@ from tectonic_py.core.records import (
     UNSEALED,
     Attrs,
 )
+from tectonic_py.mount.dangling import DanglingNames, placeholder
 from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S, DirListings
 from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
@@ -118,6 +120,7 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         self.client = client
         self.meta = client.meta
         self.cache = InodeCache()
+        self.dangling = DanglingNames()
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.listings = DirListings(client.meta, client.nursery, timeout=negative_timeout)
@@ -177,10 +180,11 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
             return held_dir
         try:
             attrs: Attrs = await self.meta.getattr(inode)
-        except FileNotFound:
+        except FileNotFound as e:
             self.cache.forget_dir(inode)
             held = self._held_attrs(inode)
             if held is None:
+                self.dangling.check(inode, e)
                 raise
             return held
         if attrs.is_dir:
@@ -190,7 +194,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     def _held_attrs(self, inode: int) -> Attrs | None:
         ofile = self.cache.open_files.get(inode)
         if ofile is None:
-            return None
+            kept = self.cache.kept.get(inode)
+            return None if kept is None else dataclasses.replace(kept.attrs, nlink=0)
         for fh in ofile.handles:
             reader = self.cache.handles[fh].reader
             if reader is not None:
@@ -218,6 +223,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
             await self.creates.settle_name(parent_inode, key)
             try:
                 attrs = await self.meta.lookup(parent_inode, key)
+            except DanglingName as e:
+                return self._dangling_taken(e)
             except FileNotFound:
                 # What comes next is often a create of that name: have its ids at hand.
                 self.listings.missed(parent_inode)
@@ -226,10 +233,20 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                 raise
         return self._entry_taken(attrs)
 
+    def _dangling_taken(self, error: DanglingName) -> pyfuse3.EntryAttributes:
+        """A dangling name's placeholder entry (tectonic_py.mount.dangling), counted as any
+        entry the kernel takes."""
+        self.dangling.note(error)
+        self.cache.remember(error.file_id)
+        return placeholder(error)
+
     @fuse_op
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, count in inode_list:
-            self.cache.forget(inode, count)
+            if self.cache.forget(inode, count):
+                kept = self.cache.unkeep(inode)
+                if kept is not None:
+                    await _aclose_reader(kept)
 
     @fuse_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -385,13 +402,29 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                     async with ofile.lock:  # wait for the seal of the last writer
                         pass
                 if ofile.writer is None:
-                    reader = await self.client.open_reader(inode)
+                    reader = await self._open_reader(inode)
+        except FileNotFound as e:
+            self.cache.drop_if_idle(ofile)
+            self.dangling.check(inode, e)
+            raise
         except BaseException:
             self.cache.drop_if_idle(ofile)
             raise
         handle = self.cache.add_handle(ofile, readable=readable, writable=writable)
         handle.reader = reader
         return pyfuse3.FileInfo(fh=handle.fh)
+
+    async def _open_reader(self, inode: int) -> Any:
+        """A reader of the inode; of a replaced file the kernel still holds, a copy of the
+        reader kept at the rename (inode_cache: the open gets the old file, as on a local
+        filesystem)."""
+        try:
+            return await self.client.open_reader(inode)
+        except FileNotFound:
+            kept = self.cache.kept.get(inode)
+            if kept is None:
+                raise
+            return self.client.reader_like(kept)
 
     async def _guard(self, ofile: OpenFile, call: Awaitable[T]) -> T:
         """Run a write-path call; its first failure becomes the inode's sticky error.
@@ -433,7 +466,7 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                 if ofile.writer is not None:
                     return await ofile.writer.pread(off, size)
                 if handle.reader is None:
-                    handle.reader = await self.client.open_reader(ofile.inode)
+                    handle.reader = await self._open_reader(ofile.inode)
         return await handle.reader.pread_view(off, size)
 
     @fuse_op
