@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import logging
 import os
@@ -35,10 +36,11 @@ from typing import TYPE_CHECKING, Any
 import pyfuse3
 import trio
 
-from tectonic_py.cli.common import add_cluster_file
+from metadata.client import INTERACTIVE_FIRST_CONTACT_S, RECONNECT_DEADLINE_S
+from tectonic_py.cli.common import add_cluster_file, add_connect_wait
 from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
-from tectonic_py.core.errors import ConfigError
+from tectonic_py.core.errors import ConfigError, ShardUnavailable
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S
 
@@ -53,6 +55,12 @@ DEFAULT_READ_AHEAD_KB = 1024
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mount", help="mount a cluster with FUSE")
     add_cluster_file(p)
+    add_connect_wait(
+        p,
+        "how long to wait for the root directory's metadata server before mounting (a cluster"
+        " that is down fails the mount); once mounted, a metadata server that cannot be"
+        f" reached is waited for up to {RECONNECT_DEADLINE_S:g} s before EIO",
+    )
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
     p.add_argument(
@@ -174,9 +182,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = mount_options(config, allow_other=args.allow_other)
     tuning = _tuning(args)
     if args.foreground:
-        trio.run(
-            serve_mount, config, mnt, options, args.read_ahead_kb, args.ready_file, None, tuning
-        )
+        serve = functools.partial(serve_mount, connect_wait=args.connect_wait)
+        trio.run(serve, config, mnt, options, args.read_ahead_kb, args.ready_file, None, tuning)
         return 0
     return _daemonize(config, mnt, options, args)
 
@@ -225,7 +232,7 @@ def _daemonize(config: ClusterConfig, mnt: str, options: set[str], args: argpars
     code = 0
     try:
         trio.run(
-            serve_mount,
+            functools.partial(serve_mount, connect_wait=args.connect_wait),
             config,
             mnt,
             options,
@@ -252,15 +259,27 @@ async def serve_mount(
     ready_file: str | None = None,
     ready: Callable[[], None] | None = None,
     tuning: dict[str, Any] | None = None,
+    *,
+    connect_wait: float = INTERACTIVE_FIRST_CONTACT_S,
 ) -> None:
     """Mount and serve until unmounted or signalled; always leaves no mount behind.
-    ``tuning``: keyword arguments of ``Operations`` (the mount's timeouts and creates)."""
+    ``tuning``: keyword arguments of ``Operations`` (the mount's timeouts and creates).
+    ``connect_wait``: how long the root's server is waited for before mounting (a cluster
+    that is down is said now); the client itself waits out a restart as the data path does."""
     from tectonic_py.client.tectonic_client import open_client
     from tectonic_py.mount.operations import Operations
 
     async with open_client(config) as client:
         # Fail now, with the client's one-line error, rather than mount a dead cluster.
-        await client.meta.getattr(ROOT_ID)
+        root = None
+        with trio.move_on_after(connect_wait):
+            root = await client.meta.getattr(ROOT_ID)
+        if root is None:
+            address = client.meta.address_of(client.meta.shard_of(ROOT_ID))
+            raise ShardUnavailable(
+                f"metadata server {address} unavailable: the root directory's shard did not"
+                f" answer within {connect_wait:g} s (--connect-wait)"
+            )
         ops = Operations(client, **(tuning or {}))
         try:
             pyfuse3.init(ops, mountpoint, options)
