@@ -485,6 +485,8 @@ class MetadataClient:
                 if not unsent:
                     raise
                 if trio.current_time() > give_up:
+                    if isinstance(e, WrongShard):
+                        raise
                     raise ShardUnavailable(
                         f"no metadata server answered for shard {shard} during {op} after"
                         f" waiting {trio.current_time() - started:.1f} s: {e.message}"
