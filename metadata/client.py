@@ -29,17 +29,20 @@ flight, the next calls of the write and read paths wait in that server's queue a
 together as one ``batch`` request when one returns.
 
 Connections: ``POOL_SIZE`` multiplexed connections per server, made lazily and replaced when
-broken. A server that is restarting (kill -9, then its supervisor starts it again) refuses
-connections for a few seconds, so a connection failure is retried with backoff until
-``reconnect_deadline`` (``RECONNECT_DEADLINE_S`` by default) has passed: for requests that are
-safe to repeat (reads, and the mutations of ``_RESENDABLE_OPS`` or whose caller recognises a
-repeat's outcome: a create by its client-drawn token) always, for other mutations only when
-the request never left (connect failed), because a mutation whose reply was lost may have
+broken. A server that is restarting (kill -9, then its supervisor starts it again; a failover)
+refuses connections until it is back, which on a loaded host takes tens of seconds, so a
+connection failure is retried with backoff until ``reconnect_deadline``
+(``RECONNECT_DEADLINE_S``, 60 s, by default) has passed: for requests that are safe to repeat
+(reads, and the mutations of ``_RESENDABLE_OPS`` or whose caller recognises a repeat's
+outcome: a create by its client-drawn token) always, for other mutations only when the
+request never left (connect failed), because a mutation whose reply was lost may have
 committed. ``Busy`` (admission control, a pinned rename) is retried with backoff a bounded
 number of times (both through ``tectonic_py.core.retry``). A server still unreachable at the
-deadline is ``ShardUnavailable``. Until some server has answered the client, only a few quick
-tries are made: nothing is known to be restarting, and a wrong cluster file should be said at
-once.
+deadline is ``ShardUnavailable``, whose message names the op, the shard and the seconds
+waited. A server that has not yet answered this client is waited for up to
+``first_contact_deadline`` instead (the same by default: a rank's fresh client that starts
+during a restart must wait it out as the others do); an interactive command passes a short
+one, since for it a cluster that is down, or a wrong cluster file, should be said at once.
 """
 
 from __future__ import annotations
@@ -80,14 +83,15 @@ POOL_SIZE = 4
 # about 6 s of pauses in all before the caller sees it.
 BUSY_POLICY = RetryPolicy(attempts=51, first_delay=0.005, multiplier=1.15, max_delay=0.2)
 # A lost connection or a server that is restarting: tries until the deadline, pauses growing
-# from 20 ms to 500 ms, so a server back after a second is found within a pause of it.
-RECONNECT_DEADLINE_S = 10.0
-
-
-# Before any server has answered, nothing is known to be restarting: a cluster file that names
-# the wrong addresses, or a cluster that is down, is said within a moment, not after the
-# reconnect deadline.
-FIRST_CONTACT_POLICY = RetryPolicy(attempts=3, first_delay=0.05, multiplier=2.0, max_delay=0.1)
+# from 20 ms to 500 ms, so a server back after a second is found within a pause of it. The
+# deadline covers a restart or failover on a loaded host (a kill -9'd server's restart took
+# over 10 s under load 40-60 on the project machine) with room to spare; a checkpoint burst
+# would rather wait a minute than fail every rank.
+RECONNECT_DEADLINE_S = 60.0
+# For an interactive command (tectonic ls/put/get/...), how long a server that has not
+# answered yet is waited for: a cluster that is down is said within seconds, a restart that
+# is nearly done is still ridden out.
+INTERACTIVE_FIRST_CONTACT_S = 5.0
 
 
 def reconnect_policy(deadline: float) -> RetryPolicy:
@@ -121,6 +125,11 @@ def _is_busy(e: TectonicError) -> bool:
     return isinstance(e, Busy)
 
 
+def _shard_text(fields: dict[str, Any]) -> str:
+    shard = fields.get("shard")
+    return "" if shard is None else f" (shard {shard})"
+
+
 _Route = Callable[
     [int, str, dict[str, Any], bool, "dict[str, bool] | None"], Awaitable[dict[str, Any]]
 ]
@@ -137,16 +146,21 @@ class MetadataClient:
         *,
         nursery: trio.Nursery,
         reconnect_deadline: float = RECONNECT_DEADLINE_S,
+        first_contact_deadline: float | None = None,
     ) -> None:
         """``reconnect_deadline``: how long a call waits for a server that cannot be reached
-        (a restart) before it is ``ShardUnavailable``, once some server has answered this
-        client (before that, a few quick tries); a tool that reports down servers rather than
-        waiting for them passes 0."""
+        (a restart) before it is ``ShardUnavailable``; a tool that reports down servers rather
+        than waiting for them passes 0. ``first_contact_deadline``: the same for a server
+        that has not answered this client yet (``None``: ``reconnect_deadline``); an
+        interactive command passes ``INTERACTIVE_FIRST_CONTACT_S``."""
         self.config = config
         self._reconnect = reconnect_policy(reconnect_deadline)
+        self._first_contact = reconnect_policy(
+            reconnect_deadline if first_contact_deadline is None else first_contact_deadline
+        )
         # a takeover (a lease to lapse, shards to load) plus a call that timed out on the way
         self._follow_deadline = max(reconnect_deadline, 1.0) + 2 * FOLLOW_CALL_TIMEOUT_S
-        self._reached = False  # some metadata server has answered this client
+        self._reached: set[str] = set()  # the servers that have answered this client
         self._nursery = nursery
         self._secret = config.credential()
         self._shard_addr = {
@@ -270,7 +284,7 @@ class MetadataClient:
             conn = await rpc_client.Connection.connect(
                 host, port, self._secret, nursery=self._nursery
             )
-            self._reached = True
+            self._reached.add(address)
             pool[slot] = conn
             return conn
 
@@ -331,12 +345,16 @@ class MetadataClient:
             return isinstance(e, Unavailable) and (idempotent or not sent)
 
         busy_retried = functools.partial(retry, once, policy=BUSY_POLICY, when=_is_busy)
+        started = trio.current_time()
         try:
-            policy = reconnect or (self._reconnect if self._reached else FIRST_CONTACT_POLICY)
+            policy = reconnect or (
+                self._reconnect if address in self._reached else self._first_contact
+            )
             return await retry(busy_retried, policy=policy, when=may_repeat)
         except Unavailable as e:
             raise ShardUnavailable(
-                f"metadata server {address} unavailable during {op}: {e.message}"
+                f"metadata server {address} unavailable during {op}{_shard_text(fields)}"
+                f" after waiting {trio.current_time() - started:.1f} s: {e.message}"
             ) from None
 
     def _coalescer(self, address: str) -> Coalescer:
@@ -449,7 +467,8 @@ class MetadataClient:
         shard is now, until the reconnect deadline. A mutation that reached a server which
         then died is sent again only if it is safe to repeat (``_call``): it may have
         committed."""
-        give_up = trio.current_time() + self._follow_deadline
+        started = trio.current_time()
+        give_up = started + self._follow_deadline
         trace = {} if trace is None else trace  # one for all tries: "lost" spans servers
         while True:
             address = self._shard_addr[shard]
@@ -465,8 +484,15 @@ class MetadataClient:
                 )
             except (WrongShard, ShardUnavailable) as e:
                 unsent = isinstance(e, WrongShard) or trace.get("repeatable", False)
-                if not unsent or trio.current_time() > give_up:
+                if not unsent:
                     raise
+                if trio.current_time() > give_up:
+                    if isinstance(e, WrongShard):
+                        raise
+                    raise ShardUnavailable(
+                        f"no metadata server answered for shard {shard} during {op} after"
+                        f" waiting {trio.current_time() - started:.1f} s: {e.message}"
+                    ) from None
             await self.refresh_owners(avoid=address)
             if self._shard_addr[shard] == address:
                 await trio.sleep(FOLLOW_PAUSE_S)

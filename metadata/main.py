@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from metadata import backup
+from metadata import backup, crash_points
 from metadata.client import MetadataClient
 from metadata.engines import ENGINES, settings_from_args
 from metadata.server import MetadataServer, parse_shard_list
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         engine = settings_from_args(args)
     except ConfigError as e:
         args.metadata_parser.error(e.message)
+    crash_points.arm_from_env()  # tests only (metadata/crash_points.py)
     host, port = parse_address(args.listen)
     server = MetadataServer(
         args.data_dir,

@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from metadata import backup, block_layer, file_layer, name_layer
+from metadata import backup, block_layer, crash_points, file_layer, name_layer
 from metadata.api import OPS
 from metadata.checkpoint_ops import CheckpointOps
 from metadata.compaction_ops import CompactionOps
@@ -302,7 +302,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
         store = self._store(req)
         dst_address = req["dst_address"]
         sockets.parse_address(dst_address)
-        return await store.write(
+        prepared: dict[str, Any] = await store.write(
             name_layer.rename_prepare,
             req["src_dir"],
             req["src_name"],
@@ -311,10 +311,12 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
             dst_address,
             req["deadline_ns"],
         )
+        crash_points.reached("rename.after_prepare")
+        return prepared
 
     async def op_name__rename_apply(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return await store.write(
+        applied: dict[str, Any] = await store.write(
             name_layer.rename_apply,
             req["dst_dir"],
             req["dst_name"],
@@ -324,10 +326,13 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
             now_ns(),
             req["replace_dir"],
         )
+        crash_points.reached("rename.after_dst_insert")
+        return applied
 
     async def op_name__rename_finish(self, req: Request) -> None:
         store = self._store(req)
         await store.write(name_layer.rename_finish, req["intent"], req["applied"])
+        crash_points.reached("rename.after_finish")
 
     async def op_name__intents(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

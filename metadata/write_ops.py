@@ -54,7 +54,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from metadata import block_layer, file_layer, name_layer
+from metadata import block_layer, crash_points, file_layer, name_layer
 from metadata.shard import now_ns
 from tectonic_py.core.errors import (
     FileExists,
@@ -326,6 +326,7 @@ class WriteOps:
             file_id,
             req["replace"],
         )
+        crash_points.reached("create.after_commit")
         return {
             "attrs": dict(attrs.__dict__),
             "token": token,
@@ -386,6 +387,7 @@ class WriteOps:
         results = await store.write(
             commit_pack, store.shard, self.total_shards, info, files, now_ns()
         )
+        crash_points.reached("pack.after_commit")
         out: list[dict[str, Any]] = []
         for r in results:
             if isinstance(r, Attrs):

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from metadata.api import OPS, Op
-from tectonic_py.cli.common import add_cluster_file
+from tectonic_py.cli.common import add_cluster_file, add_connect_wait
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import InvalidArgument
 
@@ -61,7 +61,9 @@ def cmd_call(args: argparse.Namespace) -> int:
     fields = parse_args(op, args.json_args)
 
     async def go() -> Any:
-        async with open_client(args.cluster_file) as client:
+        async with open_client(
+            args.cluster_file, first_contact_deadline=args.connect_wait
+        ) as client:
             return await client.meta.call(op.name, fields)
 
     print(json.dumps(_jsonable(trio.run(go))))
@@ -75,6 +77,7 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("op", metavar="OP", nargs="?", help="e.g. file.get, block.forget")
     p.add_argument(
         "json_args", metavar="JSON_ARGS", nargs="?", default="{}", help="e.g. '{\"id\": 5}'"

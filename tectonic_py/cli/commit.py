@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from tectonic_py.cli.common import add_cluster_file
+from tectonic_py.cli.common import add_cluster_file, add_connect_wait
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.errors import ConfigError
 
@@ -49,7 +49,9 @@ async def commit_paths(
 
 def cmd_commit(args: argparse.Namespace) -> int:
     async def go() -> dict[str, Any]:
-        async with open_client(args.cluster_file) as client:
+        async with open_client(
+            args.cluster_file, first_contact_deadline=args.connect_wait
+        ) as client:
             start = time.perf_counter()
             r = await commit_paths(
                 client, args.staging, args.final, latest=args.latest or "", replace=args.replace
@@ -67,6 +69,7 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("staging", metavar="STAGING_DIR", help="the staging directory (absolute)")
     p.add_argument("final", metavar="FINAL_DIR", help="the step's name, beside STAGING_DIR")
     p.add_argument("--latest", metavar="NAME", help="a symbolic link beside it to point at it")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from metadata.client import INTERACTIVE_FIRST_CONTACT_S, RECONNECT_DEADLINE_S
+
 # The command ran, and found the cluster unable to serve everything (or a load test saw
 # errors): distinct from 1 (the command failed) and 2 (argparse's usage error).
 EXIT_UNHEALTHY = 3
@@ -52,3 +54,19 @@ def add_cluster_file(p: argparse.ArgumentParser, *, optional: bool = False, **kw
     if optional:
         kw.setdefault("nargs", "?")
     p.add_argument("cluster_file", metavar="CLUSTER_FILE", help=help_text, **kw)
+
+
+def add_connect_wait(p: argparse.ArgumentParser, help_text: str | None = None) -> None:
+    """``--connect-wait``: an interactive command says a cluster that is down within seconds;
+    the data path (a mount, a training job's client) waits as long for a first answer as
+    for a restart (``metadata.client.RECONNECT_DEADLINE_S``)."""
+    p.add_argument(
+        "--connect-wait",
+        metavar="SECONDS",
+        type=float,
+        default=INTERACTIVE_FIRST_CONTACT_S,
+        help=help_text
+        or "how long to wait for a metadata server that has not answered yet (down, or"
+        " restarting) before failing; once a server has answered, its restart is waited out"
+        f" for up to {RECONNECT_DEADLINE_S:g} s",
+    )

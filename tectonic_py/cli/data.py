@@ -35,7 +35,7 @@ from typing import Any
 
 import trio
 
-from tectonic_py.cli.common import add_cluster_file
+from tectonic_py.cli.common import add_cluster_file, add_connect_wait
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
@@ -89,8 +89,8 @@ class _Progress:
             self._bar.stop()
 
 
-async def _run(cluster_file: str, fn: Any, *args: Any) -> Any:
-    async with open_client(cluster_file) as client:
+async def _run(cli: argparse.Namespace, fn: Any, *args: Any) -> Any:
+    async with open_client(cli.cluster_file, first_contact_deadline=cli.connect_wait) as client:
         return await fn(client, *args)
 
 
@@ -311,9 +311,7 @@ async def _entries(client: TectonicClient, dir_id: int) -> list[DirEntry]:
 def cmd_put(args: argparse.Namespace) -> int:
     if args.ec:
         ECPolicy.parse(args.ec)  # before a connection or a file is made
-    r = trio.run(
-        _run, args.cluster_file, _put, args.local, _remote(args.remote), args.ec, args.quiet
-    )
+    r = trio.run(_run, args, _put, args.local, _remote(args.remote), args.ec, args.quiet)
     if not args.quiet:
         print(
             f"{r['path']}: {r['bytes']} bytes in {r['seconds']} s ({r['MB_per_s']} MB/s, {r['ec']})"
@@ -331,7 +329,7 @@ STATE_TEXT = {WRITING: "writing", UNSEALED: "unsealed, writer gone"}
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    r = trio.run(_run, args.cluster_file, _get, _remote(args.remote), args.local, args.quiet)
+    r = trio.run(_run, args, _get, _remote(args.remote), args.local, args.quiet)
     if r["state"] in _STATE_WARNINGS:
         print(
             f"tectonic get: warning: {args.remote} {_STATE_WARNINGS[r['state']]}"
@@ -344,7 +342,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = trio.run(_run, args.cluster_file, _ls, _remote(args.path), args.long)
+    rows = trio.run(_run, args, _ls, _remote(args.path), args.long)
     # As ls(1): an entry that cannot be read fails alone, the others are listed, exit 1.
     failed = [row for row in rows if "error" in row]
     for row in failed:
@@ -365,7 +363,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    trio.run(_run, args.cluster_file, _rm, [_remote(p) for p in args.paths], args.recursive)
+    trio.run(_run, args, _rm, [_remote(p) for p in args.paths], args.recursive)
     return 0
 
 
@@ -392,7 +390,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
             ],
         }
 
-    print(json.dumps(trio.run(_run, args.cluster_file, go), indent=2))
+    print(json.dumps(trio.run(_run, args, go), indent=2))
     return 0
 
 
@@ -408,13 +406,14 @@ def cmd_mkdir(args: argparse.Namespace) -> int:
             if args.ec:
                 await client.meta.setattr(attrs.id, ec=args.ec)
 
-    trio.run(_run, args.cluster_file, go)
+    trio.run(_run, args, go)
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("put", help="copy a local file into the cluster")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("local", metavar="LOCAL_PATH")
     p.add_argument("remote", metavar="REMOTE_PATH", help="absolute; ending in / keeps the name")
     p.add_argument("--ec", help="EC policy of the new file (default: its directory's)")
@@ -423,6 +422,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("get", help="copy a file out of the cluster")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("remote", metavar="REMOTE_PATH")
     p.add_argument("local", metavar="LOCAL_PATH", help="a file name or a directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
@@ -430,6 +430,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("ls", help="list a directory")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("path", metavar="REMOTE_PATH", nargs="?", default="/")
     p.add_argument("-l", "--long", action="store_true", help="sizes and EC policies")
     p.add_argument("--json", action="store_true")
@@ -437,17 +438,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("rm", help="remove files (and directories with -r)")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
     p.add_argument("-r", "--recursive", action="store_true")
     p.set_defaults(func=cmd_rm)
 
     p = subparsers.add_parser("stat", help="attributes of a file or directory, as JSON")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("path", metavar="REMOTE_PATH")
     p.set_defaults(func=cmd_stat)
 
     p = subparsers.add_parser("mkdir", help="make directories")
     add_cluster_file(p)
+    add_connect_wait(p)
     p.add_argument("paths", metavar="REMOTE_PATH", nargs="+")
     p.add_argument("-p", "--parents", action="store_true")
     p.add_argument("--ec", help="EC policy that new files in it inherit (rs-6-3, rs-4-2, r3...)")

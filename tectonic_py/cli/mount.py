@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import pyfuse3
 import trio
 
+from metadata.client import INTERACTIVE_FIRST_CONTACT_S, RECONNECT_DEADLINE_S
 from tectonic_py.cli import mount_options as knobs
-from tectonic_py.cli.common import add_cluster_file
+from tectonic_py.cli.common import add_cluster_file, add_connect_wait
 from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
-from tectonic_py.core.errors import ConfigError
+from tectonic_py.core.errors import ConfigError, ShardUnavailable
 from tectonic_py.core.ids import ROOT_ID
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ DEFAULT_READ_AHEAD_KB = knobs.DEFAULT_READ_AHEAD_KB
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mount", help="mount a cluster with FUSE")
     add_cluster_file(p)
+    add_connect_wait(
+        p,
+        "how long to wait for the root directory's metadata server before mounting (a cluster"
+        " that is down fails the mount); once mounted, a metadata server that cannot be"
+        f" reached is waited for up to {RECONNECT_DEADLINE_S:g} s before EIO",
+    )
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory to mount on")
     p.add_argument("--foreground", action="store_true", help="do not fork into the background")
     knobs.add_flags(p)
@@ -155,6 +162,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         fuse=settings["fuse"],
         client=settings["client"],
+        connect_wait=args.connect_wait,
     )
     if args.check_only:
         return 0
@@ -167,13 +175,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
 @dataclass(frozen=True)
 class MountRun:
     """What one mount process is told beyond the cluster and mount point: the kernel
-    read-ahead, where to announce itself, and the keyword arguments of ``Operations``
-    (``fuse``) and of the data-path client (``client``), from ``cli/mount_options``."""
+    read-ahead, where to announce itself, the keyword arguments of ``Operations`` (``fuse``)
+    and of the data-path client (``client``), from ``cli/mount_options``, and how long the
+    root's server is waited for before mounting (a cluster that is down is said now; the
+    client itself then waits out a restart as the data path does)."""
 
     read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
     ready_file: str | None = None
     fuse: dict[str, Any] = field(default_factory=dict)
     client: dict[str, Any] = field(default_factory=dict)
+    connect_wait: float = INTERACTIVE_FIRST_CONTACT_S
 
 
 def _daemonize(
@@ -232,8 +243,16 @@ async def serve_mount(
 
     run = run or MountRun()
     async with open_client(config, **run.client) as client:
-        # Fail now, with the client's one-line error, rather than mount a dead cluster.
-        await client.meta.getattr(ROOT_ID)
+        # Fail now, with one line, rather than mount a dead cluster.
+        root = None
+        with trio.move_on_after(run.connect_wait):
+            root = await client.meta.getattr(ROOT_ID)
+        if root is None:
+            address = client.meta.address_of(client.meta.shard_of(ROOT_ID))
+            raise ShardUnavailable(
+                f"metadata server {address} unavailable: the root directory's shard did not"
+                f" answer within {run.connect_wait:g} s (--connect-wait)"
+            )
         ops = Operations(client, **run.fuse)
         try:
             pyfuse3.init(ops, mountpoint, options)

@@ -128,7 +128,9 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
 
     async with open_service_nursery() as nursery:
         # A server the probe found down is reported as such, not waited for.
-        client = MetadataClient(config, nursery=nursery, reconnect_deadline=0)
+        client = MetadataClient(
+            config, nursery=nursery, reconnect_deadline=0, first_contact_deadline=0.2
+        )
         m = Maintenance(config, MaintenanceSettings(), client, nursery)
         try:
             nodes = sorted(await client.nodes(), key=lambda n: n.node_id)

@@ -475,14 +475,22 @@ def _split(path: str) -> tuple[str, str]:
 
 @asynccontextmanager
 async def open_client(
-    cluster: ClusterConfig | str | os.PathLike[str], **tuning: Any
+    cluster: ClusterConfig | str | os.PathLike[str],
+    *,
+    first_contact_deadline: float | None = None,
+    **tuning: Any,
 ) -> AsyncIterator[TectonicClient]:
-    """Connect to a cluster (a ``ClusterConfig`` or the path of its cluster file)."""
+    """Connect to a cluster (a ``ClusterConfig`` or the path of its cluster file).
+    ``first_contact_deadline``: how long a metadata server that has not answered yet is
+    waited for (``None``: as long as for a restart, the data path's choice; an interactive
+    command passes a few seconds)."""
     from metadata.client import MetadataClient
 
     config = cluster if isinstance(cluster, ClusterConfig) else cluster_file.load(cluster)
     async with open_service_nursery() as nursery:
-        meta = MetadataClient(config, nursery=nursery)
+        meta = MetadataClient(
+            config, nursery=nursery, first_contact_deadline=first_contact_deadline
+        )
         client = TectonicClient(config, meta, nursery, **tuning)
         try:
             yield client

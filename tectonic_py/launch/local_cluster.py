@@ -361,6 +361,9 @@ class LocalCluster:
     def chunkstore_pids(self) -> list[int | None]:
         return [d.proc.pid if d.running and d.proc else None for d in self._chunk]
 
+    def metadata_pids(self) -> list[int | None]:
+        return [d.proc.pid if d.running and d.proc else None for d in self._meta]
+
     @property
     def chunkstores(self) -> int:
         return len(self._chunk)
