@@ -191,19 +191,20 @@ class MaintenanceCalls:
     async def expired_leases(
         self, shard: int, *, before_ns: int, limit: int
     ) -> list[tuple[int, int]]:
-        """(file_id, token) of ``shard``'s files whose writer lease expired before
-        ``before_ns`` without a close."""
+        """(file_id, lease_ns) of ``shard``'s files whose writer lease expired before
+        ``before_ns`` (the server holds it to now) without a close."""
         r = await self._r.call_shard(
             shard, "file.expired_leases", {"before_ns": before_ns, "limit": limit}
         )
         return [(int(f), int(t)) for f, t in r["files"]]
 
-    async def recover_lease(self, file_id: int, token: int, *, before_ns: int) -> str:
-        """Release a writer lease that expired before ``before_ns`` (the rule is
-        metadata/maintenance_ops.py's): "skipped", "deleted" or "incomplete"."""
+    async def recover_lease(self, file_id: int, lease_ns: int, *, before_ns: int) -> str:
+        """Release a writer lease that expired (at ``lease_ns``, as ``expired_leases`` said)
+        before ``before_ns`` (the rule is metadata/maintenance_ops.py's): "skipped",
+        "deleted" or "incomplete"."""
         r = await self._r.call_shard(
             self._r.shard_of(file_id),
             "file.recover_lease",
-            {"id": file_id, "token": token, "before_ns": before_ns},
+            {"id": file_id, "lease_ns": lease_ns, "before_ns": before_ns},
         )
         return str(r["outcome"])

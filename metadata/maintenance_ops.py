@@ -25,8 +25,8 @@ block.caps           action ("put" | "delete"), chunks [[node_id, block_id,    c
 file.gc_queue        older_than_ns, limit, [superseded_before_ns]          blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
-file.expired_leases  before_ns, limit                                      files [[id, token]]
-file.recover_lease   id, token, before_ns                                  outcome
+file.expired_leases  before_ns, limit                                      files [[id, lease_ns]]
+file.recover_lease   id, lease_ns, before_ns                               outcome
 ==================== ===================================================== ===================
 
 ``block.scan`` lists every block of a shard (allocated and committed) in block-id order with
@@ -72,7 +72,8 @@ import msgpack
 from metadata.block_layer import PACK_OWNER, holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
-from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
+from tectonic_py.core.auth import ROLE_ADMIN
+from tectonic_py.core.errors import FileNotFound, InvalidArgument, Refused, WrongShard
 from tectonic_py.core.ids import NODE_ID_RE, shard_of
 from tectonic_py.core.rpc_server import Request
 
@@ -163,7 +164,9 @@ def forget_block(
     """Delete a block's record, if it is still in the state the GC saw (and, when given,
     still of that file at that index); None if it was not. Returns the chunk files it
     placed, as (node_id, stored-as block id, index), read in the same transaction: a copy
-    that repair or rebalance pointed the block at after the GC located it is among them."""
+    that repair or rebalance pointed the block at after the GC located it is among them.
+    ``Refused`` while any file's block entry names it (its own file's, or an extent of a
+    pack), whoever calls: forgetting it would lose that file's data."""
     row = conn.execute(
         "SELECT state, file_id, file_index FROM blocks WHERE block_id = ?", (block_id,)
     ).fetchone()
@@ -171,8 +174,14 @@ def forget_block(
         return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
-    if row[1] == PACK_OWNER and _pack_held(conn, block_id):
-        return None  # an extent was committed into it after it was queued or suspected
+    holder = conn.execute(
+        "SELECT file_id, idx FROM file_blocks WHERE block_id = ? LIMIT 1", (block_id,)
+    ).fetchone()
+    if holder is not None:
+        what = "pack" if row[1] == PACK_OWNER else "block"
+        raise Refused(
+            f"{what} {block_id:016x} is still referenced (file {holder[0]} block {holder[1]})"
+        )
     chunks = locate(conn, [block_id])[0].chunks if state == "committed" else []
     placed = [(c.node_id, c.storage_block(block_id), c.index) for c in chunks]
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
@@ -320,10 +329,13 @@ def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> li
 
 
 def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list[tuple[int, int]]:
+    """(file_id, lease_ns) of files whose writer lease ran out before ``before_ns``. The
+    lease's expiry, not the writer token, is what ``recover_lease`` fences on: a token is
+    the writer's credential and never leaves the File layer."""
     return [
         (r[0], r[1])
         for r in conn.execute(
-            "SELECT id, writer_token FROM files WHERE writer_token != 0 AND lease_ns < ?"
+            "SELECT id, lease_ns FROM files WHERE writer_token != 0 AND lease_ns < ?"
             " AND kind = 'file' ORDER BY lease_ns LIMIT ?",
             (before_ns, limit),
         )
@@ -331,9 +343,11 @@ def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list
 
 
 def recover_lease(
-    conn: sqlite3.Connection, file_id: int, token: int, before_ns: int, now: int
+    conn: sqlite3.Connection, file_id: int, lease_ns: int, before_ns: int, now: int
 ) -> str:
-    """Apply the lease recovery rule of the module docstring; returns what was done."""
+    """Apply the lease recovery rule of the module docstring; returns what was done.
+    ``lease_ns`` is the expiry ``expired_leases`` reported: a writer that renewed or a new
+    writer that reopened the file since has another, and is left alone."""
     from metadata import file_layer
 
     row = conn.execute(
@@ -341,8 +355,8 @@ def recover_lease(
         " WHERE id = ? AND kind = 'file'",
         (file_id,),
     ).fetchone()
-    if row is None or row[0] != token or row[1] >= before_ns:
-        return "skipped"  # gone, reopened by a new writer, or renewed meanwhile
+    if row is None or row[0] == 0 or row[1] != lease_ns or row[1] >= before_ns:
+        return "skipped"  # gone, closed, reopened by a new writer, or renewed meanwhile
     if row[2] == 0:
         file_layer._delete_record(conn, file_id, now)
         return "deleted"
@@ -368,14 +382,25 @@ def _in_shard(chunks: list[tuple[str, int, int]], shard: int, total_shards: int)
             raise WrongShard(f"block {block_id:016x} is not in shard {shard}")
 
 
+def _bounded(req: Request) -> int:
+    """``before_ns`` as far as the caller may push it: never past now (a lease that has not
+    run out is a live writer's), except for an operator (admin) fencing a writer by hand."""
+    before: int = req["before_ns"]
+    return before if req.role == ROLE_ADMIN else min(before, now_ns())
+
+
 class MaintenanceOps:
-    """Mixin of ``MetadataServer`` (which provides ``_store``, ``total_shards`` and
-    ``capability_key``)."""
+    """Mixin of ``MetadataServer`` (which provides ``_store``, ``total_shards``,
+    ``capability_key`` and ``registered``)."""
 
     total_shards: int
     capability_key: bytes
 
     def _store(self, req: Request) -> Any:  # provided by MetadataServer
+        raise NotImplementedError
+
+    async def registered(self, node_id: str) -> bool | None:  # provided by MetadataServer
+        """Whether the node registry knows ``node_id``; None where it cannot be asked."""
         raise NotImplementedError
 
     async def op_block__scan(self, req: Request) -> dict[str, Any]:
@@ -384,7 +409,13 @@ class MaintenanceOps:
         return {"blocks": blocks, "next": nxt}
 
     async def op_block__set_chunk(self, req: Request) -> None:
+        """Only onto a node the registry knows, where this server can ask it (it holds the
+        registry, or the etcd engine says who does); a sqlite server without the registry
+        shard cannot, and checks only the rest (docs/operations.md)."""
         store = self._store(req)
+        new_node = req["new_node"]
+        if await self.registered(new_node) is False:
+            raise Refused(f"node {new_node!r} is not registered: no chunk may be placed on it")
         await store.write(
             set_chunk,
             req["block_id"],
@@ -467,11 +498,7 @@ class MaintenanceOps:
 
     async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        rows = store.read(
-            expired_leases,
-            req["before_ns"],
-            req["limit"],
-        )
+        rows = store.read(expired_leases, _bounded(req), req["limit"])
         return {"files": [list(r) for r in rows]}
 
     async def op_file__recover_lease(self, req: Request) -> dict[str, Any]:
@@ -479,8 +506,8 @@ class MaintenanceOps:
         outcome = await store.write(
             recover_lease,
             req["id"],
-            req["token"],
-            req["before_ns"],
+            req["lease_ns"],
+            _bounded(req),
             now_ns(),
         )
         return {"outcome": outcome}

@@ -43,13 +43,13 @@ from metadata.checkpoint_ops import CheckpointOps
 from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
-from metadata.registry import Registry
+from metadata.registry import Registry, ask_registry
 from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
 from metadata.write_ops import WriteOps
 from tectonic_py.core import capability, rpc_client, rpc_server, sockets
 from tectonic_py.core.auth import ROLE_CLIENT, ROLE_NODE, Credential, Keyring
-from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
     ConfigError,
@@ -581,6 +581,17 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps):
 
     def _registry(self) -> Registry:
         return self.engine.node_registry()
+
+    async def registered(self, node_id: str) -> bool | None:
+        """Whether the node registry knows ``node_id``: here, or asked of the server that
+        holds it where this server knows which that is (the etcd engine's owners); None
+        where it cannot tell (a sqlite server without the registry shard)."""
+        if self.registry is not None:
+            return self.registry.known(node_id)
+        address = (await self.engine.owners()).get(REGISTRY_SHARD, "")
+        if not address or address == self.address:
+            return None
+        return await ask_registry(address, self.secret, node_id)
 
     async def op_node__heartbeat(self, req: Request) -> None:
         registry = self._registry()

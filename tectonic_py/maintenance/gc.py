@@ -61,7 +61,7 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.errors import FileNotFound, TectonicError
+from tectonic_py.core.errors import FileNotFound, Refused, TectonicError
 from tectonic_py.core.ids import chunk_id, parse_chunk_id, shard_of
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
@@ -97,8 +97,8 @@ class GarbageCollector:
         done = 0
         for shard in range(self.m.config.shards):
             expired = await self.m.meta.expired_leases(shard, before_ns=before, limit=PAGE)
-            for file_id, token in expired:
-                outcome = await self.m.meta.recover_lease(file_id, token, before_ns=before)
+            for file_id, lease_ns in expired:
+                outcome = await self.m.meta.recover_lease(file_id, lease_ns, before_ns=before)
                 if outcome != "skipped":
                     done += 1
                     log.warning(
@@ -143,7 +143,13 @@ class GarbageCollector:
         forgotten (one ``block.caps`` call for all of them); True when it is gone for good.
         The placements come from the forget itself, not a lookup before it: repair or
         rebalance may point the block at a new copy in between, and that copy would stay."""
-        placed = await self.m.meta.forget_block(block_id, state="committed")
+        try:
+            placed = await self.m.meta.forget_block(block_id, state="committed")
+        except Refused as e:
+            # A pack an extent was committed into after it was queued: it lives on, and is
+            # queued again when its last extent goes.
+            log.info("queued block stays: %s", e)
+            return True
         if placed is None:
             return True  # never committed, or forgotten by an earlier (crashed) round
         self.m.counters.forgotten_blocks += 1
@@ -186,9 +192,16 @@ class GarbageCollector:
                 first = self._suspects.setdefault(bid, now)
                 if now - first < grace:
                     continue
-                placed = await self.m.meta.forget_block(
-                    bid, state=rec["state"], file_id=rec["file_id"], file_index=rec["file_index"]
-                )
+                try:
+                    placed = await self.m.meta.forget_block(
+                        bid,
+                        state=rec["state"],
+                        file_id=rec["file_id"],
+                        file_index=rec["file_index"],
+                    )
+                except Refused:
+                    continue  # a file took it since the scan
+
                 if placed is not None:
                     forgotten += 1
                     log.info(
