@@ -227,6 +227,7 @@ class MetadataClient:
         # the background services
         self.collect_orphans = maintenance.collect_orphans
         self.scan_blocks = maintenance.scan_blocks
+        self.scan_files = maintenance.scan_files
         self.set_chunk = maintenance.set_chunk
         self.forget_block = maintenance.forget_block
         self.dead_chunks = maintenance.dead_chunks

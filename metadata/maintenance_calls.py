@@ -188,6 +188,19 @@ class MaintenanceCalls:
         )
         return [bool(x) for x in r["referenced"]]
 
+    async def scan_files(self, shard: int, *, page: int = 1000) -> AsyncIterator[dict[str, Any]]:
+        """Every File record of ``shard`` (``file.scan``), page by page, in id order: id,
+        kind, named, parent, name, nlink, size, blocks, writer, lease_ns, created_ns,
+        ctime_ns."""
+        after = 0
+        for _ in range(10_000_000):
+            r = await self._r.call_shard(shard, "file.scan", {"after": after, "limit": page})
+            for f in r["files"]:
+                yield f
+            if r["next"] is None:
+                return
+            after = int(r["next"])
+
     async def expired_leases(
         self, shard: int, *, before_ns: int, limit: int
     ) -> list[tuple[int, int]]:

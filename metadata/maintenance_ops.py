@@ -25,6 +25,8 @@ block.caps           action ("put" | "delete"), chunks [[node_id, block_id,    c
 file.gc_queue        older_than_ns, limit, [superseded_before_ns]          blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
+file.scan            after, limit                                          files [{id, kind, ...}],
+                                                                           next
 file.expired_leases  before_ns, limit                                      files [[id, lease_ns]]
 file.recover_lease   id, lease_ns, before_ns                               outcome
 ==================== ===================================================== ===================
@@ -328,6 +330,39 @@ def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> li
     return out
 
 
+def scan_files(
+    conn: sqlite3.Connection, after: int, limit: int
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Every record of a shard, in id order, as fsck and the unreachable-record sweep need
+    it: kind, name hint, link count, size, how many block entries, whether a writer holds
+    it and its lease's expiry (never the token)."""
+    rows = conn.execute(
+        "SELECT f.id, f.kind, f.named, f.parent_id, f.name, f.nlink, f.size, f.writer_token != 0,"
+        " f.lease_ns, f.created_ns, f.ctime_ns,"
+        " (SELECT count(*) FROM file_blocks b WHERE b.file_id = f.id)"
+        " FROM files f WHERE f.id > ? ORDER BY f.id LIMIT ?",
+        (after, limit),
+    ).fetchall()
+    keys = (
+        "id",
+        "kind",
+        "named",
+        "parent",
+        "name",
+        "nlink",
+        "size",
+        "writer",
+        "lease_ns",
+        "created_ns",
+        "ctime_ns",
+        "blocks",
+    )
+    out = [dict(zip(keys, r)) for r in rows]
+    for rec in out:
+        rec["named"], rec["writer"] = bool(rec["named"]), bool(rec["writer"])
+    return out, (rows[-1][0] if len(rows) == limit else None)
+
+
 def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list[tuple[int, int]]:
     """(file_id, lease_ns) of files whose writer lease ran out before ``before_ns``. The
     lease's expiry, not the writer token, is what ``recover_lease`` fences on: a token is
@@ -495,6 +530,11 @@ class MaintenanceOps:
     async def op_file__referenced(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
         return {"referenced": store.read(referenced, req["refs"])}
+
+    async def op_file__scan(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        files, nxt = store.read(scan_files, req["after"], req["limit"])
+        return {"files": files, "next": nxt}
 
     async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

@@ -213,6 +213,9 @@ def _file_layer() -> list[Op]:
             mutates=True, repeatable=True),
         _op("file.referenced", [list_("refs", "pairs", max_len=MAX_SCAN, width=3)],
             "referenced", SCAN, UPKEEP, mutates=False),
+        _op("file.scan", [id_("after", 0, lo=0), _LIMIT], "files, next", SCAN, UPKEEP,
+            mutates=False, doc="every record of a shard in id order (fsck, the "
+                               "unreachable-record sweep); never a writer token"),
         _op("file.expired_leases", [_NS, _LIMIT], "files [[id, lease_ns]]", SCAN, UPKEEP,
             mutates=False, doc="never a writer token; before_ns no later than now (admin: "
                                "any)"),

@@ -172,7 +172,7 @@ async def fetch_repair_status(config: Any) -> dict[str, Any]:
     maintenance process, which keeps no status endpoint of its own."""
     from tectonic_py.maintenance.repair import repair_status
 
-    return await _with_maintenance(config, repair_status)
+    return await with_maintenance(config, repair_status)
 
 
 async def run_inventory_pass(config: Any) -> dict[str, Any]:
@@ -182,10 +182,10 @@ async def run_inventory_pass(config: Any) -> dict[str, Any]:
     async def one(m: Maintenance) -> dict[str, Any]:
         return summary(await Inventory(m).round())
 
-    return await _with_maintenance(config, one)
+    return await with_maintenance(config, one)
 
 
-async def _with_maintenance(config: Any, fn: Any) -> dict[str, Any]:
+async def with_maintenance(config: Any, fn: Any) -> dict[str, Any]:
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, MaintenanceSettings(), meta, nursery)
