@@ -147,11 +147,66 @@ async def test_fsck_exit_3_when_a_files_block_record_is_gone(tmp_path: Path) -> 
             conn.execute("DELETE FROM blocks WHERE block_id = ?", (block.block_id,))
         cluster.start_metadata(server)
 
+        # No block scan can count a block that has no record: status and repair --status
+        # know only what the last fsck found, and say that none was kept.
+        status = tectonic("status", str(cluster.cluster_file), "--json")
+        assert status.returncode == 0 and json.loads(status.stdout)["last_fsck"] is None
+        repair = tectonic("repair", str(cluster.cluster_file), "--status")
+        assert repair.returncode == 0 and "last fsck: none kept" in repair.stdout
+
         code, report = fsck(cluster)
         assert code == 3 and report["severity"] == "lost", report
         assert kinds(report)["block_missing"] == ["/d/f3"]
         code, report = fsck(cluster, "--repair")
         assert code == 3  # nothing to rebuild it from; the name and record stay
         await _reads_back(cluster, {p: FILES[p] for p in ("/d/f0", "/d/f1", "/d/f2")})
+
+        # Now both tell the truth: exit 3, the lost file named.
+        status = tectonic("status", str(cluster.cluster_file), "--json")
+        assert status.returncode == 3, status.stderr
+        last = json.loads(status.stdout)["last_fsck"]
+        assert (last["severity"], last["lost_paths"]) == ("lost", ["/d/f3"])
+        human = tectonic("status", str(cluster.cluster_file))
+        assert human.returncode == 3 and "data lost in 1 files, e.g. /d/f3" in human.stdout
+        repair = tectonic("repair", str(cluster.cluster_file), "--status")
+        assert repair.returncode == 3 and "lost in 1 files" in repair.stdout, repair.stdout
+    finally:
+        cluster.stop()
+
+
+async def test_a_chunk_repointed_where_it_is_not_shows_at_the_next_pass(tmp_path: Path) -> None:
+    """An admin's ``block.set_chunk`` onto a registered store that does not hold the chunk:
+    the Block layer cannot tell; the inventory pass of fsck finds it, and from then on
+    status and repair --status count the block degraded."""
+    cluster = make_cluster(tmp_path / "c", maintenance=False)
+    cluster.start()
+    try:
+        await _write_files(cluster)
+        async with open_fresh_client(cluster) as c:
+            (block, *_) = await c.meta.block_list((await c.stat("/d/f3")).id)
+        used = {ch.node_id for ch in block.chunks}
+        spare = next(f"cs{i}" for i in range(8) if f"cs{i}" not in used)
+        first = block.chunks[0]
+        ghost = admin_call(
+            cluster, "block.set_chunk", block_id=block.block_id, index=first.index,
+            old_node=first.node_id, new_node="cs99", checksum=first.checksum,
+        )  # fmt: skip
+        assert ghost.returncode == 1 and "not registered" in ghost.stderr, ghost.stderr
+        moved = admin_call(
+            cluster, "block.set_chunk", block_id=block.block_id, index=first.index,
+            old_node=first.node_id, new_node=spare, checksum=first.checksum,
+        )  # fmt: skip
+        assert moved.returncode == 0, moved.stderr
+        code, report = fsck(cluster)
+        assert code == 4 and kinds(report)["block_degraded"] == ["/d/f3"], report
+        status = json.loads(tectonic("status", str(cluster.cluster_file), "--json").stdout)
+        assert [b["block_id"] for b in status["degraded_blocks"]] == [block.block_id]
+        repair = json.loads(
+            tectonic("repair", str(cluster.cluster_file), "--status", "--json").stdout
+        )
+        assert repair["degraded"] == 1 and repair["last_fsck"]["severity"] == "degraded"
+        code, report = fsck(cluster, "--repair")
+        assert code == 0, json.dumps(report["after_repair"]["findings"])
+        await _reads_back(cluster, FILES)
     finally:
         cluster.stop()

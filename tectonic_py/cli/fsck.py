@@ -23,14 +23,12 @@ import trio
 from tectonic_py.cli.common import EXIT_DEGRADED, EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.cli.maintenance import with_maintenance
 from tectonic_py.core import cluster_file
-from tectonic_py.core.errors import TectonicError
-from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.maintenance.fsck import DEFAULT_GRACE_S, Fsck, Report
+from tectonic_py.maintenance import fsck_summary
+from tectonic_py.maintenance.fsck import DEFAULT_GRACE_S, Fsck
 from tectonic_py.maintenance.runtime import Maintenance
 
 log = logging.getLogger(__name__)
 
-LAST_RESULT_XATTR = "user.tectonic.fsck"
 EXIT_OF = {"clean": 0, "degraded": EXIT_DEGRADED, "lost": EXIT_UNHEALTHY}
 
 
@@ -63,20 +61,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_fsck)
 
 
-def summary_of(report: Report) -> dict[str, Any]:
-    """What is kept of a pass for ``tectonic status``: small, whatever the cluster's size."""
-    lost = sorted({f.path for f in report.findings if f.kind in ("block_missing", "block_lost")})
-    return {
-        "checked_at": report.checked_at,
-        "path": report.path,
-        "severity": report.severity,
-        "counts": report.counts(),
-        "files": report.files,
-        "blocks": report.blocks,
-        "lost_paths": lost[:20],
-    }
-
-
 async def fsck_pass(
     m: Maintenance, path: str, *, repair: bool, grace_s: float, inventory: bool
 ) -> dict[str, Any]:
@@ -89,11 +73,7 @@ async def fsck_pass(
         after = await Fsck(m, grace_s=grace_s).check(path, inventory=False)
         out["after_repair"] = after.to_json()
         report = after
-    try:
-        value = json.dumps(summary_of(report)).encode()
-        await m.meta.setxattr(ROOT_ID, LAST_RESULT_XATTR, value)
-    except TectonicError as e:  # a report not kept is still a report
-        log.warning("could not keep the fsck summary for tectonic status: %s", e)
+    await fsck_summary.keep(m.meta, report.summary())
     out["exit_code"] = EXIT_OF[report.severity]
     return out
 

@@ -1,6 +1,6 @@
 """``tectonic maintenance CLUSTER_FILE`` (run the background services until stopped) and
 ``tectonic repair CLUSTER_FILE --status`` (where repair stands; exit code 3 when a block is
-lost, i.e. has fewer than k live chunks) and ``tectonic repair CLUSTER_FILE --inventory`` (one
+lost, i.e. has fewer than k live chunks, or the last fsck found a file's data lost) and ``tectonic repair CLUSTER_FILE --inventory`` (one
 inventory pass now: every chunk the Block layer places on an up store checked against the
 store's listing, what is missing or replaced recorded for repair).
 
@@ -23,6 +23,7 @@ from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
+from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 from tectonic_py.maintenance.services import run_services
 
@@ -163,7 +164,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
-    return 0 if status["lost"] == 0 else EXIT_UNHEALTHY
+    lost = status["lost"] or fsck_summary.says_lost(status.get("last_fsck"))
+    return EXIT_UNHEALTHY if lost else 0
 
 
 async def fetch_repair_status(config: Any) -> dict[str, Any]:
@@ -230,5 +232,6 @@ def format_status(s: dict[str, Any]) -> str:
         ),
         f"nodes up: {s['nodes_up']}, down: {', '.join(s['nodes_down']) or 'none'}",
         f"chunks found bad (scrub, readers, inventory): {len(s['bad_chunks'])}",
+        fsck_summary.describe(s.get("last_fsck")),
     ]
     return "\n".join(lines)

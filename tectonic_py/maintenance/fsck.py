@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import FileExists, FileNotFound, NotADirectory, TectonicError
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import KIND_DIR, KIND_FILE, BlockInfo, NodeInfo
+from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.inventory import Inventory, summary
 from tectonic_py.maintenance.repair import BlockHealth, Repairer, assess
 from tectonic_py.maintenance.runtime import Maintenance
@@ -59,7 +59,7 @@ BLOCK_LOST = "block_lost"
 BLOCK_DEGRADED = "block_degraded"
 UNKNOWN_NODE = "chunk_on_unknown_node"
 LEASE_EXPIRED = "lease_expired"
-_LOST_KINDS = frozenset({BLOCK_MISSING, BLOCK_LOST})
+_LOST_KINDS = fsck_summary.LOST_KINDS
 
 
 @dataclass
@@ -116,6 +116,13 @@ class Report:
         for f in self.findings:
             out[f.kind] = out.get(f.kind, 0) + 1
         return out
+
+    def summary(self) -> dict[str, Any]:
+        """What status shows of this pass (fsck_summary)."""
+        lost = sorted({f.path for f in self.findings if f.kind in _LOST_KINDS})
+        return fsck_summary.summarize(
+            self.path, self.severity, self.counts(), lost, self.checked_at
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -409,7 +416,3 @@ class Fsck:
 def _kn(info: BlockInfo) -> tuple[int, int]:
     policy = ECPolicy.parse(info.ec)
     return policy.k, policy.n
-
-
-def lost_paths(report: Report) -> Iterable[str]:
-    return sorted({f.path for f in report.findings if f.kind in _LOST_KINDS})
