@@ -201,6 +201,16 @@ class MaintenanceCalls:
                 return
             after = int(r["next"])
 
+    async def collect_unreachable(self, file_id: int, ctime_ns: int) -> bool:
+        """Delete a record no name reaches if it is unchanged since ``ctime_ns``, without a
+        live writer and not a directory with entries; whether it went."""
+        r = await self._r.call_shard(
+            self._r.shard_of(file_id),
+            "file.collect_unreachable",
+            {"id": file_id, "ctime_ns": ctime_ns},
+        )
+        return bool(r["deleted"])
+
     async def expired_leases(
         self, shard: int, *, before_ns: int, limit: int
     ) -> list[tuple[int, int]]:

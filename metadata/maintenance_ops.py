@@ -43,6 +43,10 @@ node with their checksums and lengths, in (block_id, index) order and within a b
 range: the inventory (``tectonic_py/maintenance/inventory.py``) compares it with what the
 node's chunk store lists.
 
+``file.collect_unreachable`` (id, ctime_ns -> deleted) is the unreachable-record sweep's
+delete (tectonic_py/maintenance/unreachable.py): it re-checks in its transaction that the
+record is as the sweep saw it, has no live writer and is not a directory with entries.
+
 ``block.caps`` is where the background services get their capabilities, signed with the
 capability key that only metadata servers and chunk stores hold, one per chunk (nil where
 refused), many chunks per call. A **delete** is granted only for a chunk the Block layer no
@@ -76,7 +80,7 @@ from metadata.shard import now_ns
 from tectonic_py.core import capability
 from tectonic_py.core.auth import ROLE_ADMIN
 from tectonic_py.core.errors import FileNotFound, InvalidArgument, Refused, WrongShard
-from tectonic_py.core.ids import NODE_ID_RE, shard_of
+from tectonic_py.core.ids import NODE_ID_RE, ROOT_ID, shard_of
 from tectonic_py.core.rpc_server import Request
 
 MAX_SCAN = 10_000
@@ -363,6 +367,24 @@ def scan_files(
     return out, (rows[-1][0] if len(rows) == limit else None)
 
 
+def collect_unreachable(conn: sqlite3.Connection, file_id: int, ctime_ns: int, now: int) -> bool:
+    """Delete a record the maintenance daemon's walks found unreachable, if it is still as
+    they saw it (``ctime_ns``: a hard link made to it since changes that), holds no live
+    writer (an open handle) and is not a directory with entries; False when kept."""
+    from metadata import file_layer
+    from metadata.dir_entries import has_entries
+
+    row = conn.execute(
+        "SELECT kind, ctime_ns, writer_token, lease_ns FROM files WHERE id = ?", (file_id,)
+    ).fetchone()
+    if file_id == ROOT_ID or row is None or row[1] != ctime_ns or (row[2] and row[3] > now):
+        return False
+    if row[0] == "dir" and has_entries(conn, file_id):
+        return False
+    file_layer._delete_record(conn, file_id, now)
+    return True
+
+
 def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list[tuple[int, int]]:
     """(file_id, lease_ns) of files whose writer lease ran out before ``before_ns``. The
     lease's expiry, not the writer token, is what ``recover_lease`` fences on: a token is
@@ -535,6 +557,11 @@ class MaintenanceOps:
         store = self._store(req)
         files, nxt = store.read(scan_files, req["after"], req["limit"])
         return {"files": files, "next": nxt}
+
+    async def op_file__collect_unreachable(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        deleted = await store.write(collect_unreachable, req["id"], req["ctime_ns"], now_ns())
+        return {"deleted": deleted}
 
     async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

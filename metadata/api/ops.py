@@ -216,6 +216,10 @@ def _file_layer() -> list[Op]:
         _op("file.scan", [id_("after", 0, lo=0), _LIMIT], "files, next", SCAN, UPKEEP,
             mutates=False, doc="every record of a shard in id order (fsck, the "
                                "unreachable-record sweep); never a writer token"),
+        _op("file.collect_unreachable", [*fid, int_("ctime_ns", hi=I64)], "deleted",
+            by("id"), UPKEEP, mutates=True, repeatable=True,
+            doc="a record no name reaches (the sweep's two walks), if unchanged since "
+                "(ctime_ns), without a live writer, not a directory with entries"),
         _op("file.expired_leases", [_NS, _LIMIT], "files [[id, lease_ns]]", SCAN, UPKEEP,
             mutates=False, doc="never a writer token; before_ns no later than now (admin: "
                                "any)"),

@@ -24,7 +24,7 @@ from tectonic_py.cli.common import EXIT_DEGRADED, EXIT_UNHEALTHY, add_cluster_fi
 from tectonic_py.cli.maintenance import with_maintenance
 from tectonic_py.core import cluster_file
 from tectonic_py.maintenance import fsck_summary
-from tectonic_py.maintenance.fsck import DEFAULT_GRACE_S, Fsck
+from tectonic_py.maintenance.fsck import DEFAULT_GRACE_S, Fsck, check_and_repair
 from tectonic_py.maintenance.runtime import Maintenance
 
 log = logging.getLogger(__name__)
@@ -64,15 +64,16 @@ def register(subparsers: Any) -> None:
 async def fsck_pass(
     m: Maintenance, path: str, *, repair: bool, grace_s: float, inventory: bool
 ) -> dict[str, Any]:
-    fsck = Fsck(m, grace_s=grace_s)
-    report = await fsck.check(path, inventory=inventory)
-    out: dict[str, Any] = report.to_json()
     if repair:
-        out["repaired"] = await fsck.repair(report)
-        out["findings"] = [f.to_json() for f in report.findings]
-        after = await Fsck(m, grace_s=grace_s).check(path, inventory=False)
+        report, after, acted = await check_and_repair(m, path, grace_s=grace_s, inventory=inventory)
+        out: dict[str, Any] = report.to_json()
+        out["repaired"] = len(acted)
+        out["repairs"] = [f.to_json() for f in acted]
         out["after_repair"] = after.to_json()
         report = after
+    else:
+        report = await Fsck(m, grace_s=grace_s).check(path, inventory=inventory)
+        out = report.to_json()
     await fsck_summary.keep(m.meta, report.summary())
     out["exit_code"] = EXIT_OF[report.severity]
     return out
@@ -102,10 +103,9 @@ def run_fsck(args: argparse.Namespace) -> int:
 def format_report(out: dict[str, Any]) -> str:
     lines = []
     for f in out["findings"]:
-        line = f"{f['kind']}: {f['path']}: {f['detail']}"
-        if f.get("repaired"):
-            line += f" -> {f['repaired']}"
-        lines.append(line)
+        lines.append(f"{f['kind']}: {f['path']}: {f['detail']}")
+    for f in out.get("repairs", []):
+        lines.append(f"repaired {f['kind']}: {f['path']}: {f['repaired']}")
     lines.append(
         f"checked {out['path']}: {out['dirs']} directories, {out['files']} files,"
         f" {out['blocks']} block entries, {out['records']} records: {out['severity']}"

@@ -72,6 +72,13 @@ def register(subparsers: Any) -> None:
         default=600.0,
         help="seconds between inventory passes (every store's chunks against the Block layer)",
     )
+    p.add_argument(
+        "--unreachable-grace",
+        type=float,
+        default=600.0,
+        help="seconds between the two sweeps' walks that must both miss a record no name "
+        "reaches before it is deleted",
+    )
     p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
     p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
     p.add_argument(
@@ -116,6 +123,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
         grace=args.grace,
         superseded_grace=args.superseded_grace,
         lease_grace=args.lease_grace,
+        unreachable_grace=args.unreachable_grace,
         sweep_interval=args.sweep_interval,
         inventory_interval=args.inventory_interval,
         bandwidth=args.bandwidth,

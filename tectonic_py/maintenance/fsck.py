@@ -23,9 +23,10 @@ found: readable, and repair, the GC or ``--repair`` can make it whole), else ``c
 
 ``repair`` does only what is safe: it removes dangling names (the record is already gone,
 so nothing is lost; each is logged), names unreachable records that still hold data in
-``/lost+found`` (made if absent) as ``<id in hex>``, and rebuilds degraded blocks that are
-still readable. It deletes no record, block or chunk: records without data are left to the
-GC's sweeps.
+``/lost+found`` (made if absent) as ``<id in hex>``, deletes unreachable records that hold
+nothing (no bytes, no blocks, no entries: what the GC's unreachable-record sweep would
+delete, with its re-checks), and rebuilds degraded blocks that are still readable. It
+deletes no block or chunk, and nothing a name or a live writer reaches.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 LOST_AND_FOUND = "lost+found"
 DEFAULT_GRACE_S = 60.0  # records younger than this may be a create in flight: not reported
 _LOCATE_BATCH = 1000
+REPAIR_PASSES = 4
 _MAX_INTENT_NS = 2**63 - 1
 
 # Kinds of finding, and the severity each gives the report.
@@ -75,6 +77,7 @@ class Finding:
     name: str = ""
     entry_kind: str = ""
     holds_data: bool = False  # an unreachable record: bytes or entries worth keeping
+    ctime_ns: int = 0  # an unreachable record's, as the scan saw it
     repaired: str = ""  # what --repair did about it
 
     def to_json(self) -> dict[str, Any]:
@@ -172,7 +175,22 @@ class Fsck:
         await self._scan_records(report, reached, whole=start.id == ROOT_ID)
         return report
 
-    async def _walk(self, report: Report, top: int, top_path: str, reached: dict[int, str]) -> None:
+    async def reachable(self) -> set[int]:
+        """Every record a name reaches from the root: the names alone (no record, block or
+        chunk is read), for the unreachable-record sweep."""
+        reached: dict[int, str] = {ROOT_ID: "/"}
+        await self._walk(Report("/"), ROOT_ID, "/", reached, names_only=True)
+        return set(reached)
+
+    async def _walk(
+        self,
+        report: Report,
+        top: int,
+        top_path: str,
+        reached: dict[int, str],
+        *,
+        names_only: bool = False,
+    ) -> None:
         meta = self.m.meta
         todo = [(top, top_path)]
         report.dirs += 1
@@ -187,6 +205,12 @@ class Fsck:
                 for e in entries:
                     report.names += 1
                     p = _join(dir_path, e.name)
+                    if names_only:
+                        if e.id not in reached:
+                            reached[e.id] = p
+                            if e.kind == KIND_DIR:
+                                todo.append((e.id, p))
+                        continue
                     try:
                         await meta.getattr(e.id)
                     except FileNotFound:
@@ -298,7 +322,7 @@ class Fsck:
         meta = self.m.meta
         now = time.time_ns()
         young = now - int(self.grace_s * 1e9)
-        renaming = await self._renaming()
+        renaming = await self.renaming()
         unreachable_files: list[tuple[int, str]] = []
         for shard in range(self.m.config.shards):
             async for rec in meta.scan_files(shard):
@@ -334,12 +358,13 @@ class Fsck:
                         f" {rec['blocks']} blocks, {rec['nlink']} links)",
                         entry_kind=str(rec["kind"]),
                         holds_data=bool(holds and rec["nlink"] > 0),
+                        ctime_ns=int(rec["ctime_ns"]),
                     )
                 )
         for fid, label in unreachable_files:  # their bytes too: --repair keeps them whole
             await self._check_file(report, fid, label)
 
-    async def _renaming(self) -> set[int]:
+    async def renaming(self) -> set[int]:
         """Children of every pending cross-shard rename intent (any deadline)."""
         out: set[int] = set()
         for shard in range(self.m.config.shards):
@@ -375,6 +400,13 @@ class Fsck:
                         "fsck: record %d %s moved to /%s/%s", f.id, f.path, LOST_AND_FOUND, name
                     )
                     f.repaired = f"named /{LOST_AND_FOUND}/{name}"
+                elif f.kind == UNREACHABLE:
+                    # Nothing in it to keep: what the GC's sweep would delete, with the same
+                    # re-checks (unchanged since the scan, no live writer, no entries).
+                    if not await self.m.meta.collect_unreachable(f.id, f.ctime_ns):
+                        continue
+                    log.warning("fsck: deleted empty unreachable record %d %s", f.id, f.path)
+                    f.repaired = "empty record deleted"
                 elif f.kind == BLOCK_DEGRADED and f.block_id in self._health:
                     h = self._health.pop(f.block_id)  # a pack's block: rebuilt once
                     restored = await repairer.repair_block(h, self.nodes, self.bad)
@@ -416,3 +448,24 @@ class Fsck:
 def _kn(info: BlockInfo) -> tuple[int, int]:
     policy = ECPolicy.parse(info.ec)
     return policy.k, policy.n
+
+
+async def check_and_repair(
+    m: Maintenance, path: str = "/", *, grace_s: float = DEFAULT_GRACE_S, inventory: bool = True
+) -> tuple[Report, Report, list[Finding]]:
+    """``--repair``: a pass and its repairs, then passes again while repairs expose more (a
+    directory named in /lost+found brings its subtree into the walk), at most
+    ``REPAIR_PASSES`` times. Returns the first report, the last one and every finding acted
+    on (each with what was done)."""
+    fsck = Fsck(m, grace_s=grace_s)
+    first = report = await fsck.check(path, inventory=inventory)
+    acted: list[Finding] = []
+    for _ in range(REPAIR_PASSES):
+        if not await fsck.repair(report):
+            break
+        acted += [f for f in report.findings if f.repaired]
+        fsck = Fsck(m, grace_s=grace_s)
+        report = await fsck.check(path, inventory=False)
+        if report.severity == "clean":
+            break
+    return first, report, acted

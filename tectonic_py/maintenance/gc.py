@@ -46,6 +46,11 @@ Each round, in this order:
    and where no writer holds a live lease is removed, tree and all. A job still writing
    into it keeps it: its writers renew their leases and every create stamps the directory.
 
+7. Every ``sweep_interval``, the **unreachable-record sweep**
+   (``tectonic_py/maintenance/unreachable.py``): records no name reaches in two walks of the
+   namespace at least ``unreachable_grace`` apart (what a crash between the two shards of an
+   unlink or a rename leaves), unchanged and without a live writer, are deleted.
+
 Nothing referenced is ever deleted: a chunk goes only if the Block layer says no committed
 block needs it there (and a chunk store deletes nothing without the metadata service's
 capability saying so), a block record only when unreferenced twice, ``grace`` apart.
@@ -65,6 +70,7 @@ from tectonic_py.core.errors import FileNotFound, Refused, TectonicError
 from tectonic_py.core.ids import chunk_id, parse_chunk_id, shard_of
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
+from tectonic_py.maintenance.unreachable import UnreachableSweep
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,7 @@ class GarbageCollector:
         self._suspects: dict[int, float] = {}  # block id -> monotonic time first seen
         self._last_sweep = 0.0
         self.staging_removed = 0  # staging directories removed since this process started
+        self.unreachable = UnreachableSweep(m)
 
     async def round(self) -> None:
         s = self.m.settings
@@ -88,6 +95,10 @@ class GarbageCollector:
             await self.sweep_blocks()
             await self.sweep_chunks()
             await self.sweep_staging()
+            try:
+                await self.unreachable.round()
+            except TectonicError as e:  # a walk that failed sweeps nothing; the rest stands
+                log.info("unreachable-record sweep skipped this time: %s", e)
             self._last_sweep = now
 
     # --- 1. lease recovery -------------------------------------------------------------------
