@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import trio
+from etcd_fixtures import needs_etcd
 from metadata_fixtures import open_meta_cluster, register_nodes
 
 from metadata.client import MetadataClient
+from metadata.etcd_shards import EtcdSettings
 from tectonic_py.core.errors import Refused
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import BlockInfo, ChunkPlacement
@@ -126,3 +128,31 @@ async def test_expired_leases_return_no_tokens(tmp_path: Path, secret_file: Path
             assert await maint.recover_lease(fid, row[1], before_ns=2**62) == "skipped"
             assert await mc.client.recover_lease(fid, row[1], before_ns=2**62) == "incomplete"
             await maint.aclose()
+
+
+@needs_etcd
+async def test_set_chunk_asks_the_registry_on_another_server(
+    tmp_path: Path, secret_file: Path, etcd_settings: EtcdSettings
+) -> None:
+    """Under the etcd engine a server knows who holds the registry: a block of a shard the
+    registry's server does not hold is still refused a chunk on an unknown node."""
+    async with open_meta_cluster(
+        tmp_path, secret_file, servers=2, shards=4, etcd=etcd_settings
+    ) as mc:
+        c = mc.client
+        await register_nodes(c, 4)
+        holder = next(s for s in mc.servers if s.registry is not None)
+        for i in range(64):
+            _, _, bid, nodes = await _committed_file(c, f"f{i}")
+            if c.shard_of(bid) not in holder.stores:
+                break
+        else:
+            pytest.skip("every block landed beside the registry")
+        other = next(s for s in mc.servers if s is not holder)
+        with trio.fail_after(15):  # until its poll of the owner keys has seen shard 0's
+            while 0 not in await other.engine.owners():
+                await trio.sleep(0.2)
+        with pytest.raises(Refused, match="'ghost' is not registered"):
+            await c.set_chunk(bid, 0, nodes[0], "ghost", 70)
+        spare = next(f"node{i}" for i in range(4) if f"node{i}" not in nodes[:3])
+        await c.set_chunk(bid, 0, nodes[0], spare, 70)
