@@ -83,6 +83,7 @@ class MaintenanceCalls:
                 "old_node": old_node,
                 "new_node": new_node,
                 "checksum": checksum,
+                "registry": self._r.config.registry_address,
             },
         )
 

@@ -12,7 +12,7 @@ op                   fields (and ``shard``)                                reply
 ==================== ===================================================== ===================
 block.scan           after, limit                                          blocks, next
 block.set_chunk      block_id, index, old_node ("" = none), new_node,      {}
-                     checksum
+                     checksum, [registry (its address)]
 block.forget         block_id, state, [file_id, file_index]                forgotten, chunks
                                                                            [[n, b, i], ...]
 block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
@@ -456,7 +456,7 @@ class MaintenanceOps:
     def _store(self, req: Request) -> Any:  # provided by MetadataServer
         raise NotImplementedError
 
-    async def registered(self, node_id: str) -> bool | None:  # provided by MetadataServer
+    async def registered(self, node_id: str, hint: str = "") -> bool | None:  # MetadataServer
         """Whether the node registry knows ``node_id``; None where it cannot be asked."""
         raise NotImplementedError
 
@@ -466,12 +466,19 @@ class MaintenanceOps:
         return {"blocks": blocks, "next": nxt}
 
     async def op_block__set_chunk(self, req: Request) -> None:
-        """Only onto a node the registry knows, where this server can ask it (it holds the
-        registry, or the etcd engine says who does); a sqlite server without the registry
-        shard cannot, and checks only the rest (docs/operations.md)."""
+        """Only onto a node the registry knows: this server's, the one the etcd engine says
+        holds it, or the one at the caller's ``registry`` address (docs/operations.md)."""
         store = self._store(req)
         new_node = req["new_node"]
-        if await self.registered(new_node) is False:
+        if not NODE_ID_RE.match(new_node):
+            raise InvalidArgument(f"invalid node id {new_node!r}")
+        known = await self.registered(new_node, req["registry"])
+        if known is None:
+            raise Refused(
+                f"cannot confirm that node {new_node!r} is registered: this server does not"
+                " hold the node registry; pass its address as 'registry'"
+            )
+        if not known:
             raise Refused(f"node {new_node!r} is not registered: no chunk may be placed on it")
         await store.write(
             set_chunk,

@@ -126,9 +126,30 @@ class Registry:
         return node_id in self._nodes
 
 
-async def ask_registry(address: str, secret: bytes, node_id: str) -> bool | None:
-    """Whether the registry served at ``address`` knows ``node_id``, asked as a server
-    (role node); None when it cannot be asked within a few seconds."""
+class RemoteRegistry:
+    """The registry of another server, asked as a server (role node: the handshake proves
+    both ends hold the cluster secret, so no caller can stand in a registry of its own),
+    its node ids kept for ``ttl_s`` so that a repair round's many repoints cost one ask."""
+
+    def __init__(self, secret: bytes, ttl_s: float = 2.0) -> None:
+        self.secret = secret
+        self.ttl_s = ttl_s
+        self._known: dict[str, tuple[float, frozenset[str]]] = {}
+
+    async def knows(self, address: str, node_id: str) -> bool | None:
+        """Whether the registry at ``address`` knows ``node_id``; None when it cannot be
+        asked within a few seconds or does not serve the registry."""
+        seen = self._known.get(address)
+        if seen is not None and time.monotonic() - seen[0] < self.ttl_s:
+            return node_id in seen[1]
+        ids = await _node_ids(address, self.secret)
+        if ids is None:
+            return None
+        self._known[address] = (time.monotonic(), ids)
+        return node_id in ids
+
+
+async def _node_ids(address: str, secret: bytes) -> frozenset[str] | None:
     from tectonic_py.core import rpc_client
     from tectonic_py.core.auth import ROLE_NODE, Credential
     from tectonic_py.core.errors import TectonicError
@@ -141,4 +162,4 @@ async def ask_registry(address: str, secret: bytes, node_id: str) -> bool | None
                 resp = await conn.call("node.list", {})
     except (TectonicError, OSError, trio.TooSlowError):
         return None
-    return any(n.get("node_id") == node_id for n in resp.fields["nodes"])
+    return frozenset(str(n.get("node_id")) for n in resp.fields["nodes"])

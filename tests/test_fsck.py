@@ -202,14 +202,16 @@ async def test_a_chunk_repointed_where_it_is_not_shows_at_the_next_pass(tmp_path
         used = {ch.node_id for ch in block.chunks}
         spare = next(f"cs{i}" for i in range(8) if f"cs{i}" not in used)
         first = block.chunks[0]
+        assert cluster.config is not None
+        registry = cluster.config.registry_address  # for a server without the registry
         ghost = admin_call(
             cluster, "block.set_chunk", block_id=block.block_id, index=first.index,
-            old_node=first.node_id, new_node="cs99", checksum=first.checksum,
+            old_node=first.node_id, new_node="cs99", checksum=first.checksum, registry=registry,
         )  # fmt: skip
         assert ghost.returncode == 1 and "not registered" in ghost.stderr, ghost.stderr
         moved = admin_call(
             cluster, "block.set_chunk", block_id=block.block_id, index=first.index,
-            old_node=first.node_id, new_node=spare, checksum=first.checksum,
+            old_node=first.node_id, new_node=spare, checksum=first.checksum, registry=registry,
         )  # fmt: skip
         assert moved.returncode == 0, moved.stderr
         code, report = fsck(cluster)

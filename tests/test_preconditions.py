@@ -156,3 +156,32 @@ async def test_set_chunk_asks_the_registry_on_another_server(
             await c.set_chunk(bid, 0, nodes[0], "ghost", 70)
         spare = next(f"node{i}" for i in range(4) if f"node{i}" not in nodes[:3])
         await c.set_chunk(bid, 0, nodes[0], spare, 70)
+
+
+async def test_set_chunk_on_a_server_without_the_registry(
+    tmp_path: Path, secret_file: Path
+) -> None:
+    """A sqlite server that does not hold the registry asks the one at the caller's
+    ``registry`` address (as a server: a caller cannot stand in one of its own), and
+    refuses when it is given none."""
+    async with open_meta_cluster(tmp_path, secret_file, servers=2, shards=4) as mc:
+        c = mc.client
+        await register_nodes(c, 4)
+        holder = next(s for s in mc.servers if s.registry is not None)
+        for i in range(64):
+            _, _, bid, nodes = await _committed_file(c, f"f{i}")
+            if c.shard_of(bid) not in holder.stores:
+                break
+        else:
+            pytest.skip("every block landed beside the registry")
+        fields = {"block_id": bid, "index": 0, "old_node": nodes[0], "checksum": 70}
+        with pytest.raises(Refused, match="cannot confirm that node 'node3' is registered"):
+            await c.call("block.set_chunk", {**fields, "new_node": "node3"})
+        with pytest.raises(Refused, match="cannot confirm"):  # not a registry at all
+            await c.call(
+                "block.set_chunk", {**fields, "new_node": "node3", "registry": "127.0.0.1:1"}
+            )
+        with pytest.raises(Refused, match="'ghost' is not registered"):
+            await c.set_chunk(bid, 0, nodes[0], "ghost", 70)  # the typed client names it
+        spare = next(f"node{i}" for i in range(4) if f"node{i}" not in nodes[:3])
+        await c.set_chunk(bid, 0, nodes[0], spare, 70)

@@ -262,10 +262,10 @@ def _block_layer() -> list[Op]:
             mutates=False),
         _op("block.set_chunk",
             [*bid, _INDEX, str_("old_node", "", max_len=64), str_("new_node", max_len=64),
-             _CHECKSUM],
+             _CHECKSUM, str_("registry", "", max_len=300)],
             "{}", by("block_id"), UPKEEP, mutates=True,
-            doc="refused onto a node the registry does not know, or from where the chunk "
-                "is not"),
+            doc="refused onto a node the registry does not know (registry: its address, "
+                "for a server that does not hold it), or from where the chunk is not"),
         _op("block.forget",
             [*bid, str_("state", max_len=16, choices=("allocated", "committed")),
              id_("file_id", None, lo=0), int_("file_index", None, lo=-1, hi=MAX_ID)],

@@ -39,13 +39,13 @@ def register(subparsers: Any) -> None:
         "4 degraded but readable)",
     )
     add_cluster_file(p, type=Path)
-    p.add_argument("path", nargs="?", default="/", help="the subtree to check")
+    p.add_argument("path", metavar="PATH", nargs="?", default="/", help="the subtree to check")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--repair",
         action="store_true",
-        help="remove dangling names, move unreachable records that hold data to /lost+found, "
-        "rebuild degraded blocks; then check again",
+        help="remove dangling names, move unreachable records that hold data to /lost+found "
+        "(delete empty ones), rebuild degraded blocks; then check again",
     )
     p.add_argument(
         "--grace",
