@@ -241,6 +241,8 @@ class MetadataClient:
         # the background services
         self.collect_orphans = maintenance.collect_orphans
         self.scan_blocks = maintenance.scan_blocks
+        self.scan_files = maintenance.scan_files
+        self.collect_unreachable = maintenance.collect_unreachable
         self.set_chunk = maintenance.set_chunk
         self.forget_block = maintenance.forget_block
         self.dead_chunks = maintenance.dead_chunks

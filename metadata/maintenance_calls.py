@@ -84,6 +84,7 @@ class MaintenanceCalls:
                 "old_node": old_node,
                 "new_node": new_node,
                 "checksum": checksum,
+                "registry": self._r.config.registry_address,
             },
         )
 
@@ -189,23 +190,47 @@ class MaintenanceCalls:
         )
         return [bool(x) for x in r["referenced"]]
 
+    async def scan_files(self, shard: int, *, page: int = 1000) -> AsyncIterator[dict[str, Any]]:
+        """Every File record of ``shard`` (``file.scan``), page by page, in id order: id,
+        kind, named, parent, name, nlink, size, blocks, writer, lease_ns, created_ns,
+        ctime_ns."""
+        after = 0
+        for _ in range(10_000_000):
+            r = await self._r.call_shard(shard, "file.scan", {"after": after, "limit": page})
+            for f in r["files"]:
+                yield f
+            if r["next"] is None:
+                return
+            after = int(r["next"])
+
+    async def collect_unreachable(self, file_id: int, ctime_ns: int) -> bool:
+        """Delete a record no name reaches if it is unchanged since ``ctime_ns``, without a
+        live writer and not a directory with entries; whether it went."""
+        r = await self._r.call_shard(
+            self._r.shard_of(file_id),
+            "file.collect_unreachable",
+            {"id": file_id, "ctime_ns": ctime_ns},
+        )
+        return bool(r["deleted"])
+
     async def expired_leases(
         self, shard: int, *, before_ns: int, limit: int
     ) -> list[tuple[int, int]]:
-        """(file_id, token) of ``shard``'s files whose writer lease expired before
-        ``before_ns`` without a close."""
+        """(file_id, lease_ns) of ``shard``'s files whose writer lease expired before
+        ``before_ns`` (the server holds it to now) without a close."""
         r = await self._r.call_shard(
             shard, "file.expired_leases", {"before_ns": before_ns, "limit": limit}
         )
         return [(int(f), int(t)) for f, t in r["files"]]
 
-    async def recover_lease(self, file_id: int, token: int, *, before_ns: int) -> str:
-        """Release a writer lease that expired before ``before_ns`` (the rule is
-        metadata/maintenance_ops.py's): "skipped", "deleted" or "incomplete"."""
+    async def recover_lease(self, file_id: int, lease_ns: int, *, before_ns: int) -> str:
+        """Release a writer lease that expired (at ``lease_ns``, as ``expired_leases`` said)
+        before ``before_ns`` (the rule is metadata/maintenance_ops.py's): "skipped",
+        "deleted" or "incomplete"."""
         r = await self._r.call_shard(
             self._r.shard_of(file_id),
             "file.recover_lease",
-            {"id": file_id, "token": token, "before_ns": before_ns},
+            {"id": file_id, "lease_ns": lease_ns, "before_ns": before_ns},
         )
         return str(r["outcome"])
 

@@ -12,7 +12,7 @@ op                   fields (and ``shard``)                                reply
 ==================== ===================================================== ===================
 block.scan           after, limit                                          blocks, next
 block.set_chunk      block_id, index, old_node ("" = none), new_node,      {}
-                     checksum
+                     checksum, [registry (its address)]
 block.forget         block_id, state, [file_id, file_index]                forgotten, chunks
                                                                            [[n, b, i], ...]
 block.dead_chunks    node_id, chunks [[block_id, index], ...]              dead [[b, i], ...]
@@ -25,8 +25,10 @@ block.caps           action ("put" | "delete"), chunks [[node_id, block_id,    c
 file.gc_queue        older_than_ns, limit, [superseded_before_ns]          blocks [[b, q_ns]]
 file.gc_ack          block_ids                                             {}
 file.referenced      refs [[file_id, index, block_id], ...]                referenced [bool]
-file.expired_leases  before_ns, limit                                      files [[id, token]]
-file.recover_lease   id, token, before_ns                                  outcome
+file.scan            after, limit                                          files [{id, kind, ...}],
+                                                                           next
+file.expired_leases  before_ns, limit                                      files [[id, lease_ns]]
+file.recover_lease   id, lease_ns, before_ns                               outcome
 ==================== ===================================================== ===================
 
 ``block.scan`` lists every block of a shard (allocated and committed) in block-id order with
@@ -40,6 +42,10 @@ status`` reports. ``block.node_chunks`` pages through the chunks the Block layer
 node with their checksums and lengths, in (block_id, index) order and within a block-id
 range: the inventory (``tectonic_py/maintenance/inventory.py``) compares it with what the
 node's chunk store lists.
+
+``file.collect_unreachable`` (id, ctime_ns -> deleted) is the unreachable-record sweep's
+delete (tectonic_py/maintenance/unreachable.py): it re-checks in its transaction that the
+record is as the sweep saw it, has no live writer and is not a directory with entries.
 
 ``block.caps`` is where the background services get their capabilities, signed with the
 capability key that only metadata servers and chunk stores hold, one per chunk (nil where
@@ -72,8 +78,9 @@ import msgpack
 from metadata.block_layer import PACK_OWNER, holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
-from tectonic_py.core.errors import FileNotFound, InvalidArgument, WrongShard
-from tectonic_py.core.ids import NODE_ID_RE, shard_of
+from tectonic_py.core.auth import ROLE_ADMIN
+from tectonic_py.core.errors import FileNotFound, InvalidArgument, Refused, WrongShard
+from tectonic_py.core.ids import NODE_ID_RE, ROOT_ID, shard_of
 from tectonic_py.core.rpc_server import Request
 
 MAX_SCAN = 10_000
@@ -163,7 +170,9 @@ def forget_block(
     """Delete a block's record, if it is still in the state the GC saw (and, when given,
     still of that file at that index); None if it was not. Returns the chunk files it
     placed, as (node_id, stored-as block id, index), read in the same transaction: a copy
-    that repair or rebalance pointed the block at after the GC located it is among them."""
+    that repair or rebalance pointed the block at after the GC located it is among them.
+    ``Refused`` while any file's block entry names it (its own file's, or an extent of a
+    pack), whoever calls: forgetting it would lose that file's data."""
     row = conn.execute(
         "SELECT state, file_id, file_index FROM blocks WHERE block_id = ?", (block_id,)
     ).fetchone()
@@ -171,8 +180,14 @@ def forget_block(
         return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
-    if row[1] == PACK_OWNER and _pack_held(conn, block_id):
-        return None  # an extent was committed into it after it was queued or suspected
+    holder = conn.execute(
+        "SELECT file_id, idx FROM file_blocks WHERE block_id = ? LIMIT 1", (block_id,)
+    ).fetchone()
+    if holder is not None:
+        what = "pack" if row[1] == PACK_OWNER else "block"
+        raise Refused(
+            f"{what} {block_id:016x} is still referenced (file {holder[0]} block {holder[1]})"
+        )
     chunks = locate(conn, [block_id])[0].chunks if state == "committed" else []
     placed = [(c.node_id, c.storage_block(block_id), c.index) for c in chunks]
     conn.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
@@ -319,11 +334,65 @@ def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> li
     return out
 
 
+def scan_files(
+    conn: sqlite3.Connection, after: int, limit: int
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Every record of a shard, in id order, as fsck and the unreachable-record sweep need
+    it: kind, name hint, link count, size, how many block entries, whether a writer holds
+    it and its lease's expiry (never the token)."""
+    rows = conn.execute(
+        "SELECT f.id, f.kind, f.named, f.parent_id, f.name, f.nlink, f.size, f.writer_token != 0,"
+        " f.lease_ns, f.created_ns, f.ctime_ns,"
+        " (SELECT count(*) FROM file_blocks b WHERE b.file_id = f.id)"
+        " FROM files f WHERE f.id > ? ORDER BY f.id LIMIT ?",
+        (after, limit),
+    ).fetchall()
+    keys = (
+        "id",
+        "kind",
+        "named",
+        "parent",
+        "name",
+        "nlink",
+        "size",
+        "writer",
+        "lease_ns",
+        "created_ns",
+        "ctime_ns",
+        "blocks",
+    )
+    out = [dict(zip(keys, r)) for r in rows]
+    for rec in out:
+        rec["named"], rec["writer"] = bool(rec["named"]), bool(rec["writer"])
+    return out, (rows[-1][0] if len(rows) == limit else None)
+
+
+def collect_unreachable(conn: sqlite3.Connection, file_id: int, ctime_ns: int, now: int) -> bool:
+    """Delete a record the maintenance daemon's walks found unreachable, if it is still as
+    they saw it (``ctime_ns``: a hard link made to it since changes that), holds no live
+    writer (an open handle) and is not a directory with entries; False when kept."""
+    from metadata import file_layer
+    from metadata.dir_entries import has_entries
+
+    row = conn.execute(
+        "SELECT kind, ctime_ns, writer_token, lease_ns FROM files WHERE id = ?", (file_id,)
+    ).fetchone()
+    if file_id == ROOT_ID or row is None or row[1] != ctime_ns or (row[2] and row[3] > now):
+        return False
+    if row[0] == "dir" and has_entries(conn, file_id):
+        return False
+    file_layer._delete_record(conn, file_id, now)
+    return True
+
+
 def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list[tuple[int, int]]:
+    """(file_id, lease_ns) of files whose writer lease ran out before ``before_ns``. The
+    lease's expiry, not the writer token, is what ``recover_lease`` fences on: a token is
+    the writer's credential and never leaves the File layer."""
     return [
         (r[0], r[1])
         for r in conn.execute(
-            "SELECT id, writer_token FROM files WHERE writer_token != 0 AND lease_ns < ?"
+            "SELECT id, lease_ns FROM files WHERE writer_token != 0 AND lease_ns < ?"
             " AND kind = 'file' ORDER BY lease_ns LIMIT ?",
             (before_ns, limit),
         )
@@ -331,9 +400,11 @@ def expired_leases(conn: sqlite3.Connection, before_ns: int, limit: int) -> list
 
 
 def recover_lease(
-    conn: sqlite3.Connection, file_id: int, token: int, before_ns: int, now: int
+    conn: sqlite3.Connection, file_id: int, lease_ns: int, before_ns: int, now: int
 ) -> str:
-    """Apply the lease recovery rule of the module docstring; returns what was done."""
+    """Apply the lease recovery rule of the module docstring; returns what was done.
+    ``lease_ns`` is the expiry ``expired_leases`` reported: a writer that renewed or a new
+    writer that reopened the file since has another, and is left alone."""
     from metadata import file_layer
 
     row = conn.execute(
@@ -341,8 +412,8 @@ def recover_lease(
         " WHERE id = ? AND kind = 'file'",
         (file_id,),
     ).fetchone()
-    if row is None or row[0] != token or row[1] >= before_ns:
-        return "skipped"  # gone, reopened by a new writer, or renewed meanwhile
+    if row is None or row[0] == 0 or row[1] != lease_ns or row[1] >= before_ns:
+        return "skipped"  # gone, closed, reopened by a new writer, or renewed meanwhile
     if row[2] == 0:
         file_layer._delete_record(conn, file_id, now)
         return "deleted"
@@ -368,14 +439,25 @@ def _in_shard(chunks: list[tuple[str, int, int]], shard: int, total_shards: int)
             raise WrongShard(f"block {block_id:016x} is not in shard {shard}")
 
 
+def _bounded(req: Request) -> int:
+    """``before_ns`` as far as the caller may push it: never past now (a lease that has not
+    run out is a live writer's), except for an operator (admin) fencing a writer by hand."""
+    before: int = req["before_ns"]
+    return before if req.role == ROLE_ADMIN else min(before, now_ns())
+
+
 class MaintenanceOps:
-    """Mixin of ``MetadataServer`` (which provides ``_store``, ``total_shards`` and
-    ``capability_key``)."""
+    """Mixin of ``MetadataServer`` (which provides ``_store``, ``total_shards``,
+    ``capability_key`` and ``registered``)."""
 
     total_shards: int
     capability_key: bytes
 
     def _store(self, req: Request) -> Any:  # provided by MetadataServer
+        raise NotImplementedError
+
+    async def registered(self, node_id: str, hint: str = "") -> bool | None:  # MetadataServer
+        """Whether the node registry knows ``node_id``; None where it cannot be asked."""
         raise NotImplementedError
 
     async def op_block__scan(self, req: Request) -> dict[str, Any]:
@@ -384,7 +466,20 @@ class MaintenanceOps:
         return {"blocks": blocks, "next": nxt}
 
     async def op_block__set_chunk(self, req: Request) -> None:
+        """Only onto a node the registry knows: this server's, the one the etcd engine says
+        holds it, or the one at the caller's ``registry`` address (docs/operations.md)."""
         store = self._store(req)
+        new_node = req["new_node"]
+        if not NODE_ID_RE.match(new_node):
+            raise InvalidArgument(f"invalid node id {new_node!r}")
+        known = await self.registered(new_node, req["registry"])
+        if known is None:
+            raise Refused(
+                f"cannot confirm that node {new_node!r} is registered: this server does not"
+                " hold the node registry; pass its address as 'registry'"
+            )
+        if not known:
+            raise Refused(f"node {new_node!r} is not registered: no chunk may be placed on it")
         await store.write(
             set_chunk,
             req["block_id"],
@@ -465,13 +560,19 @@ class MaintenanceOps:
         store = self._store(req)
         return {"referenced": store.read(referenced, req["refs"])}
 
+    async def op_file__scan(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        files, nxt = store.read(scan_files, req["after"], req["limit"])
+        return {"files": files, "next": nxt}
+
+    async def op_file__collect_unreachable(self, req: Request) -> dict[str, Any]:
+        store = self._store(req)
+        deleted = await store.write(collect_unreachable, req["id"], req["ctime_ns"], now_ns())
+        return {"deleted": deleted}
+
     async def op_file__expired_leases(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        rows = store.read(
-            expired_leases,
-            req["before_ns"],
-            req["limit"],
-        )
+        rows = store.read(expired_leases, _bounded(req), req["limit"])
         return {"files": [list(r) for r in rows]}
 
     async def op_file__recover_lease(self, req: Request) -> dict[str, Any]:
@@ -479,8 +580,8 @@ class MaintenanceOps:
         outcome = await store.write(
             recover_lease,
             req["id"],
-            req["token"],
-            req["before_ns"],
+            req["lease_ns"],
+            _bounded(req),
             now_ns(),
         )
         return {"outcome": outcome}

@@ -8,6 +8,12 @@ Liveness is in memory: ``last_seen`` of the latest heartbeat; a node silent for 
 ``node_timeout`` is ``down`` and is never placed on. After a restart every persisted node
 starts with a fresh ``last_seen`` (a grace period of one timeout) so placement works at once;
 a node that is really gone drops out when the grace period ends.
+
+A node id is one store's: a heartbeat naming a registered id from another address is
+refused (``Refused``) while the registration is up, so a second store started with a
+taken id (a copied config) cannot take over its chunks' placements. A store that really
+moved (a new host or port) is accepted once its old registration has been silent for
+``node_timeout`` (down); a restart on the same address is always accepted.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import trio
+
 from metadata.shard import ShardStore, now_ns
-from tectonic_py.core.errors import InvalidArgument
+from tectonic_py.core.errors import InvalidArgument, Refused
 from tectonic_py.core.ids import NODE_ID_RE
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.sockets import parse_address
@@ -68,6 +76,16 @@ class Registry:
         if not fields["failure_domain"] or len(fields["failure_domain"]) > 128:
             raise InvalidArgument("failure_domain must be 1..128 characters")
         old = self._nodes.get(node_id)
+        if (
+            old is not None
+            and old.address != fields["address"]
+            and time.time() - old.last_seen <= self.node_timeout
+        ):
+            raise Refused(
+                f"node id {node_id!r} is registered at {old.address}, which is up; a store"
+                f" moving to {fields['address']} is accepted once that one is silent for"
+                f" {self.node_timeout:g}s"
+            )
         changed = old is None or (old.address, old.failure_domain, old.capacity) != (
             fields["address"],
             fields["failure_domain"],
@@ -102,3 +120,46 @@ class Registry:
             replace(n, state="up" if now - n.last_seen <= self.node_timeout else "down")
             for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
         ]
+
+    def known(self, node_id: str) -> bool:
+        """Whether ``node_id`` is registered (up or down)."""
+        return node_id in self._nodes
+
+
+class RemoteRegistry:
+    """The registry of another server, asked as a server (role node: the handshake proves
+    both ends hold the cluster secret, so no caller can stand in a registry of its own),
+    its node ids kept for ``ttl_s`` so that a repair round's many repoints cost one ask."""
+
+    def __init__(self, secret: bytes, ttl_s: float = 2.0) -> None:
+        self.secret = secret
+        self.ttl_s = ttl_s
+        self._known: dict[str, tuple[float, frozenset[str]]] = {}
+
+    async def knows(self, address: str, node_id: str) -> bool | None:
+        """Whether the registry at ``address`` knows ``node_id``; None when it cannot be
+        asked within a few seconds or does not serve the registry."""
+        seen = self._known.get(address)
+        if seen is not None and time.monotonic() - seen[0] < self.ttl_s:
+            return node_id in seen[1]
+        ids = await _node_ids(address, self.secret)
+        if ids is None:
+            return None
+        self._known[address] = (time.monotonic(), ids)
+        return node_id in ids
+
+
+async def _node_ids(address: str, secret: bytes) -> frozenset[str] | None:
+    from tectonic_py.core import rpc_client
+    from tectonic_py.core.auth import ROLE_NODE, Credential
+    from tectonic_py.core.errors import TectonicError
+
+    try:
+        host, port = parse_address(address)
+        with trio.fail_after(5):
+            cred = Credential.from_secret(secret, ROLE_NODE)
+            async with rpc_client.open_connection(host, port, cred) as conn:
+                resp = await conn.call("node.list", {})
+    except (TectonicError, OSError, trio.TooSlowError):
+        return None
+    return frozenset(str(n.get("node_id")) for n in resp.fields["nodes"])

@@ -44,7 +44,7 @@ from metadata.compaction_ops import CompactionOps
 from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
-from metadata.registry import Registry
+from metadata.registry import Registry, RemoteRegistry
 from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
 from metadata.write_ops import WriteOps
@@ -57,7 +57,7 @@ from tectonic_py.core.auth import (
     Credential,
     Keyring,
 )
-from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE
+from tectonic_py.core.cluster_file import DEFAULT_CHUNK_SIZE, REGISTRY_SHARD
 from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.errors import (
     ConfigError,
@@ -138,6 +138,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
             ) from None
         self.total_shards = total_shards
         self.secret = secret
+        self._remote_registry = RemoteRegistry(secret)
         if len(capability_key) < 16:
             raise ConfigError("the capability key must be at least 16 bytes")
         self.capability_key = capability_key  # signs capabilities; clients never hold it
@@ -596,6 +597,20 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
 
     def _registry(self) -> Registry:
         return self.engine.node_registry()
+
+    async def registered(self, node_id: str, hint: str = "") -> bool | None:
+        """Whether the node registry knows ``node_id``: here, or asked of the server that
+        holds it: the one the etcd engine's owners name, else ``hint`` (the caller's cluster
+        file's registry address; the node handshake proves it is one of ours). None where
+        none of them can tell."""
+        if self.registry is not None:
+            return self.registry.known(node_id)
+        owner = (await self.engine.owners()).get(REGISTRY_SHARD, "")
+        for address in dict.fromkeys(a for a in (owner, hint) if a and a != self.address):
+            known = await self._remote_registry.knows(address, node_id)
+            if known is not None:
+                return known
+        return None
 
     async def op_node__heartbeat(self, req: Request) -> None:
         registry = self._registry()

@@ -37,7 +37,13 @@ from maintenance_helpers import (
 from metadata import block_layer, file_layer, maintenance_ops, write_ops
 from metadata.shard import SCHEMA
 from tectonic_py.core.ec_policy import ECPolicy
-from tectonic_py.core.errors import FileNotFound, InvalidArgument, StaleWriterToken, WrongShard
+from tectonic_py.core.errors import (
+    FileNotFound,
+    InvalidArgument,
+    Refused,
+    StaleWriterToken,
+    WrongShard,
+)
 from tectonic_py.core.ids import shard_of
 from tectonic_py.core.records import BlockInfo, ChunkPlacement, PackedExtent
 
@@ -246,8 +252,9 @@ def test_a_pack_is_queued_for_gc_with_its_last_extent():
     file_layer.unlink(conn, a, 3)
     conn.execute("COMMIT")
     assert _gc_queue(conn) == set()  # b still holds it
-    # A forget of a pack some extent still holds (a stale queue entry) does nothing.
-    assert maintenance_ops.forget_block(conn, info.block_id, "committed", None, None) is None
+    # A forget of a pack some extent still holds (a stale queue entry) is refused.
+    with pytest.raises(Refused):
+        maintenance_ops.forget_block(conn, info.block_id, "committed", None, None)
     conn.execute("BEGIN")
     file_layer.unlink(conn, b, 4)
     conn.execute("COMMIT")

@@ -162,7 +162,7 @@ async def test_a_client_key_cannot_make_the_cluster_forget_move_or_delete_anythi
                         "chunks": [[c.node_id, block.block_id, c.index] for c in block.chunks]}),
         ("file.gc_ack", {"shard": 0, "block_ids": [block.block_id]}),
         ("file.expired_leases", {"shard": 0, "before_ns": 2**62}),
-        ("file.recover_lease", {"id": victim.id, "token": 1, "before_ns": 2**62}),
+        ("file.recover_lease", {"id": victim.id, "lease_ns": 1, "before_ns": 2**62}),
         ("block.replace_chunk", {"block_id": block.block_id, "index": 0, "old_node": "cs0",
                                  "new_node": "cs8", "checksum": 0}),
         ("node.heartbeat", {"node_id": "evil", "address": "127.0.0.1:1",

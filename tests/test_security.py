@@ -374,6 +374,8 @@ async def test_the_metadata_service_grants_no_delete_of_a_chunk_a_block_needs(
         with pytest.raises(InvalidArgument):
             await caps("delete", ("../etc", b, 0))
         # The block of a deleted file, once the GC forgot it: every chunk may go.
+        await c.seal(f.id, tok, 150)
+        await c.unlink(ROOT_ID, "f")
         assert await c.forget_block(b, state="committed") is not None
         assert None not in await caps("delete", (nodes[3], b, 0), (nodes[1], b, 1))
 

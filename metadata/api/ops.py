@@ -219,9 +219,19 @@ def _file_layer() -> list[Op]:
             mutates=True, repeatable=True),
         _op("file.referenced", [list_("refs", "pairs", max_len=MAX_SCAN, width=3)],
             "referenced", SCAN, UPKEEP, mutates=False),
-        _op("file.expired_leases", [_NS, _LIMIT], "files", SCAN, UPKEEP, mutates=False),
-        _op("file.recover_lease", [*fid, int_("token", lo=1, hi=MAX_ID), _NS], "outcome",
-            by("id"), UPKEEP, mutates=True),
+        _op("file.scan", [id_("after", 0, lo=0), _LIMIT], "files, next", SCAN, UPKEEP,
+            mutates=False, doc="every record of a shard in id order (fsck, the "
+                               "unreachable-record sweep); never a writer token"),
+        _op("file.collect_unreachable", [*fid, int_("ctime_ns", hi=I64)], "deleted",
+            by("id"), UPKEEP, mutates=True, repeatable=True,
+            doc="a record no name reaches (the sweep's two walks), if unchanged since "
+                "(ctime_ns), without a live writer, not a directory with entries"),
+        _op("file.expired_leases", [_NS, _LIMIT], "files [[id, lease_ns]]", SCAN, UPKEEP,
+            mutates=False, doc="never a writer token; before_ns no later than now (admin: "
+                               "any)"),
+        _op("file.recover_lease", [*fid, int_("lease_ns", lo=1, hi=I64), _NS], "outcome",
+            by("id"), UPKEEP, mutates=True,
+            doc="fenced on the lease expiry expired_leases reported"),
     ]  # fmt: skip
 
 
@@ -265,12 +275,15 @@ def _block_layer() -> list[Op]:
             mutates=False),
         _op("block.set_chunk",
             [*bid, _INDEX, str_("old_node", "", max_len=64), str_("new_node", max_len=64),
-             _CHECKSUM],
-            "{}", by("block_id"), UPKEEP, mutates=True),
+             _CHECKSUM, str_("registry", "", max_len=300)],
+            "{}", by("block_id"), UPKEEP, mutates=True,
+            doc="refused onto a node the registry does not know (registry: its address, "
+                "for a server that does not hold it), or from where the chunk is not"),
         _op("block.forget",
             [*bid, str_("state", max_len=16, choices=("allocated", "committed")),
              id_("file_id", None, lo=0), int_("file_index", None, lo=-1, hi=MAX_ID)],
-            "forgotten, chunks", by("block_id"), UPKEEP, mutates=True),
+            "forgotten, chunks", by("block_id"), UPKEEP, mutates=True,
+            doc="refused while a file's block entry (or a pack extent) names the block"),
         _op("block.dead_chunks", [_NODE, list_("chunks", "pairs", max_len=MAX_SCAN, width=2)],
             "dead", SCAN, UPKEEP, mutates=False),
         _op("block.bad_chunks", [id_("after", 0, lo=0), _LIMIT], "chunks, next", SCAN, UPKEEP,
@@ -296,7 +309,8 @@ def _services() -> list[Op]:
              str_("fs_id", "", max_len=300), int_("fs_total", 0, hi=I64),
              int_("fs_free", 0, hi=I64)],
             "{}", REGISTRY, frozenset({ROLE_NODE, ROLE_ADMIN}), mutates=True, repeatable=True,
-            doc="a chunk store's membership and free space"),
+            doc="a chunk store's membership and free space; refused for a node id "
+                "registered at another address that is still up"),
         _op("node.list", [], "nodes", REGISTRY, EVERYONE, mutates=False),
         _op("server.stats", [], "files, shards", SERVER, READ, mutates=False),
         _op("server.owners", [], "owners {shard: address}", ANY, EVERYONE, mutates=False),

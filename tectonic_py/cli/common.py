@@ -17,6 +17,10 @@ from metadata.client import INTERACTIVE_FIRST_CONTACT_S, RECONNECT_DEADLINE_S
 # The command ran, and found the cluster unable to serve everything (or a load test saw
 # errors): distinct from 1 (the command failed) and 2 (argparse's usage error).
 EXIT_UNHEALTHY = 3
+# Everything is readable, but something is not whole: a block below k+m good chunks, a
+# dangling name, an unreachable record (``tectonic fsck``, ``tectonic status``). Not 2,
+# which argparse uses for a usage error.
+EXIT_DEGRADED = 4
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

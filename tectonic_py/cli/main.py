@@ -26,7 +26,17 @@ from collections.abc import Sequence
 
 from chunkstore import main as chunkstore_main
 from metadata import main as metadata_main
-from tectonic_py.cli import call, cluster, commit, data, loadtest, maintenance, mount, status
+from tectonic_py.cli import (
+    call,
+    cluster,
+    commit,
+    data,
+    fsck,
+    loadtest,
+    maintenance,
+    mount,
+    status,
+)
 from tectonic_py.cli.common import Parser
 from tectonic_py.core.errors import TectonicError
 
@@ -40,6 +50,7 @@ _COMMAND_MODULES = [
     mount,  # tectonic mount/umount
     status,  # tectonic status
     maintenance,  # tectonic maintenance / repair
+    fsck,  # tectonic fsck
     loadtest,  # tectonic loadtest
 ]
 

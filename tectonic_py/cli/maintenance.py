@@ -1,6 +1,6 @@
 """``tectonic maintenance CLUSTER_FILE`` (run the background services until stopped) and
 ``tectonic repair CLUSTER_FILE --status`` (where repair stands; exit code 3 when a block is
-lost, i.e. has fewer than k live chunks) and ``tectonic repair CLUSTER_FILE --inventory`` (one
+lost, i.e. has fewer than k live chunks, or the last fsck found a file's data lost) and ``tectonic repair CLUSTER_FILE --inventory`` (one
 inventory pass now: every chunk the Block layer places on an up store checked against the
 store's listing, what is missing or replaced recorded for repair).
 
@@ -23,6 +23,7 @@ from tectonic_py.cli.common import EXIT_UNHEALTHY, add_cluster_file
 from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
+from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 from tectonic_py.maintenance.services import run_services
 
@@ -70,6 +71,13 @@ def register(subparsers: Any) -> None:
         type=float,
         default=600.0,
         help="seconds between inventory passes (every store's chunks against the Block layer)",
+    )
+    p.add_argument(
+        "--unreachable-grace",
+        type=float,
+        default=600.0,
+        help="seconds between the two sweeps' walks that must both miss a record no name "
+        "reaches before it is deleted",
     )
     p.add_argument("--repair-concurrency", type=int, default=4, help="blocks rebuilt at once")
     p.add_argument("--no-rebalance", action="store_true", help="do not move chunks to balance")
@@ -122,6 +130,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
         grace=args.grace,
         superseded_grace=args.superseded_grace,
         lease_grace=args.lease_grace,
+        unreachable_grace=args.unreachable_grace,
         sweep_interval=args.sweep_interval,
         inventory_interval=args.inventory_interval,
         bandwidth=args.bandwidth,
@@ -171,7 +180,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
-    return 0 if status["lost"] == 0 else EXIT_UNHEALTHY
+    lost = status["lost"] or fsck_summary.says_lost(status.get("last_fsck"))
+    return EXIT_UNHEALTHY if lost else 0
 
 
 async def fetch_repair_status(config: Any) -> dict[str, Any]:
@@ -180,7 +190,7 @@ async def fetch_repair_status(config: Any) -> dict[str, Any]:
     maintenance process, which keeps no status endpoint of its own."""
     from tectonic_py.maintenance.repair import repair_status
 
-    return await _with_maintenance(config, repair_status)
+    return await with_maintenance(config, repair_status)
 
 
 async def run_inventory_pass(config: Any) -> dict[str, Any]:
@@ -190,10 +200,10 @@ async def run_inventory_pass(config: Any) -> dict[str, Any]:
     async def one(m: Maintenance) -> dict[str, Any]:
         return summary(await Inventory(m).round())
 
-    return await _with_maintenance(config, one)
+    return await with_maintenance(config, one)
 
 
-async def _with_maintenance(config: Any, fn: Any) -> dict[str, Any]:
+async def with_maintenance(config: Any, fn: Any) -> dict[str, Any]:
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, MaintenanceSettings(), meta, nursery)
@@ -238,5 +248,6 @@ def format_status(s: dict[str, Any]) -> str:
         ),
         f"nodes up: {s['nodes_up']}, down: {', '.join(s['nodes_down']) or 'none'}",
         f"chunks found bad (scrub, readers, inventory): {len(s['bad_chunks'])}",
+        fsck_summary.describe(s.get("last_fsck")),
     ]
     return "\n".join(lines)

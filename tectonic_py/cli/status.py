@@ -9,7 +9,12 @@ inventory found it gone from its store or replaced, it was never stored: a block
 short) or when an up store's scrub reports it; repair sees the same
 (``tectonic_py.maintenance.repair``). No block is scanned that is not suspect, so the cost
 grows with what is broken, not with the cluster. A block with fewer than k good chunks
-cannot be read until a node comes back, so it is reported as ``lost``. The exit code is 3 when the cluster cannot serve everything (a block
+cannot be read until a node comes back, so it is reported as ``lost``.
+
+What status cannot see without walking the namespace (a file whose block record is gone, a
+chunk pointed at a store that lacks it until the next inventory pass) it takes from the last
+``tectonic fsck``, whose summary and age it shows (``last_fsck``; fsck_summary.py says why
+status does not walk). Data lost at the last fsck makes the exit code 3 as well. The exit code is 3 when the cluster cannot serve everything (a block
 is lost, or a metadata server is down: its shards' names and files are unreachable), so
 scripts can alert on it; 1 is an error of the command itself (one line on stderr), 2 a usage
 error (argparse).
@@ -35,7 +40,8 @@ the scrub, or the inventory pass of ``tectonic maintenance`` (or ``tectonic repa
      "metadata_servers": [{address, shards, state, error}],
      "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id or "unplaced"],
        readable}] or null,
-     "degraded_error": null or str, "warnings": [str]}
+     "degraded_error": null or str, "warnings": [str],
+     "last_fsck": null or {checked_at, age_s, path, severity, counts, lost_files, lost_paths}}
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.rpc_client import open_connection
 from tectonic_py.core.sockets import parse_address
+from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
@@ -140,6 +147,11 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
                 degraded = await degraded_blocks(m, nodes)
             except TectonicError as e:
                 degraded_error = str(e)
+            try:
+                last_fsck = await fsck_summary.last(client)
+            except TectonicError as e:  # the root's shard is down: shown as a server down
+                log.debug("last fsck unknown: %s", e)
+                last_fsck = None
             policies = {config.default_ec, *(b["ec"] for b in degraded or [])}
             try:
                 policies.add((await client.getattr(ROOT_ID)).ec)
@@ -155,6 +167,7 @@ async def gather(config: ClusterConfig) -> dict[str, Any]:
         "metadata_servers": servers,
         "degraded_blocks": degraded,
         "degraded_error": degraded_error,
+        "last_fsck": last_fsck,
         "warnings": layout_warnings(nodes, policies),
     }
 
@@ -241,6 +254,7 @@ def render(status: dict[str, Any]) -> None:
 
     for warning in status["warnings"]:
         console.print(f"[bold yellow]warning:[/] {warning}")
+    console.print(fsck_summary.describe(status.get("last_fsck")), highlight=False)
     degraded = status["degraded_blocks"]
     if degraded is None:
         console.print(f"[bold red]degraded blocks unknown:[/] {status['degraded_error']}")
@@ -282,13 +296,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def healthy(status: dict[str, Any]) -> bool:
-    """Every metadata server up and every block readable: degraded blocks are listed, but
-    a block with k good chunks still serves every read while repair restores the rest."""
+    """Every metadata server up, every block readable and no data lost at the last fsck:
+    degraded blocks are listed, but a block with k good chunks still serves every read
+    while repair restores the rest."""
     degraded = status["degraded_blocks"]
     return (
         degraded is not None
         and all(b["readable"] for b in degraded)
         and all(s["state"] == "up" for s in status["metadata_servers"])
+        and not fsck_summary.says_lost(status.get("last_fsck"))
     )
 
 
@@ -300,8 +316,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "metadata servers and their shards, and blocks with fewer than k+m good chunks (a "
         "down node, or a chunk found corrupt, missing or never stored); "
         "warns when a lost store's chunks could not be repaired. Exit code 3 if a metadata "
-        "server is down or some block has fewer than k live chunks (unreadable), 1 if the "
-        "cluster cannot be asked at all.",
+        "server is down, some block has fewer than k live chunks (unreadable) or the last "
+        "fsck found data lost (status shows its summary and age; it walks nothing itself), "
+        "1 if the cluster cannot be asked at all.",
     )
     add_cluster_file(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")

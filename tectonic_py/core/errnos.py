@@ -29,6 +29,7 @@ from tectonic_py.core.errors import (
     PermissionDenied,
     ProtocolError,
     QuorumLost,
+    Refused,
     ShardUnavailable,
     StaleWriterToken,
     TectonicError,
@@ -74,6 +75,7 @@ ERRNO: dict[type[TectonicError], int] = {
     # A name whose record is gone: that name's own stat and open fail, as a damaged inode
     # of a local filesystem does; the directory still lists and unlink removes the name.
     DanglingName: errno.EIO,
+    Refused: errno.EBUSY,
     ProtocolError: errno.EIO,
     UnknownOp: errno.EIO,
     ConfigError: errno.EIO,

@@ -240,6 +240,14 @@ class NoSpace(TectonicError):
     code = "no_space"
 
 
+class Refused(TectonicError):
+    """An upkeep op's precondition does not hold (a block a file still references, a chunk
+    onto a node that is not registered, a node id registered at another address that is
+    still up); nothing was changed."""
+
+    code = "refused"
+
+
 # --- client data path ---------------------------------------------------------------------
 
 

@@ -46,6 +46,11 @@ Each round, in this order:
    and where no writer holds a live lease is removed, tree and all. A job still writing
    into it keeps it: its writers renew their leases and every create stamps the directory.
 
+7. Every ``sweep_interval``, the **unreachable-record sweep**
+   (``tectonic_py/maintenance/unreachable.py``): records no name reaches in two walks of the
+   namespace at least ``unreachable_grace`` apart (what a crash between the two shards of an
+   unlink or a rename leaves), unchanged and without a live writer, are deleted.
+
 Nothing referenced is ever deleted: a chunk goes only if the Block layer says no committed
 block needs it there (and a chunk store deletes nothing without the metadata service's
 capability saying so), a block record only when unreferenced twice, ``grace`` apart.
@@ -61,10 +66,11 @@ from typing import Any
 
 import trio
 
-from tectonic_py.core.errors import FileNotFound, TectonicError
+from tectonic_py.core.errors import FileNotFound, Refused, TectonicError
 from tectonic_py.core.ids import chunk_id, parse_chunk_id, shard_of
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.maintenance.runtime import Maintenance, gather
+from tectonic_py.maintenance.unreachable import UnreachableSweep
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,7 @@ class GarbageCollector:
         self._suspects: dict[int, float] = {}  # block id -> monotonic time first seen
         self._last_sweep = 0.0
         self.staging_removed = 0  # staging directories removed since this process started
+        self.unreachable = UnreachableSweep(m)
 
     async def round(self) -> None:
         s = self.m.settings
@@ -88,6 +95,10 @@ class GarbageCollector:
             await self.sweep_blocks()
             await self.sweep_chunks()
             await self.sweep_staging()
+            try:
+                await self.unreachable.round()
+            except TectonicError as e:  # a walk that failed sweeps nothing; the rest stands
+                log.info("unreachable-record sweep skipped this time: %s", e)
             self._last_sweep = now
 
     # --- 1. lease recovery -------------------------------------------------------------------
@@ -97,8 +108,8 @@ class GarbageCollector:
         done = 0
         for shard in range(self.m.config.shards):
             expired = await self.m.meta.expired_leases(shard, before_ns=before, limit=PAGE)
-            for file_id, token in expired:
-                outcome = await self.m.meta.recover_lease(file_id, token, before_ns=before)
+            for file_id, lease_ns in expired:
+                outcome = await self.m.meta.recover_lease(file_id, lease_ns, before_ns=before)
                 if outcome != "skipped":
                     done += 1
                     log.warning(
@@ -143,7 +154,13 @@ class GarbageCollector:
         forgotten (one ``block.caps`` call for all of them); True when it is gone for good.
         The placements come from the forget itself, not a lookup before it: repair or
         rebalance may point the block at a new copy in between, and that copy would stay."""
-        placed = await self.m.meta.forget_block(block_id, state="committed")
+        try:
+            placed = await self.m.meta.forget_block(block_id, state="committed")
+        except Refused as e:
+            # A pack an extent was committed into after it was queued: it lives on, and is
+            # queued again when its last extent goes.
+            log.info("queued block stays: %s", e)
+            return True
         if placed is None:
             return True  # never committed, or forgotten by an earlier (crashed) round
         self.m.counters.forgotten_blocks += 1
@@ -186,9 +203,16 @@ class GarbageCollector:
                 first = self._suspects.setdefault(bid, now)
                 if now - first < grace:
                     continue
-                placed = await self.m.meta.forget_block(
-                    bid, state=rec["state"], file_id=rec["file_id"], file_index=rec["file_index"]
-                )
+                try:
+                    placed = await self.m.meta.forget_block(
+                        bid,
+                        state=rec["state"],
+                        file_id=rec["file_id"],
+                        file_index=rec["file_index"],
+                    )
+                except Refused:
+                    continue  # a file took it since the scan
+
                 if placed is not None:
                     forgotten += 1
                     log.info(

@@ -48,6 +48,7 @@ from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ChunkCorrupt, ChunkNotFound, FileNotFound, TectonicError
 from tectonic_py.core.ids import parse_chunk_id
 from tectonic_py.core.records import BlockInfo, NodeInfo
+from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.runtime import Maintenance, gather
 
 log = logging.getLogger(__name__)
@@ -403,7 +404,8 @@ def _info(rec: dict[str, Any]) -> BlockInfo:
 async def repair_status(m: Maintenance) -> dict[str, Any]:
     """Where repair stands, from the metadata service and the chunk stores alone (so any
     process can ask, running services or not): blocks by live chunk count, lost blocks, down
-    nodes, chunks scrub found bad."""
+    nodes, chunks scrub found bad, and the last fsck's summary (files whose blocks are gone,
+    which no block scan can count)."""
     nodes = await m.nodes()
     bad = await Repairer(m).bad_chunks(nodes)
     by_live: dict[int, int] = {}
@@ -432,4 +434,6 @@ async def repair_status(m: Maintenance) -> dict[str, Any]:
         "nodes_down": sorted(n.node_id for n in nodes.values() if n.state != "up"),
         "nodes_up": sum(1 for n in nodes.values() if n.state == "up"),
         "bad_chunks": sorted(f"{b:016x}.{i}@{n}" for b, i, n in bad),
+        # What the block scan cannot see (a file whose block record is gone): fsck's.
+        "last_fsck": await fsck_summary.last(m.meta),
     }

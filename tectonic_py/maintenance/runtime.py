@@ -48,6 +48,8 @@ class MaintenanceSettings:
     # readers re-read the block list when its chunks are gone: docs/decisions)
     superseded_grace: float = 30.0
     lease_grace: float = 600.0  # lease recovery: time past a writer lease's expiry
+    # The unreachable-record sweep: least time between the two walks that must miss a record.
+    unreachable_grace: float = 600.0
     sweep_interval: float = 3600.0  # GC: seconds between block and chunk sweeps
     inventory_interval: float = 600.0  # seconds between inventory passes over every store
     bandwidth: float = 200 * MiB  # bytes/s that repair and rebalance read + write together
@@ -63,7 +65,13 @@ class MaintenanceSettings:
         for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
-        for name in ("grace", "superseded_grace", "lease_grace", "rebalance_tolerance"):
+        for name in (
+            "grace",
+            "superseded_grace",
+            "lease_grace",
+            "unreachable_grace",
+            "rebalance_tolerance",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must not be negative")
         if self.repair_concurrency < 1 or self.rebalance_max_moves < 0:
@@ -109,6 +117,7 @@ class Counters:
     orphans_collected: int = 0
     packs_compacted: int = 0
     compacted_bytes_freed: int = 0
+    unreachable_collected: int = 0
     rounds: dict[str, int] = field(default_factory=dict)
 
 
