@@ -9,7 +9,6 @@ import itertools
 import json
 import sqlite3
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from maintenance_helpers import (
     read,
     wait_for,
 )
+from test_cli import run_cli
 
 from tectonic_py.core.errors import FileNotFound, TectonicError
 from tectonic_py.core.ids import ROOT_ID, shard_of
@@ -36,13 +36,7 @@ FILES = {f"/d/f{i}": data_of(20_000 + 30_000 * i, seed=i) for i in range(4)}
 
 
 def tectonic(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tectonic_py.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def fsck(cluster: LocalCluster, *args: str) -> tuple[int, dict[str, Any]]:

@@ -23,6 +23,7 @@ from tectonic_py.core.errors import (
     NoSpace,
     NotADirectory,
     ProtocolError,
+    Refused,
     ShardUnavailable,
     StaleWriterToken,
     UnknownOp,
@@ -661,19 +662,21 @@ async def test_registry_liveness_and_persistence(tmp_path, secret_file):
         assert "node0" not in [n.node_id for n in placed]
         with pytest.raises(NoSpace):
             await c.place(4, 4, ())
-        # An address change (restart on a new port) updates the registration.
-        await c.call_registry(
-            "node.heartbeat",
-            {
-                "node_id": "node1",
-                "address": "127.0.0.1:30001",
-                "failure_domain": "rack1",
-                "capacity": 5,
-                "free": 5,
-                "chunk_count": 0,
-                "queue_depth": 0,
-            },
-        )
+        # An address change (restart on a new port) updates the registration, once the old
+        # one is silent: while it is up, another address claiming its id is refused.
+        moved = {
+            "node_id": "node1",
+            "address": "127.0.0.1:30001",
+            "failure_domain": "rack1",
+            "capacity": 5,
+            "free": 5,
+            "chunk_count": 0,
+            "queue_depth": 0,
+        }
+        with pytest.raises(Refused, match="is up"):
+            await c.call_registry("node.heartbeat", moved)
+        reg._nodes["node1"].last_seen -= 100
+        await c.call_registry("node.heartbeat", moved)
     async with open_meta_cluster(tmp_path, secret_file, servers=1, shards=4) as mc:
         nodes = {n.node_id: n for n in await mc.client.nodes()}
         assert set(nodes) == {"node0", "node1", "node2", "node3"}
