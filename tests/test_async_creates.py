@@ -17,8 +17,12 @@ What must hold, as the design promises it:
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -276,37 +280,71 @@ def test_kill_mount_after_close_keeps_every_closed_file(tmp_path: Path) -> None:
         assert _contents(truth, "step") == files
 
 
+# Ranks of the kill test, in a process of their own: each writes its file (bytes derived
+# from its name) and prints the names whose close returned. The test process itself then
+# holds no file of the mount open, so its restart of the metadata servers is not held up:
+# a fork+exec closes every inherited descriptor, and each close of a file on the mount is a
+# FLUSH that waits for that file's create, which waits for the killed server.
+_RANKS = """
+import hashlib, json, os, sys, threading
+step, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+closed = []
+def rank(i):
+    name = f"rank_{i:03d}"
+    data = hashlib.sha256(name.encode()).digest() * 100
+    try:
+        fd = os.open(os.path.join(step, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError:
+        return
+    closed.append(name)
+threads = [threading.Thread(target=rank, args=(i,)) for i in range(first, first + count)]
+for t in threads:
+    t.start()
+print("started", flush=True)
+for t in threads:
+    t.join(timeout=180)
+print(json.dumps(closed), flush=True)
+"""
+
+
+def _rank_data(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest() * 100
+
+
 def test_kill_metadata_server_during_creates_applies_each_once(tmp_path: Path) -> None:
     with _own_cluster(tmp_path) as (cluster, mount, truth):
         mount.expect_warnings = mount.expect_errors = True
-        closed: dict[str, bytes] = {}
-        failed: list[str] = []
+        step = str(mount / "step")
 
-        def rank(i: int) -> None:
-            name = f"rank_{i:03d}"
-            data = os.urandom(3000)
-            try:
-                _write(mount / "step" / name, data)
-            except OSError:
-                failed.append(name)
-            else:
-                closed[name] = data
+        def ranks(first: int) -> subprocess.Popen[str]:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _RANKS, step, str(first), "48"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+            return proc
 
-        threads = [threading.Thread(target=rank, args=(i,)) for i in range(96)]
-        for t in threads[:48]:
-            t.start()
+        before = ranks(0)
         for i in range(2):  # whichever server holds the directory's shard
             cluster.kill_metadata(i)
-        for t in threads[48:]:
-            t.start()
+        after = ranks(48)
         for i in range(2):
             cluster.start_metadata(i)
-        for t in threads:
-            t.join(timeout=180)
+        closed: list[str] = []
+        for proc in (before, after):
+            out, _ = proc.communicate(timeout=240)
+            closed += json.loads(out)
         got = _contents(truth, "step")
-        for name, data in closed.items():  # every close that returned: there, its bytes
-            assert got.get(name) == data, name
-        assert set(got) <= set(closed) | set(failed)  # one entry per name, no strays
+        for name in closed:  # every close that returned: there, its bytes
+            assert got.get(name) == _rank_data(name), name
+        assert set(got) <= {f"rank_{i:03d}" for i in range(96)}  # one entry per name
+        # The servers came back within seconds: the creates rode the restart out.
+        assert len(closed) == 96, sorted({f"rank_{i:03d}" for i in range(96)} - set(closed))
 
 
 # --- a model of one directory, operated on from two mounts ------------------------------
