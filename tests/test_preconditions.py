@@ -37,6 +37,17 @@ async def _committed_file(c: MetadataClient, name: str) -> tuple[int, int, int, 
     return f.id, tok, g.block_id, nodes
 
 
+async def _block_away_from_registry(mc: Any) -> tuple[Any, int, list[str]]:
+    """The server holding the registry, and a committed block (with its nodes) in a shard
+    that server does not hold; skips the test if 64 blocks all landed beside it."""
+    holder = next(s for s in mc.servers if s.registry is not None)
+    for i in range(64):
+        _, _, bid, nodes = await _committed_file(mc.client, f"f{i}")
+        if mc.client.shard_of(bid) not in holder.stores:
+            return holder, bid, nodes
+    pytest.skip("every block landed beside the registry")
+
+
 def _heartbeat(node_id: str, address: str) -> dict[str, Any]:
     return {
         "node_id": node_id,
@@ -141,13 +152,7 @@ async def test_set_chunk_asks_the_registry_on_another_server(
     ) as mc:
         c = mc.client
         await register_nodes(c, 4)
-        holder = next(s for s in mc.servers if s.registry is not None)
-        for i in range(64):
-            _, _, bid, nodes = await _committed_file(c, f"f{i}")
-            if c.shard_of(bid) not in holder.stores:
-                break
-        else:
-            pytest.skip("every block landed beside the registry")
+        holder, bid, nodes = await _block_away_from_registry(mc)
         other = next(s for s in mc.servers if s is not holder)
         with trio.fail_after(15):  # until its poll of the owner keys has seen shard 0's
             while 0 not in await other.engine.owners():
@@ -167,13 +172,7 @@ async def test_set_chunk_on_a_server_without_the_registry(
     async with open_meta_cluster(tmp_path, secret_file, servers=2, shards=4) as mc:
         c = mc.client
         await register_nodes(c, 4)
-        holder = next(s for s in mc.servers if s.registry is not None)
-        for i in range(64):
-            _, _, bid, nodes = await _committed_file(c, f"f{i}")
-            if c.shard_of(bid) not in holder.stores:
-                break
-        else:
-            pytest.skip("every block landed beside the registry")
+        _, bid, nodes = await _block_away_from_registry(mc)
         fields = {"block_id": bid, "index": 0, "old_node": nodes[0], "checksum": 70}
         with pytest.raises(Refused, match="cannot confirm that node 'node3' is registered"):
             await c.call("block.set_chunk", {**fields, "new_node": "node3"})
