@@ -47,8 +47,6 @@ class Compactor:
 
     async def round(self) -> int:
         """Compact every qualifying pack; the number compacted."""
-        if self.m.settings.compact_below <= 0:
-            return 0
         older = time.time_ns() - int(self.m.settings.grace * 1e9)
         done = 0
         for shard in range(self.m.config.shards):

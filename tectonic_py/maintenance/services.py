@@ -78,9 +78,7 @@ async def run_services(
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, settings, meta, nursery)
-        # The data path of compaction (read a pack, code and store the new one), with a
-        # small write window and block cache: packs are rewritten one at a time.
-        client = TectonicClient(config, meta, nursery, window_bytes=64 * MiB, cache_bytes=0)
+        client: TectonicClient | None = None
         try:
             if "repair" in settings.services:
                 nursery.start_soon(_loop, m, "repair", settings.interval, Repairer(m).round)
@@ -91,7 +89,10 @@ async def run_services(
             if "inventory" in settings.services:
                 inventory = Inventory(m).round
                 nursery.start_soon(_loop, m, "inventory", settings.inventory_interval, inventory)
-            if "compaction" in settings.services:
+            if "compaction" in settings.services and settings.compact_below > 0:
+                # Compaction's data path (read a pack, code and store the new one), with a
+                # small write window and no block cache: packs are rewritten one at a time.
+                client = TectonicClient(config, meta, nursery, window_bytes=64 * MiB, cache_bytes=0)
                 compaction = Compactor(m, client).round
                 nursery.start_soon(_loop, m, "compaction", settings.sweep_interval, compaction)
             if ready_file is not None:
@@ -100,6 +101,7 @@ async def run_services(
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await client.aclose()
+                if client is not None:
+                    await client.aclose()
                 await m.pool.aclose()
                 await meta.aclose()
