@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from cluster_fixtures import suite_cluster
 
+from tectonic_py.cli.mount import mount_device
 from tectonic_py.launch.local_cluster import LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,18 +99,24 @@ class Mount:
                 raise RuntimeError(f"the mount did not come up: {self.log_tail()}")
             time.sleep(0.05)
 
+    def mounted(self) -> bool:
+        """Mounted, also when its daemon is dead: ``os.path.ismount`` is False then (the
+        stat of the mount point fails with ENOTCONN), but the mount is still there to
+        detach; /proc/self/mountinfo tells."""
+        return mount_device(str(self.path)) is not None
+
     def kill(self) -> None:
         """kill -9 the mount process (fault injection), then detach its dead mount."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=UNMOUNT_TIMEOUT_S)
-        if os.path.ismount(self.path):
+        if self.mounted():
             subprocess.run(["fusermount3", "-uz", str(self.path)], capture_output=True, check=False)
 
     def stop(self) -> None:
         """Unmount (lazily if busy) and reap the process; SIGKILL of its PID as a last resort."""
         try:
-            if os.path.ismount(self.path):
+            if self.mounted():
                 r = subprocess.run(
                     ["fusermount3", "-u", str(self.path)], capture_output=True, check=False
                 )
@@ -124,7 +131,7 @@ class Mount:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-            if os.path.ismount(self.path):
+            if self.mounted():
                 subprocess.run(
                     ["fusermount3", "-uz", str(self.path)], capture_output=True, check=False
                 )
