@@ -43,6 +43,6 @@ class MetadataMetrics:
     def watch(self, owned: Callable[[], int], total: int) -> None:
         def collect() -> Iterable[Metric]:
             yield gauge(f"{PREFIX}_shards_owned", "Logical shards this server serves now", owned())
-            yield gauge(f"{PREFIX}_shards_total", "Logical shards of the cluster", total)
+            yield gauge(f"{PREFIX}_cluster_shards", "Logical shards of the cluster", total)
 
         self.metrics.collector(collect)
