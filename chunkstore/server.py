@@ -64,7 +64,7 @@ from tectonic_py.core.errors import (
 from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.core.metrics import Metrics
-from tectonic_py.core.metrics_http import parse_listen, serve_metrics
+from tectonic_py.core.metrics_http import parse_listen, start_endpoint
 from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
@@ -281,11 +281,8 @@ class ChunkStoreServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
-                if self.config.metrics_listen is not None:
-                    mhost, mport = parse_listen(self.config.metrics_listen)
-                    self.metrics_address = await nursery.start(
-                        serve_metrics, self.metrics, mhost, mport
-                    )
+                listen = self.config.metrics_listen
+                self.metrics_address = await start_endpoint(nursery, self.metrics, listen)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
                 first = next(iter(registries(self.config.registry)), None)
                 self.address = _advertised_address(host, port, first)

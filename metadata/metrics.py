@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import Metric
 
 from tectonic_py.core.metrics import Metrics, gauge
+from tectonic_py.core.metrics_http import parse_listen
 from tectonic_py.core.rpc_metrics import RpcMetrics
 
 PREFIX = "tectonic_metadata"
@@ -23,8 +24,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 class MetadataMetrics:
     """Families of one metadata server on its own registry."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics_listen: str | None) -> None:
+        """``metrics_listen``: the endpoint's HOST:PORT (checked now); None: metrics off."""
+        if metrics_listen is not None:
+            parse_listen(metrics_listen)
+        self.listen = metrics_listen
+        self.metrics = metrics = Metrics(enabled=metrics_listen is not None)
         self.rpc = RpcMetrics(metrics, PREFIX, "metadata server")
         self.transaction = metrics.histogram(
             f"{PREFIX}_transaction_duration_seconds",
@@ -35,6 +40,10 @@ class MetadataMetrics:
             "Mutations committed together in one group commit (one shard transaction)",
             buckets=BATCH_BUCKETS,
         )
+
+    def commit_hook(self) -> Callable[[int, float], None] | None:
+        """What the shards call after each group commit (None when metrics are off)."""
+        return self.on_commit if self.metrics.enabled else None
 
     def on_commit(self, mutations: int, seconds: float) -> None:
         self.transaction.observe(seconds)

@@ -70,8 +70,7 @@ from tectonic_py.core.errors import (
     WrongShard,
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
-from tectonic_py.core.metrics import Metrics
-from tectonic_py.core.metrics_http import parse_listen, serve_metrics
+from tectonic_py.core.metrics_http import start_endpoint
 from tectonic_py.core.records import (
     KIND_DIR,
     NODE_KINDS,
@@ -97,11 +96,8 @@ def write_ready_file(
     """Atomically (tmp + fsync + rename), so a launcher never reads half a ready file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    info: dict[str, Any] = {"address": address, "pid": os.getpid()}
-    if metrics is not None:
-        info["metrics"] = metrics
     with open(tmp, "w") as f:
-        json.dump(info, f)
+        json.dump({"address": address, "pid": os.getpid(), "metrics": metrics}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -130,8 +126,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
     ) -> None:
         """``engine``: the settings of the engine that keeps the shards (metadata/engine.py;
         sqlite's by default). Under etcd ``shards`` are the ones this server claims first,
-        and it serves whatever it owns. ``metrics_listen``: HOST:PORT of the metrics
-        endpoint (None: no metrics)."""
+        and it serves whatever it owns. ``metrics_listen``: the metrics endpoint's HOST:PORT."""
         if total_shards < 1:
             raise InvalidArgument(f"total shards must be at least 1, not {total_shards}")
         if not shards:
@@ -155,14 +150,11 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
         self.lease_ns = lease_ns
         self.recovery_interval_s = recovery_interval_s
         self.node_timeout = node_timeout
-        self.metrics_listen = metrics_listen
-        if metrics_listen is not None:
-            parse_listen(metrics_listen)
-        self.metrics = Metrics(enabled=metrics_listen is not None)
+        self.measures = measures = MetadataMetrics(metrics_listen)
         self.metrics_address: str | None = None
-        measures = MetadataMetrics(self.metrics)
-        on_commit = measures.on_commit if self.metrics.enabled else None
-        plan = ShardPlan(self.data_dir, sorted(set(shards)), total_shards, node_timeout, on_commit)
+        plan = ShardPlan(
+            self.data_dir, sorted(set(shards)), total_shards, node_timeout, measures.commit_hook()
+        )
         self.engine: Engine = open_engine(engine or SqliteSettings(), plan)
         measures.watch(lambda: len(self.stores), total_shards)
         self.address = ""
@@ -195,11 +187,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
     ) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                if self.metrics_listen is not None:
-                    mhost, mport = parse_listen(self.metrics_listen)
-                    self.metrics_address = await nursery.start(
-                        serve_metrics, self.metrics, mhost, mport
-                    )
+                m = self.measures
+                self.metrics_address = await start_endpoint(nursery, m.metrics, m.listen)
                 self.engine.start(nursery)
                 await self.ensure_root()
                 h, p = await nursery.start(self.rpc.serve, host, port)

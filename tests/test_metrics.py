@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -65,6 +66,11 @@ async def test_every_process_exposes_conventional_metrics(tmp_path: Path) -> Non
                 endpoints["mount"] = f"http://{json.loads(ready.read_text())['metrics']}/metrics"
                 endpoints["client"] = f"http://{client.metrics_address}/metrics"
                 texts = {p: await trio.to_thread.run_sync(scrape, u) for p, u in endpoints.items()}
+                stats = await trio.run_process(
+                    [sys.executable, "-m", "tectonic_py.cli.main", "stats",
+                     str(cluster.cluster_file), "--json", "--interval", "0.5"],
+                    capture_stdout=True, cwd=REPO,
+                )  # fmt: skip
         finally:
             mount.stop()
     assert len(texts) == 9 + 2 + 1 + 2  # stores, metadata servers, maintenance, mount, client
@@ -76,6 +82,11 @@ async def test_every_process_exposes_conventional_metrics(tmp_path: Path) -> Non
         seen |= family_names(fams)
     undocumented = seen - _documented()
     assert not undocumented, f"add to docs/metrics.md: {sorted(undocumented)}"
+    view = json.loads(stats.stdout)
+    assert view["processes_answering"] == 12  # (the mount and client are not in metrics.json)
+    assert sorted(view["stores"]) == [f"chunkstore-{i}" for i in range(9)]
+    assert view["cluster"]["degraded blocks"] == 0
+    assert set(view["latencies"]) >= {"chunk put", "metadata op", "FUSE write"}
     # the work moved what it should, each in its own process
     mount_fams = {f.name: f for f in families(texts["mount"])}
     writes = [s for s in mount_fams["tectonic_fuse_bytes"].samples if s.labels["op"] == "write"]

@@ -34,6 +34,15 @@ def parse_listen(text: str) -> tuple[str, int]:
         raise ConfigError(f"--metrics-listen: {e.message}") from None
 
 
+async def start_endpoint(nursery: trio.Nursery, metrics: Metrics, listen: str | None) -> str | None:
+    """``serve_metrics`` in ``nursery`` on ``--metrics-listen``'s address; None when off."""
+    if listen is None:
+        return None
+    host, port = parse_listen(listen)
+    address: str = await nursery.start(serve_metrics, metrics, host, port)
+    return address
+
+
 async def serve_metrics(
     metrics: Metrics,
     host: str,

@@ -24,7 +24,7 @@ from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import TectonicError
 from tectonic_py.core.metrics import Metrics
-from tectonic_py.core.metrics_http import parse_listen, serve_metrics
+from tectonic_py.core.metrics_http import parse_listen, start_endpoint
 from tectonic_py.maintenance.compaction import Compactor
 from tectonic_py.maintenance.gc import GarbageCollector
 from tectonic_py.maintenance.inventory import Inventory
@@ -89,16 +89,17 @@ async def run_services(
 ) -> None:
     """Run the configured services until cancelled; ``metrics_listen``: HOST:PORT of the
     metrics endpoint (None: no metrics)."""
-    listen = None if metrics_listen is None else parse_listen(metrics_listen)
+    if metrics_listen is not None:
+        parse_listen(metrics_listen)  # (a bad address is said before anything starts)
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, settings, meta, nursery)
         client: TectonicClient | None = None
-        measures = None if listen is None else MaintenanceMetrics(Metrics(), m)
-        metrics_address = None
+        measures = None if metrics_listen is None else MaintenanceMetrics(Metrics(), m)
         try:
-            if measures is not None and listen is not None:
-                metrics_address = await nursery.start(serve_metrics, measures.metrics, *listen)
+            metrics_address = None
+            if measures is not None:
+                metrics_address = await start_endpoint(nursery, measures.metrics, metrics_listen)
 
             def loop(name: str, interval: float, fn: Callable[[], Awaitable[Any]]) -> None:
                 nursery.start_soon(_loop, m, name, interval, fn, measures)
