@@ -70,6 +70,7 @@ def test_prometheus_sees_the_work_and_a_lost_store(tmp_path: Path) -> None:
 
             _put_is_seen(cluster.client_file, tmp_path, prom)
             _loadtest_is_seen(mnt, prom)
+            _dashboard_queries_answer(prom)
             _lost_store_is_seen(cluster, prom)
         finally:
             prom.stop()
@@ -117,6 +118,19 @@ def _loadtest_is_seen(mnt: Path, prom: Prometheus) -> None:
     )
     assert p99 < 60
     prom.wait_for("sum(tectonic_metadata_group_commit_batch_size_count)", lambda v: v > 0)
+
+
+def _dashboard_queries_answer(prom: Prometheus) -> None:
+    """Every query of deploy/monitoring's Grafana dashboard is valid PromQL over names the
+    processes export: each returns data after the put and the load test."""
+    dashboard = json.loads((REPO_ROOT / "deploy/monitoring/grafana-dashboard.json").read_text())
+    empty = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "1m")
+            if not prom.query(expr) and "errno" not in expr and "result!=" not in expr:
+                empty.append(f"{panel['title']}: {expr}")
+    assert not empty, empty
 
 
 def _lost_store_is_seen(cluster: object, prom: Prometheus) -> None:
