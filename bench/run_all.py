@@ -71,7 +71,7 @@ from bench.report import GiB, MiB, render_report, size_label, write_plot
 log = logging.getLogger(__name__)
 
 # the per-component scripts, with the arguments of a full run: sizes trimmed so that the
-# whole suite stays near 15 minutes on 2 cores (FUSE torch.save of 2 GiB is measured above);
+# whole run stays near 20 minutes on 2 cores (FUSE torch.save of 2 GiB is measured above);
 # bench_metrics (the cost of the metrics, on and off) runs once it is in the checkout
 OTHER_SCRIPTS: dict[str, list[str]] = {
     "bench_chunkstore": ["--total-mib", "256"],
