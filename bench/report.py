@@ -657,7 +657,7 @@ def _targets(results: dict[str, Any]) -> list[str]:
         None if not (tl and gl) else tl >= 2 * gl,
     )
     lines.append("")
-    return lines
+    return lines + _reproduce("fuse,bursts,peer")
 
 
 def _burst_table(results: dict[str, Any]) -> list[str]:
@@ -706,7 +706,9 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
             lines += [f"Errors of the {_burst_label(b)} burst (first of {b.get('errors')}):", ""]
             lines += [f"- `{str(e)[:300]}`" for e in b["error_samples"][:5]]
             lines.append("")
-    return lines
+    return lines + _reproduce(
+        "bursts", "tectonic loadtest CLUSTER --ranks 1024 --shard-size 1MiB --baseline-stream"
+    )
 
 
 def _per_file_targets(bursts: list[dict[str, Any]], target: Any) -> None:
@@ -788,7 +790,7 @@ def _metadata(results: dict[str, Any]) -> list[str]:
             f"| {_fmt(rate)} | {_fmt(raw)} | {_ratio(rate, raw)} |"
         )
     lines.append("")
-    return lines
+    return lines + _reproduce("bursts,others", "python -m bench.bench_metadata --json")
 
 
 def _ceilings(results: dict[str, Any]) -> list[str]:
@@ -818,7 +820,11 @@ def _ceilings(results: dict[str, Any]) -> list[str]:
     if ceil.get("status") == "failed" or null.get("status") == "failed":
         lines += ["", f"Ceilings failed: {ceil.get('error') or ''} {null.get('error') or ''}"]
     lines.append("")
-    return lines
+    return lines + _reproduce(
+        "ceilings,nullfs",
+        "python -m bench.ceilings --json",
+        "python -m bench.nullfs --measure --json",
+    )
 
 
 def _other_scripts(results: dict[str, Any]) -> list[str]:
@@ -827,6 +833,8 @@ def _other_scripts(results: dict[str, Any]) -> list[str]:
     for name, r in (results.get("others") or {}).items():
         status = r.get("status", "ok") if isinstance(r, dict) else "?"
         lines += [f"### {name}: {status}", ""]
+        if isinstance(r, dict) and r.get("command"):
+            lines += [f"Reproduce: `{r['command']}`.", ""]
         if status != "ok":
             lines.append(f"`{str(r.get('error', ''))[:400]}`")
         else:

@@ -467,6 +467,7 @@ def run(
                     f"bench.{name}", "--json", *extra, timeout=t
                 ),
             )
+            others[name]["command"] = " ".join(["python -m", f"bench.{name}", "--json", *extra])
 
     results["load_after"] = os.getloadavg()
     results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
