@@ -125,29 +125,23 @@ def profiled(pids: dict[str, int], out: Path | None) -> Iterator[None]:
                 p.kill()
 
 
-def measure(n: int, workdir: Path, profile: Path | None) -> dict[str, Any]:
-    from bench.nullfs import nullfs_mounted
-    from tectonic_py.launch.local_cluster import LocalCluster
-
-    # The local disk's best of 3 (a fresh directory each): its creates vary many-fold from
-    # run to run (docs/decisions/2026-12-03-dirops-baseline.md), and a slow run must not
-    # flatter the mount's ratio.
+def local_best(workdir: Path, n: int) -> dict[str, float]:
+    """The local disk's best of 3 (a fresh directory each): its creates vary many-fold from
+    run to run (docs/decisions/2026-12-03-dirops-baseline.md), and a slow run must not
+    flatter the mount's ratio."""
     runs = []
     for i in range(3):
         disk = workdir / f"disk{i}"
         disk.mkdir()
         runs.append(run_ops(disk, n))
-    local = {op: min(r[op] for r in runs) for op in runs[0]}
-    with nullfs_mounted(workdir / "nullmnt") as null:
-        nullfs = run_ops(Path(null.mountpoint), n)
-    with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:
-        metadata_pids = {f"metadata-{i}": pid for i, pid in enumerate(c.pids()[:2])}
-        mnt = workdir / "mnt"
-        with (
-            tectonic_mounted(c.client_file, mnt, workdir / "mount.log") as pid,
-            profiled({"mount": pid, **metadata_pids}, profile),
-        ):
-            mount = run_ops(mnt, n)
+    return {op: min(r[op] for r in runs) for op in runs[0]}
+
+
+def figures(
+    n: int, local: dict[str, float], nullfs: dict[str, float], mount: dict[str, float]
+) -> dict[str, Any]:
+    """Each operation's ms and ratios, and the creates target met or missed: apart from
+    ``measure`` so that bench.run_all makes the same figures on the mount it already has."""
     results: dict[str, Any] = {"files": n, "ops": {}}
     for op, here in local.items():
         results["ops"][op] = {
@@ -164,6 +158,24 @@ def measure(n: int, workdir: Path, profile: Path | None) -> dict[str, Any]:
         "met": ratio <= CREATE_TARGET,
     }
     return results
+
+
+def measure(n: int, workdir: Path, profile: Path | None) -> dict[str, Any]:
+    from bench.nullfs import nullfs_mounted
+    from tectonic_py.launch.local_cluster import LocalCluster
+
+    local = local_best(workdir, n)
+    with nullfs_mounted(workdir / "nullmnt") as null:
+        nullfs = run_ops(Path(null.mountpoint), n)
+    with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, ec="rs-6-3") as c:
+        metadata_pids = {f"metadata-{i}": pid for i, pid in enumerate(c.pids()[:2])}
+        mnt = workdir / "mnt"
+        with (
+            tectonic_mounted(c.client_file, mnt, workdir / "mount.log") as pid,
+            profiled({"mount": pid, **metadata_pids}, profile),
+        ):
+            mount = run_ops(mnt, n)
+    return figures(n, local, nullfs, mount)
 
 
 def format_table(results: dict[str, Any]) -> str:

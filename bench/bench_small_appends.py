@@ -61,29 +61,35 @@ def commits(db: Path, mode: str, n: int) -> float:
     return seconds
 
 
+def compare(mnt: Path, local: Path, cluster_root: Path, pids: list[int], n: int) -> dict[str, Any]:
+    """Each mode's commits in ``mnt`` (a mount of the cluster at ``cluster_root``, whose
+    processes are ``pids``) and in ``local``: apart from ``measure`` so that bench.run_all
+    measures them on the mount it already has (no second cluster to start)."""
+    out: dict[str, Any] = {"commits": n, "modes": {}}
+    for mode in MODES:
+        disk_s = commits(local / f"{mode}.db", mode, n)
+        before, cpu0 = chunk_bytes(cluster_root), cpu_with(pids)
+        mount_s = commits(mnt / f"{mode}.db", mode, n)
+        added, cpu = chunk_bytes(cluster_root) - before, cpu_with(pids) - cpu0
+        out["modes"][mode] = {
+            "mount_commits_per_s": round(n / mount_s, 1),
+            "disk_commits_per_s": round(n / disk_s, 1),
+            "ratio_to_disk": round(disk_s / mount_s, 4),
+            "raw_added_per_commit": added // n,
+            "cpu_ms_per_commit": round(1000 * cpu / n, 2),
+        }
+    return out
+
+
 def measure(n: int, workdir: Path) -> dict[str, Any]:
     from tectonic_py.launch.local_cluster import LocalCluster
 
     local = workdir / "local"
     local.mkdir()
-    out: dict[str, Any] = {"commits": n, "modes": {}}
     with LocalCluster(workdir / "cluster", chunkstores=9, metadata_servers=2, shards=16) as c:
         mnt = workdir / "mnt"
         with tectonic_mounted(c.cluster_file, mnt, workdir / "mount.log") as mount_pid:
-            pids = [*c.pids(), mount_pid]
-            for mode in MODES:
-                disk_s = commits(local / f"{mode}.db", mode, n)
-                before, cpu0 = chunk_bytes(c.root), cpu_with(pids)
-                mount_s = commits(mnt / f"{mode}.db", mode, n)
-                added, cpu = chunk_bytes(c.root) - before, cpu_with(pids) - cpu0
-                out["modes"][mode] = {
-                    "mount_commits_per_s": round(n / mount_s, 1),
-                    "disk_commits_per_s": round(n / disk_s, 1),
-                    "ratio_to_disk": round(disk_s / mount_s, 4),
-                    "raw_added_per_commit": added // n,
-                    "cpu_ms_per_commit": round(1000 * cpu / n, 2),
-                }
-    return out
+            return compare(mnt, local, c.root, [*c.pids(), mount_pid], n)
 
 
 def format_table(r: dict[str, Any]) -> str:

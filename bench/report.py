@@ -4,6 +4,8 @@
 ``results.json`` (``--render-only``) without measuring again. Each section of the report is one
 function that returns its Markdown lines; a part that was skipped or failed renders as ``-`` or
 as its error, never as an exception, because a half-finished run must still leave a report.
+Each section names the command that reproduces its figures (``_reproduce``): a reader who
+doubts a figure reruns that part alone.
 """
 
 from __future__ import annotations
@@ -83,6 +85,22 @@ def _bursts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for b in tec.get("bursts") or [] if isinstance(b, dict)]
 
 
+def _reproduce(part: str, *alone: str) -> list[str]:
+    """The commands that reproduce a section: run_all's part alone, and the script or CLI
+    it runs (with the sizes of a full run)."""
+    text = f"Reproduce: `python -m bench.run_all --only {part}`"
+    if alone:
+        text += "; alone: " + ", ".join(f"`{c}`" for c in alone)
+    return [text + ".", ""]
+
+
+def _not_run(r: Any, what: str) -> list[str]:
+    """A part's line when it has no figures: skipped, failed (with its error), or absent."""
+    if not isinstance(r, dict) or not r:
+        return [f"Not measured in this run ({what} was skipped).", ""]
+    return [f"**Failed:** `{str(r.get('error', ''))[:500]}`", ""]
+
+
 def _creates_until_last_open(burst: dict[str, Any]) -> Any:
     """A burst's ranks over the time until its last create returned: the loadtest's
     ``creates_per_s_until_last_open``, which results written before that name existed
@@ -101,6 +119,13 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
     for section in (
         _header(results, plot_name),
         _headline(results),
+        _onedir(results),
+        _creates(results),
+        _restore(results),
+        _packs(results),
+        _inplace(results),
+        _appends(results),
+        _metrics(results),
         _targets(results),
         _burst_table(results),
         _metadata(results),
@@ -129,11 +154,37 @@ def _header(results: dict[str, Any], plot_name: str) -> list[str]:
             "runs); CPU-seconds per GiB are steadier. Every ratio is to a ceiling measured in this "
             "same run."
         ),
+        "",
+        (
+            "Regenerate it: `python -m bench.run_all`, from a directory outside the checkout with "
+            "the checkout on `PYTHONPATH` (`-m` puts the working directory first on `sys.path`, "
+            "and the daemons the run starts would import whatever checkout that holds); "
+            "`--no-peers` leaves out GlusterFS and JuiceFS, `--only PARTS` reruns parts alone. "
+            + _duration(results)
+        ),
     ]
     if results.get("smoke"):
         lines += ["", "**Smoke run: tiny sizes, figures meaningless.**"]
     lines += ["", f"![benchmark plot]({plot_name})", ""]
     return lines
+
+
+def _duration(results: dict[str, Any]) -> str:
+    """Expected beside taken, so the next run's estimate can be corrected by this one."""
+    import datetime
+
+    expected = results.get("expected_s")
+    text = "" if expected is None else f"Expected about {expected / 60:.0f} min"
+    try:
+        taken = (
+            datetime.datetime.fromisoformat(str(results.get("finished")))
+            - datetime.datetime.fromisoformat(str(results.get("started")))
+        ).total_seconds()
+    except ValueError:
+        return text + "." if text else ""
+    text += f"{'; this' if text else 'This'} run took {taken / 60:.1f} min"
+    skipped = results.get("skipped")
+    return text + (f" (skipped: {', '.join(skipped)})." if skipped else ".")
 
 
 def _headline(results: dict[str, Any]) -> list[str]:
@@ -158,6 +209,11 @@ def _headline(results: dict[str, Any]) -> list[str]:
     lines += _mount_burst_rows(results)
     lines.append("")
     lines += _peer_note(results)
+    lines += _reproduce(
+        "ceilings,nullfs,fuse,bursts,peer",
+        "python -m bench.bench_fuse --size 2048",
+        "python -m bench.gluster --install --json",
+    )
     return lines
 
 
@@ -270,6 +326,287 @@ def _peer_note(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _onedir(results: dict[str, Any]) -> list[str]:
+    """bench_burst's table: the burst into one directory through each mount, side by side."""
+    r = results.get("onedir")
+    lines = [
+        "## The checkpoint burst into one directory, beside GlusterFS, JuiceFS and local disk",
+        "",
+        (
+            "The figure the project is judged by: every rank opens, writes, fsyncs and closes "
+            "its shard in ONE step directory through the mount, all at one barrier; the pause "
+            "is from the barrier to the last close. Beside it: 1,024 empty creates in one "
+            "directory by one process, and `git clone`, `tar -x`, `rm -r` of small files. "
+            "JuiceFS keeps one copy of each byte (SQLite metadata, a local directory as its "
+            "bucket): a lean design, not a durability peer. Ratios are of times: below 1 ours "
+            "is faster."
+        ),
+        "",
+    ]
+    if not isinstance(r, dict) or "targets" not in r:
+        return lines + _not_run(r, "onedir") + _reproduce("onedir", ONEDIR_COMMAND)
+    from bench.bench_burst import notes, table_rows
+
+    try:
+        header, rows = table_rows(r)
+        extra = notes(r)
+    except (KeyError, TypeError) as e:
+        return lines + [f"**Unreadable results:** `{e!r}`", ""]
+    lines += [
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        *(f"- {line}" for line in extra),
+        "",
+    ]
+    return lines + _reproduce("onedir", ONEDIR_COMMAND)
+
+
+ONEDIR_COMMAND = "python -m bench.bench_burst --install --ranks 1024 --json burst.json"
+
+
+def _creates(results: dict[str, Any]) -> list[str]:
+    """Creates in one directory: bench_dirops on our mount beside local disk and nullfs,
+    bench_burst's empty creates beside the peers, the target met or missed."""
+    d = _get(results, "tectonic", "dirops")
+    lines = [
+        "## Creates in one directory",
+        "",
+        (
+            "One process, N empty files (`open(O_CREAT|O_WRONLY|O_TRUNC)` + `close`) in one "
+            "directory through our mount, and the namespace operations around them; beside "
+            "the same on local disk (best of 3) and nullfs (a pyfuse3 mount that answers at "
+            "once: the floor of a Python FUSE mount). ms per operation."
+        ),
+        "",
+    ]
+    if isinstance(d, dict) and "ops" in d:
+        lines += [
+            (
+                f"| op ({_fmt(d.get('files'))} files) | ours ms | local disk ms | ours / local "
+                "| nullfs ms | ours / nullfs |"
+            ),
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for op, o in d["ops"].items():
+            lines.append(
+                f"| {op} | {_fmt(o.get('mount_ms'), 3)} | {_fmt(o.get('local_ms'), 3)} "
+                f"| {_fmt(o.get('ratio'), 1)} | {_fmt(o.get('nullfs_ms'), 3)} "
+                f"| {_fmt(o.get('over_nullfs'), 1)} |"
+            )
+        t = d.get("create_target") or {}
+        met = "met" if t.get("met") else "**missed**"
+        lines += [
+            "",
+            (
+                f"Target: creates in one directory <= {_fmt(t.get('max_ratio'), 0)}x local disk: "
+                f"{_fmt(t.get('ratio'), 1)}x, {met}."
+            ),
+            "",
+        ]
+    else:
+        lines += _not_run(d, "dirops")
+    onedir = results.get("onedir") or {}
+    targets = onedir.get("targets") if isinstance(onedir, dict) else None
+    if isinstance(targets, dict):
+        measured = {
+            name: _get(t, "creates", "ms_per_file")
+            for name, t in targets.items()
+            if isinstance(t, dict) and t.get("available")
+        }
+        ours = measured.get("ours")
+        lines += [
+            "bench_burst's 1,024 empty creates in one directory, one process, per target:",
+            "",
+            "| target | ms per create | ours / target |",
+            "|---|---:|---:|",
+            *(f"| {name} | {_fmt(ms, 3)} | {_ratio(ours, ms)} |" for name, ms in measured.items()),
+            "",
+        ]
+    lines.append(
+        "The bursts' creates per second (every rank creating at once) are in the metadata "
+        "section below."
+    )
+    lines.append("")
+    return lines + _reproduce(
+        "dirops,onedir", "python -m bench.bench_dirops --files 1024", ONEDIR_COMMAND
+    )
+
+
+def _restore(results: dict[str, Any]) -> list[str]:
+    """The restore of a kept burst with m chunk stores killed, beside the healthy one."""
+    r = _get(results, "tectonic", "restore")
+    lines = ["## Restore with m chunk stores lost", ""]
+    if not isinstance(r, dict) or "healthy" not in r:
+        return lines + _not_run(r, "restore") + _reproduce("restore", *RESTORE_COMMANDS)
+    healthy, degraded = r.get("healthy") or {}, r.get("degraded") or {}
+    killed = r.get("killed") or []
+    lines += [
+        (
+            f"A burst of {r.get('ranks')} x {size_label(int(r.get('shard_size') or 0))} kept on "
+            f"the cluster ({r.get('ec')} on 9 chunk stores: every block has a chunk on each), "
+            "restored through the client library with every byte verified: first with every "
+            f"store up, then with {len(killed)} killed ({', '.join(killed)}), so every block "
+            "is read from the k chunks left and decoded."
+        ),
+        "",
+        "| restore | read GB/s | seconds | CPU-s/GiB | errors | bytes verified |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, x in (("all stores up", healthy), (f"{len(killed)} stores killed", degraded)):
+        lines.append(
+            f"| {label} | {_fmt(x.get('read_gbps'), 3)} | {_fmt(x.get('restore_s'), 2)} "
+            f"| {_fmt(x.get('cpu_s_per_gib_read'), 2)} | {_fmt(x.get('errors'))} "
+            f"| {_fmt(x.get('bytes_verified'))} |"
+        )
+    lines += [
+        "",
+        (
+            f"Degraded over healthy read GB/s: "
+            f"{_ratio(degraded.get('read_gbps'), healthy.get('read_gbps'))}."
+        ),
+        "",
+    ]
+    return lines + _reproduce("restore", *RESTORE_COMMANDS)
+
+
+# the second, once with every store up and once after killing m of them
+RESTORE_COMMANDS = (
+    "tectonic loadtest CLUSTER --ranks 64 --shard-size 16MiB --dir /restore --keep --no-restore",
+    "tectonic loadtest CLUSTER --ranks 64 --dir /restore --verify-only",
+)
+
+
+def _packs(results: dict[str, Any]) -> list[str]:
+    """What a small file costs now that files share blocks: chunk puts and CPU per file."""
+    tec = results.get("tectonic") or {}
+    cluster = tec.get("cluster") or {}
+    lines = [
+        "## Small files share blocks: chunk puts and CPU per file",
+        "",
+        (
+            "Chunk puts the burst's clients sent per file, beside what a file in a block of its "
+            "own would take (computed: k+m chunks per block of k x chunk size); CPU ms per file "
+            "is all processes' CPU during the burst less the same bytes written as one stream "
+            "in the same run (gross: without the subtraction)."
+        ),
+        "",
+        (
+            "| ranks x shard | chunk puts / file | one block per file | ratio "
+            "| CPU ms/file net / gross | pause / stream |"
+        ),
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    bursts = [b for b in _bursts(results) if b.get("ranks")]
+    for b in bursts:
+        alone = _unpacked_puts(cluster, int(b.get("shard_size") or 0))
+        puts = b.get("chunk_puts_per_file")
+        lines.append(
+            f"| {_burst_label(b)} | {_fmt(puts, 2)} | {_fmt(alone)} | {_ratio(puts, alone)} "
+            f"| {_fmt(b.get('cpu_ms_per_file'), 1)} / {_fmt(b.get('cpu_ms_per_file_gross'), 1)} "
+            f"| {_fmt(b.get('pause_over_stream'), 2)} |"
+        )
+    if not bursts:
+        lines.append("| not measured (bursts skipped or failed) ||||||")
+    lines.append("")
+    return lines + _reproduce(
+        "bursts", "tectonic loadtest CLUSTER --ranks 1024 --shard-size 1MiB --baseline-stream"
+    )
+
+
+def _unpacked_puts(cluster: dict[str, Any], shard: int) -> int | None:
+    """Chunk puts of a ``shard``-byte file written alone: k+m per block of k chunks."""
+    try:
+        from tectonic_py.core.ec_policy import ECPolicy
+
+        policy = ECPolicy.parse(str(cluster.get("ec")))
+        block = policy.k * int(cluster.get("chunk_size") or 0)
+    except (ValueError, TypeError, ImportError):
+        return None
+    if not block or not shard:
+        return None
+    return (policy.k + policy.m) * -(-shard // block)
+
+
+def _inplace(results: dict[str, Any]) -> list[str]:
+    """Small in-place writes: the raw bytes one 4 KiB overwrite adds on the stores."""
+    r = _get(results, "tectonic", "inplace")
+    lines = ["## Small in-place writes", ""]
+    if not isinstance(r, dict) or "writes" not in r:
+        return lines + _not_run(r, "inplace") + _reproduce("inplace", INPLACE_COMMAND)
+    per = r.get("raw_added_per_write")
+    lines += [
+        (
+            f"{r.get('writes')} x (`open(O_RDWR)`, one 4 KiB `pwrite` at a random offset, "
+            f"`close`) on a {_mib(r.get('file_bytes'))} file through the mount, as h5py in "
+            'append mode or `np.memmap(mode="r+")` do; raw bytes are the chunk files the '
+            "writes added on the stores' disks, before any GC."
+        ),
+        "",
+        "| raw bytes per write | x the 4 KiB written | ms per write | CPU-s, all processes |",
+        "|---:|---:|---:|---:|",
+        (
+            f"| {_fmt(per)} | {_ratio(per, 4096)} | {_fmt(r.get('ms_per_write'), 1)} "
+            f"| {_fmt(r.get('cpu_s'), 2)} |"
+        ),
+        "",
+    ]
+    return lines + _reproduce("inplace", INPLACE_COMMAND)
+
+
+INPLACE_COMMAND = "python -m bench.bench_inplace --size 48 --writes 20"
+
+
+def _appends(results: dict[str, Any]) -> list[str]:
+    """Small fsync'd appends: one-row SQLite commits through the mount beside local disk."""
+    r = _get(results, "tectonic", "appends")
+    lines = ["## Small fsync'd appends: SQLite commits", ""]
+    if not isinstance(r, dict) or "modes" not in r:
+        return lines + _not_run(r, "appends") + _reproduce("appends", APPENDS_COMMAND)
+    lines += [
+        (
+            f"{r.get('commits')} one-row (100-byte) commits, synchronous=FULL, on the mount and "
+            "on local disk in the same run; raw bytes are the chunk files the commits added "
+            "on the stores' disks, before any GC."
+        ),
+        "",
+        (
+            "| journal mode | mount commits/s | local disk commits/s | mount / disk "
+            "| raw bytes per commit | CPU ms per commit |"
+        ),
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode, m in (r.get("modes") or {}).items():
+        lines.append(
+            f"| {mode} | {_fmt(m.get('mount_commits_per_s'), 1)} "
+            f"| {_fmt(m.get('disk_commits_per_s'), 1)} | {_fmt(m.get('ratio_to_disk'), 3)} "
+            f"| {_fmt(m.get('raw_added_per_commit'))} | {_fmt(m.get('cpu_ms_per_commit'), 1)} |"
+        )
+    lines.append("")
+    return lines + _reproduce("appends", APPENDS_COMMAND)
+
+
+APPENDS_COMMAND = "python -m bench.bench_small_appends --commits 200"
+
+
+def _metrics(results: dict[str, Any]) -> list[str]:
+    """The cost of the metrics, on and off, when bench_metrics is in the checkout."""
+    r = _get(results, "others", "bench_metrics")
+    lines = ["## Metrics on and off", ""]
+    if not isinstance(r, dict):
+        lines += ["Not measured in this run (others was skipped).", ""]
+    elif r.get("status", "ok") != "ok":
+        lines += [f"Not measured: `{str(r.get('error', ''))[:400]}`", ""]
+    else:
+        lines += ["| figure | value |", "|---|---:|"]
+        lines += [
+            f"| {k} | {_fmt(v, 3) if isinstance(v, float) else v} |" for k, v in _flatten(r)[:30]
+        ]
+        lines.append("")
+    return lines + _reproduce("others", "python -m bench.bench_metrics --json")
+
+
 def _targets(results: dict[str, Any]) -> list[str]:
     """The project's targets, each printed as met or missed with its figures."""
     tec = results.get("tectonic") or {}
@@ -320,7 +657,7 @@ def _targets(results: dict[str, Any]) -> list[str]:
         None if not (tl and gl) else tl >= 2 * gl,
     )
     lines.append("")
-    return lines
+    return lines + _reproduce("fuse,bursts,peer")
 
 
 def _burst_table(results: dict[str, Any]) -> list[str]:
@@ -369,7 +706,9 @@ def _burst_table(results: dict[str, Any]) -> list[str]:
             lines += [f"Errors of the {_burst_label(b)} burst (first of {b.get('errors')}):", ""]
             lines += [f"- `{str(e)[:300]}`" for e in b["error_samples"][:5]]
             lines.append("")
-    return lines
+    return lines + _reproduce(
+        "bursts", "tectonic loadtest CLUSTER --ranks 1024 --shard-size 1MiB --baseline-stream"
+    )
 
 
 def _per_file_targets(bursts: list[dict[str, Any]], target: Any) -> None:
@@ -451,7 +790,7 @@ def _metadata(results: dict[str, Any]) -> list[str]:
             f"| {_fmt(rate)} | {_fmt(raw)} | {_ratio(rate, raw)} |"
         )
     lines.append("")
-    return lines
+    return lines + _reproduce("bursts,others", "python -m bench.bench_metadata --json")
 
 
 def _ceilings(results: dict[str, Any]) -> list[str]:
@@ -481,7 +820,11 @@ def _ceilings(results: dict[str, Any]) -> list[str]:
     if ceil.get("status") == "failed" or null.get("status") == "failed":
         lines += ["", f"Ceilings failed: {ceil.get('error') or ''} {null.get('error') or ''}"]
     lines.append("")
-    return lines
+    return lines + _reproduce(
+        "ceilings,nullfs",
+        "python -m bench.ceilings --json",
+        "python -m bench.nullfs --measure --json",
+    )
 
 
 def _other_scripts(results: dict[str, Any]) -> list[str]:
@@ -490,6 +833,8 @@ def _other_scripts(results: dict[str, Any]) -> list[str]:
     for name, r in (results.get("others") or {}).items():
         status = r.get("status", "ok") if isinstance(r, dict) else "?"
         lines += [f"### {name}: {status}", ""]
+        if isinstance(r, dict) and r.get("command"):
+            lines += [f"Reproduce: `{r['command']}`.", ""]
         if status != "ok":
             lines.append(f"`{str(r.get('error', ''))[:400]}`")
         else:
@@ -510,7 +855,12 @@ def _footer(results: dict[str, Any], notes: str) -> list[str]:
     tec = results.get("tectonic") or {}
     failures = [
         (k, v.get("error"))
-        for k, v in (("ceilings", ceil), ("nullfs", null), ("tectonic", tec))
+        for k, v in (
+            ("ceilings", ceil),
+            ("nullfs", null),
+            ("tectonic", tec),
+            ("onedir", results.get("onedir")),
+        )
         if isinstance(v, dict) and v.get("status") == "failed"
     ] + [
         (k, v.get("error"))

@@ -200,6 +200,21 @@ def test_run_all_smoke_writes_a_report(tmp_path):
     (smoke_burst,) = tec["bursts"]
     assert smoke_burst["cpu_ms_per_file"] is not None and smoke_burst["pause_over_stream"] > 0
     assert "CPU ms/file" in report and "CPU per file" in report
+    # the sections issue 35 added, each at tiny sizes, each with its command
+    for part in ("dirops", "inplace", "appends", "restore"):
+        assert tec[part].get("status") != "failed", (part, tec[part])
+    restore = tec["restore"]
+    assert len(restore["killed"]) == 3  # m of RS(6,3)
+    for phase in ("healthy", "degraded"):
+        got = restore[phase]
+        assert got["errors"] == 0 and got["bytes_verified"] == restore["write"]["bytes_written"]
+    onedir = results["onedir"]
+    assert onedir["status"] == "ok" and onedir["exit"] == 0, onedir
+    assert set(onedir["targets"]) == {"ours", "local"}  # --skip peer: no GlusterFS, JuiceFS
+    for heading in NEW_SECTIONS:
+        assert heading in report, heading
+    assert "| burst pause (s) |" in report and "| wal |" in report
+    assert results["expected_s"] > 0 and results["part_seconds"]["restore"] > 0
     assert str(tmp_path) not in _mounts()
     assert [p for p in os.listdir(tmp_path) if p.startswith("bench-run-")] == []
 
@@ -219,3 +234,27 @@ def test_bench_metrics_smoke():
     assert out["runs"][1]["endpoints_scraped"] == 10 + 2 + 1  # stores, metadata, mount
     assert out["save_s_on_over_off"] > 0 and out["burst_pause_s_on_over_off"] > 0
     assert _mounts().count("bench-metrics-") == before.count("bench-metrics-") == 0
+
+
+NEW_SECTIONS = (
+    "## The checkpoint burst into one directory",
+    "## Creates in one directory",
+    "## Restore with m chunk stores lost",
+    "## Small files share blocks",
+    "## Small in-place writes",
+    "## Small fsync'd appends",
+    "## Metrics on and off",
+)
+
+
+def test_report_renders_every_section_of_a_run_that_measured_nothing():
+    """A run stopped early, or with parts skipped, still leaves a whole report: each section
+    says it was not measured, and names the command that reproduces it."""
+    from bench.report import render_report
+
+    report = render_report({"smoke": True, "tectonic": {"restore": {"status": "failed"}}}, "p.png")
+    for heading in NEW_SECTIONS:
+        section = report.split(heading, 1)[1].split("\n## ", 1)[0]
+        assert "Reproduce: `python -m bench.run_all --only " in section, heading
+    assert "Not measured in this run (onedir was skipped)" in report
+    assert "**Failed:**" in report.split("## Restore", 1)[1].split("\n## ", 1)[0]
