@@ -321,3 +321,27 @@ def test_sqlite_in_wal_mode_on_the_mount(mount) -> None:  # type: ignore[no-unty
     finally:
         again.close()
     assert got == rows
+
+
+@pytest.mark.fuse
+def test_a_reader_open_before_a_patch_reads_it_after_the_close(mount) -> None:  # type: ignore[no-untyped-def]
+    """Process A holds the file open for reading; B opens it r+, writes a page, closes. A
+    (its page cache dropped, so the read reaches the mount) reads B's page: the patch left
+    the block A's reader had located as it was, and the close handed A the sealed map."""
+    path = mount / "ckpt.bin"
+    model = bytearray(os.urandom(2 * 1024 * 1024 + 123))
+    path.write_bytes(model)
+    a = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(a, PAGE, 0) == model[:PAGE]
+        page = os.urandom(PAGE)
+        b = os.open(path, os.O_RDWR)
+        try:
+            assert os.pwrite(b, page, 1_000_000) == PAGE
+        finally:
+            os.close(b)
+        model[1_000_000 : 1_000_000 + PAGE] = page
+        os.posix_fadvise(a, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(a, len(model), 0) == model
+    finally:
+        os.close(a)
