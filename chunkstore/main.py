@@ -78,6 +78,12 @@ def register(subparsers: Any) -> None:
         default=3600.0,
         help="seconds between the starts of two scrub passes over every chunk",
     )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port;"
+        " the ready file names it); default: no metrics",
+    )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(func=run, daemon_loggers=["chunkstore"])
 
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         reply_budget=args.reply_budget,
         scrub_rate=args.scrub_rate,
         scrub_interval=args.scrub_interval,
+        metrics_listen=args.metrics_listen,
     )
     _raise_fd_limit()
     log.info(

@@ -51,6 +51,7 @@ import trio
 
 from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
+from chunkstore.metrics import StoreMetrics
 from chunkstore.scrub import Scrubber
 from tectonic_py.core import auth, buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
@@ -62,6 +63,8 @@ from tectonic_py.core.errors import (
 )
 from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
+from tectonic_py.core.metrics import Metrics
+from tectonic_py.core.metrics_http import parse_listen, start_endpoint
 from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,7 @@ class StoreConfig:
     reply_budget: int = 256 * MiB
     scrub_rate: float = 0.0  # bytes/s re-verified by scrub (chunkstore/scrub.py); 0: off
     scrub_interval: float = 3600.0  # seconds between the starts of two scrub passes
+    metrics_listen: str | None = None  # HOST:PORT of the metrics endpoint; None: no metrics
     limits: framing.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,8 @@ class StoreConfig:
             raise ConfigError("max payload waiters must be >= 0")
         for registry in registries(self.registry):
             sockets.parse_address(registry)
+        if self.metrics_listen is not None:
+            parse_listen(self.metrics_listen)
         self.limits = framing.Limits(
             max_payload=MAX_CHUNK,
             payload_budget=self.payload_budget,
@@ -227,6 +233,9 @@ class ChunkStoreServer:
         self._writers = DiskWorkers(
             f"chunkstore[{config.node_id}] writer", config.max_concurrent_writes
         )
+        self.metrics = Metrics(enabled=config.metrics_listen is not None)
+        self._metrics = StoreMetrics(self.metrics)
+        self.metrics_address: str | None = None
         self.rpc = rpc_server.RpcServer(
             f"chunkstore[{config.node_id}]",
             config.secret,
@@ -242,6 +251,7 @@ class ChunkStoreServer:
             config.limits,
             payload_room={"put": layout.put_room},
             roles=OP_ROLES,
+            metrics=self._metrics.rpc,
         )
         self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
         self._locks = _ChunkLocks()
@@ -255,6 +265,10 @@ class ChunkStoreServer:
         self._replies: _ReplyBudget | None = None
         self.scrubber = Scrubber(self.data_dir, config.scrub_rate, config.scrub_interval)
         self._whole_span = 0  # buffer size of the last whole get (``_get``)
+        self.put_bytes = 0  # chunk bytes stored and returned, for the metrics
+        self.get_bytes = 0
+        self.disk_capacity = self.disk_free = 0  # as of the last node_stats
+        self._metrics.watch(self, self.node_stats)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -267,6 +281,8 @@ class ChunkStoreServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
+                listen = self.config.metrics_listen
+                self.metrics_address = await start_endpoint(nursery, self.metrics, listen)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
                 first = next(iter(registries(self.config.registry)), None)
                 self.address = _advertised_address(host, port, first)
@@ -314,7 +330,10 @@ class ChunkStoreServer:
         assert path is not None and self.address is not None
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({"address": self.address, "pid": os.getpid()}, f)
+            info = {"address": self.address, "pid": os.getpid()}
+            if self.metrics_address is not None:
+                info["metrics"] = self.metrics_address
+            json.dump(info, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -381,6 +400,9 @@ class ChunkStoreServer:
             self._reserved -= need
         self.used += stored.added_bytes
         self.chunk_count += stored.added_chunks
+        if stored.written:
+            self.put_bytes += len(data)
+            self._metrics.fsync.observe(stored.fsync_s)
         return {}
 
     async def _get(self, req: Request) -> tuple[dict[str, Any], memoryview, Callable[[], None]]:
@@ -429,6 +451,7 @@ class ChunkStoreServer:
         finally:
             self._outstanding -= 1
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
+        self.get_bytes += len(data)
         return fields, data, lambda: replies.give_back(taken)
 
     async def _delete(self, req: Request) -> dict[str, Any]:
@@ -491,8 +514,19 @@ class ChunkStoreServer:
             "fs_free": st.f_bavail * st.f_frsize,
         }
 
+    def scrub_progress(self) -> dict[str, float]:
+        s = self.scrubber.stats
+        return {
+            "passes": s.passes,
+            "chunks_checked": s.chunks_checked,
+            "bytes_checked": s.bytes_checked,
+            "bad_found": s.bad_found,
+            "last_pass_s": s.last_pass_s,
+        }
+
     async def node_stats(self) -> dict[str, Any]:
         capacity, free = await trio.to_thread.run_sync(self._disk)
+        self.disk_capacity, self.disk_free = capacity, free
         fs = await trio.to_thread.run_sync(self._filesystem)
         return {
             "node_id": self.config.node_id,

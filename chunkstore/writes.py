@@ -27,6 +27,7 @@ import errno
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,8 @@ class Stored(NamedTuple):
 
     added_bytes: int  # file bytes added (the file's size, less a replaced file's)
     added_chunks: int  # 1 for a new chunk id, 0 for a no-op or a replaced corrupt file
+    fsync_s: float = 0.0  # seconds the directory fsync took (the metrics' fsync histogram)
+    written: bool = True  # False for the same chunk again (nothing written)
 
 
 def write_chunk(
@@ -196,7 +199,7 @@ def write_chunk(
     path = chunk_path(data_dir, chunk_id)
     old_size, stored = _existing(path, chunk_id, len(view), whole)
     if stored:
-        return Stored(0, 0)
+        return Stored(0, 0, written=False)
     header = encode_header(view, whole, segment_crcs)
     directory = path.parent
     target = directory / f"{TMP_PREFIX}{chunk_id}-{secrets.token_hex(4)}"
@@ -216,13 +219,15 @@ def write_chunk(
             finally:
                 os.close(fd)
         _in_shard_dir(directory, target.exists, os.rename, target, path)
+        synced = time.perf_counter()
         _fsync_dir(directory)
+        fsync_s = time.perf_counter() - synced
     except OSError as e:
         remove_quietly(target)
         if e.errno in _NOSPACE:
             raise DiskFull(f"no space on disk for chunk {chunk_id} ({len(view)} bytes)") from None
         raise
-    return Stored(size - (old_size or 0), 1 if old_size is None else 0)
+    return Stored(size - (old_size or 0), 1 if old_size is None else 0, fsync_s)
 
 
 def _existing(path: Path, chunk_id: str, length: int, whole: int) -> tuple[int | None, bool]:

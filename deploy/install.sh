@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 
 # etcd-server: the etcd metadata engine's store (the local cluster starts its own members).
 # rsync, attr: the mount's POSIX round-trip tests (rsync -aHX; getfattr/setfattr for users).
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc etcd-server rsync attr)
+# prometheus: the metrics test scrapes a cluster with a real server (tests/test_metrics_prometheus.py).
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev iproute2 psmisc etcd-server rsync attr prometheus)
 need=()
 for p in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
@@ -26,6 +27,11 @@ if [ ${#need[@]} -gt 0 ]; then
     # Debian's package enables a default etcd on localhost:2379; tectonic-py never uses it.
     if [[ " ${need[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
         $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+    fi
+    # Likewise Debian's Prometheus (and the node exporter it recommends) on :9090 and :9100:
+    # the tests start their own, on free ports, with a configuration of their own.
+    if [[ " ${need[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
     fi
 fi
 

@@ -14,7 +14,7 @@ have the root directory made when the root's shard arrives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +35,8 @@ class ShardPlan:
     shards: list[int]
     total_shards: int
     node_timeout: float
+    # Told of every group commit: (mutations in it, seconds it took); the server's metrics.
+    on_commit: Callable[[int, float], None] | None = None
 
 
 class EngineSettings(Protocol):

@@ -78,6 +78,7 @@ class EtcdShards:
         self.preferred = plan.shards
         self.total_shards = plan.total_shards
         self.node_timeout = plan.node_timeout
+        self.on_commit = plan.on_commit
         self.cache_dir = Path(plan.data_dir) / "etcd-cache"
         self.stores: dict[int, ReplicatedStore] = {}
         self.registry: Registry | None = None
@@ -242,7 +243,7 @@ class EtcdShards:
     async def _run_store(self, store: ReplicatedStore, scope: trio.CancelScope) -> None:
         with scope:
             try:
-                await store.run()
+                await store.run(self.on_commit)
             finally:
                 store.close()
 

@@ -68,6 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--etcd-lease-ttl", type=int, default=3, help="seconds a dead server's shards stay its"
     )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port;"
+        " the ready file names it); default: no metrics",
+    )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(func=run, daemon_loggers=["metadata"], metadata_parser=p)
     admin = p.add_subparsers(dest="metadata_command", metavar="{backup,restore}")
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         node_timeout=args.node_timeout,
         lease_ns=int(args.writer_lease * 1e9),
         engine=engine,
+        metrics_listen=args.metrics_listen,
     )
     log.info(
         "metadata server starting: shards %s of %d, data in %s, listening on %s",

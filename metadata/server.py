@@ -44,6 +44,7 @@ from metadata.compaction_ops import CompactionOps
 from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
+from metadata.metrics import MetadataMetrics
 from metadata.registry import Registry, RemoteRegistry
 from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
@@ -69,6 +70,7 @@ from tectonic_py.core.errors import (
     WrongShard,
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
+from tectonic_py.core.metrics_http import start_endpoint
 from tectonic_py.core.records import (
     KIND_DIR,
     NODE_KINDS,
@@ -88,12 +90,14 @@ def _attrs(attrs: Attrs) -> dict[str, Any]:
     return dict(attrs.__dict__)
 
 
-def write_ready_file(path: str | os.PathLike[str], address: str) -> None:
+def write_ready_file(
+    path: str | os.PathLike[str], address: str, metrics: str | None = None
+) -> None:
     """Atomically (tmp + fsync + rename), so a launcher never reads half a ready file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"address": address, "pid": os.getpid()}, f)
+        json.dump({"address": address, "pid": os.getpid(), "metrics": metrics}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -118,10 +122,11 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
         lease_ns: int = LEASE_NS,
         recovery_interval_s: float = RECOVERY_INTERVAL_S,
         engine: EngineSettings | None = None,
+        metrics_listen: str | None = None,
     ) -> None:
         """``engine``: the settings of the engine that keeps the shards (metadata/engine.py;
         sqlite's by default). Under etcd ``shards`` are the ones this server claims first,
-        and it serves whatever it owns."""
+        and it serves whatever it owns. ``metrics_listen``: the metrics endpoint's HOST:PORT."""
         if total_shards < 1:
             raise InvalidArgument(f"total shards must be at least 1, not {total_shards}")
         if not shards:
@@ -145,14 +150,20 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
         self.lease_ns = lease_ns
         self.recovery_interval_s = recovery_interval_s
         self.node_timeout = node_timeout
-        plan = ShardPlan(self.data_dir, sorted(set(shards)), total_shards, node_timeout)
+        self.measures = measures = MetadataMetrics(metrics_listen)
+        self.metrics_address: str | None = None
+        plan = ShardPlan(
+            self.data_dir, sorted(set(shards)), total_shards, node_timeout, measures.commit_hook()
+        )
         self.engine: Engine = open_engine(engine or SqliteSettings(), plan)
+        measures.watch(lambda: len(self.stores), total_shards)
         self.address = ""
         self.rpc = rpc_server.RpcServer(
             f"metadata[{shards[0]}..]",
             Keyring.from_secret(secret),
             OPS.bind(self),
             roles=OPS.roles_by_op(),
+            metrics=measures.rpc,
         )
 
     @property
@@ -176,6 +187,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
     ) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                m = self.measures
+                self.metrics_address = await start_endpoint(nursery, m.metrics, m.listen)
                 self.engine.start(nursery)
                 await self.ensure_root()
                 h, p = await nursery.start(self.rpc.serve, host, port)
@@ -183,7 +196,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
                 await nursery.start(self.engine.run, self)
                 nursery.start_soon(self._recovery_loop)
                 if ready_file is not None:
-                    write_ready_file(ready_file, self.address)
+                    write_ready_file(ready_file, self.address, self.metrics_address)
                 task_status.started((h, p))
         finally:
             for store in self.stores.values():

@@ -239,19 +239,23 @@ class ShardStore:
             raise m.error
         return m.result
 
-    async def run(self) -> None:
-        """The committer task: forever take all queued mutations and commit them at once."""
+    async def run(self, on_commit: Callable[[int, float], None] | None = None) -> None:
+        """The committer task: forever take all queued mutations and commit them at once.
+        ``on_commit(mutations, seconds)`` after each batch (the server's metrics)."""
         while True:
             await self._ready()
             await self._has_work.wait()
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             if not self._queue:
                 self._has_work = trio.Event()
+            started = time.perf_counter()
             try:
                 batch = await self._commit(batch)
             finally:
                 for m in batch:
                     m.done.set()
+            if on_commit is not None:
+                on_commit(len(batch), time.perf_counter() - started)
 
     async def _ready(self) -> None:
         """Before each batch: a durable shard is always ready."""

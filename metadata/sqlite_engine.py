@@ -38,6 +38,7 @@ class SqliteEngine:
 
     def __init__(self, plan: ShardPlan, settings: SqliteSettings) -> None:
         self.stores = {s: ShardStore(plan.data_dir, s, plan.total_shards) for s in plan.shards}
+        self.on_commit = plan.on_commit
         self.registry: Registry | None = None
         if REGISTRY_SHARD in self.stores:
             self.registry = Registry(self.stores[REGISTRY_SHARD], plan.node_timeout)
@@ -45,7 +46,7 @@ class SqliteEngine:
 
     def start(self, nursery: trio.Nursery) -> None:
         for store in self.stores.values():
-            nursery.start_soon(store.run)
+            nursery.start_soon(store.run, self.on_commit)
 
     async def run(
         self, host: ShardHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -202,3 +202,20 @@ def test_run_all_smoke_writes_a_report(tmp_path):
     assert "CPU ms/file" in report and "CPU per file" in report
     assert str(tmp_path) not in _mounts()
     assert [p for p in os.listdir(tmp_path) if p.startswith("bench-run-")] == []
+
+
+@pytest.mark.fuse
+def test_bench_metrics_smoke():
+    """bench_metrics runs both configurations (a cluster and a mount each) and leaves no
+    mount behind; with metrics on, every daemon and the mount were scraped."""
+    reason = fuse_available()
+    if reason:
+        pytest.skip(reason)
+    before = _mounts()
+    r = _run("bench.bench_metrics", "--smoke", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [run["metrics"] for run in out["runs"]] == [False, True]
+    assert out["runs"][1]["endpoints_scraped"] == 10 + 2 + 1  # stores, metadata, mount
+    assert out["save_s_on_over_off"] > 0 and out["burst_pause_s_on_over_off"] > 0
+    assert _mounts().count("bench-metrics-") == before.count("bench-metrics-") == 0

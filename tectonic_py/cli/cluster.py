@@ -153,6 +153,7 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         failure_domains=args.failure_domains,
         node_timeout=args.node_timeout,
         maintenance=not args.no_maintenance,
+        metrics=not args.no_metrics,
         chunkstore_args=["--scrub-interval", str(args.scrub_interval)],
         maintenance_args=["--inventory-interval", str(args.inventory_interval)],
         metadata_engine=args.metadata_engine or FRESH["metadata_engine"],
@@ -161,6 +162,16 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
 
 def _domains(args: argparse.Namespace) -> int:
     return args.chunkstores if args.failure_domains is None else args.failure_domains
+
+
+def _metrics_lines(cluster_file: Path, args: argparse.Namespace) -> list[str]:
+    if args.no_metrics:
+        return []
+    prometheus_yml = cluster_file.parent / "monitoring" / "prometheus.yml"
+    return [
+        f"metrics:       tectonic stats {cluster_file}",
+        f"prometheus:    prometheus --config.file={prometheus_yml}",
+    ]
 
 
 def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> str:
@@ -188,6 +199,7 @@ def _summary(cluster_file: Path, args: argparse.Namespace, detached: bool) -> st
             f"for GPU nodes: {client_file} (role client: mount, put, get, loadtest, DCP)",
             f"status:        tectonic status {cluster_file}",
             f"mount:         tectonic mount {client_file} MOUNTPOINT",
+            *_metrics_lines(cluster_file, args),
             how_to_stop,
             *spare,
         ]
@@ -260,6 +272,8 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
     ]  # fmt: skip
     if args.no_maintenance:
         argv.append("--no-maintenance")
+    if args.no_metrics:
+        argv.append("--no-metrics")
     if args.failure_domains is not None:
         argv += ["--failure-domains", str(args.failure_domains)]
     log_path = root / LOG_FILE
@@ -428,6 +442,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-maintenance", action="store_true",
         help="run without the maintenance daemon (repair, GC, rebalance): a lost chunk store "
         "then stays degraded until it comes back",
+    )  # fmt: skip
+    up.add_argument(
+        "--no-metrics", action="store_true",
+        help="run the daemons without metrics endpoints (by default each serves Prometheus "
+        "metrics on a free 127.0.0.1 port, listed in DIR/metrics.json; docs/metrics.md)",
     )  # fmt: skip
     up.add_argument(
         "--detach", action="store_true",

@@ -35,6 +35,7 @@ from tectonic_py.cli import (
     loadtest,
     maintenance,
     mount,
+    stats,
     status,
 )
 from tectonic_py.cli.common import Parser
@@ -49,6 +50,7 @@ _COMMAND_MODULES = [
     call,  # tectonic call
     mount,  # tectonic mount/umount
     status,  # tectonic status
+    stats,  # tectonic stats
     maintenance,  # tectonic maintenance / repair
     fsck,  # tectonic fsck
     loadtest,  # tectonic loadtest

@@ -101,6 +101,12 @@ def register(subparsers: Any) -> None:
         help="comma-separated subset of repair,gc,rebalance,inventory,compaction",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port;"
+        " the ready file names it); default: no metrics",
+    )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(
         func=run_maintenance,
@@ -152,17 +158,23 @@ def run_maintenance(args: argparse.Namespace) -> int:
         args.cluster_file,
         ", ".join(settings.services),
     )
-    trio.run(_main, config, settings, args.ready_file)
+    trio.run(_main, config, settings, args.ready_file, args.metrics_listen)
     log.info("maintenance stopped")
     return 0
 
 
-async def _main(config: Any, settings: MaintenanceSettings, ready_file: Path | None) -> None:
+async def _main(
+    config: Any, settings: MaintenanceSettings, ready_file: Path | None, metrics: str | None
+) -> None:
     async with open_service_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             await nursery.start(
                 lambda task_status: run_services(
-                    config, settings, ready_file=ready_file, task_status=task_status
+                    config,
+                    settings,
+                    ready_file=ready_file,
+                    metrics_listen=metrics,
+                    task_status=task_status,
                 )
             )
             log.info("maintenance ready: rounds every %g s", settings.interval)

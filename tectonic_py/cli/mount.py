@@ -163,6 +163,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         fuse=settings["fuse"],
         client=settings["client"],
         connect_wait=args.connect_wait,
+        metrics_listen=settings["mount"]["metrics_listen"],
     )
     if args.check_only:
         return 0
@@ -185,6 +186,7 @@ class MountRun:
     fuse: dict[str, Any] = field(default_factory=dict)
     client: dict[str, Any] = field(default_factory=dict)
     connect_wait: float = INTERACTIVE_FIRST_CONTACT_S
+    metrics_listen: str | None = None  # HOST:PORT of the metrics endpoint; None: no metrics
 
 
 def _daemonize(
@@ -239,10 +241,11 @@ async def serve_mount(
 ) -> None:
     """Mount and serve until unmounted or signalled; always leaves no mount behind."""
     from tectonic_py.client.tectonic_client import open_client
+    from tectonic_py.mount.metrics import FuseMetrics
     from tectonic_py.mount.operations import Operations
 
     run = run or MountRun()
-    async with open_client(config, **run.client) as client:
+    async with open_client(config, metrics_listen=run.metrics_listen, **run.client) as client:
         # Fail now, with one line, rather than mount a dead cluster.
         root = None
         with trio.move_on_after(run.connect_wait):
@@ -254,6 +257,8 @@ async def serve_mount(
                 f" answer within {run.connect_wait:g} s (--connect-wait)"
             )
         ops = Operations(client, **run.fuse)
+        if client.metrics.enabled:
+            ops.fuse_metrics = FuseMetrics(client.metrics)
         try:
             pyfuse3.init(ops, mountpoint, options)
         except RuntimeError as e:  # libfuse printed its reason on stderr already
@@ -264,7 +269,7 @@ async def serve_mount(
                 if run.read_ahead_kb > 0:
                     nursery.start_soon(_raise_read_ahead, ops, mountpoint, run.read_ahead_kb)
                 if run.ready_file:
-                    _write_ready_file(run.ready_file, mountpoint, run)
+                    _write_ready_file(run.ready_file, mountpoint, run, client.metrics_address)
                 if ready is not None:
                     ready()
                 log.info("mounted %s on %s", config.name, mountpoint)
@@ -286,13 +291,17 @@ async def _terminate_on_signal() -> None:
             return
 
 
-def _write_ready_file(path: str, mountpoint: str, run: MountRun) -> None:
-    """``{mountpoint, pid, options}``: the options are every value the mount runs with,
-    so a script (or a test) can see what its flags and ``-o`` came to."""
+def _write_ready_file(path: str, mountpoint: str, run: MountRun, metrics: str | None) -> None:
+    """``{mountpoint, pid, options}`` (and ``metrics``, its endpoint's HOST:PORT): the
+    options are every value the mount runs with, so a script (or a test) can see what its
+    flags and ``-o`` came to."""
     tmp = f"{path}.tmp"
     settings = {**run.client, **run.fuse, "read_ahead_kb": run.read_ahead_kb}
+    info: dict[str, Any] = {"mountpoint": mountpoint, "pid": os.getpid(), "options": settings}
+    if metrics is not None:
+        info["metrics"] = metrics
     with open(tmp, "w") as f:
-        json.dump({"mountpoint": mountpoint, "pid": os.getpid(), "options": settings}, f)
+        json.dump(info, f)
     os.replace(tmp, path)
 
 

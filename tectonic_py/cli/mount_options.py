@@ -24,6 +24,7 @@ from typing import Any
 
 from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.core.errors import ConfigError
+from tectonic_py.core.metrics_http import parse_listen
 from tectonic_py.core.units import format_size, parse_size
 from tectonic_py.mount.operations import Operations
 
@@ -68,6 +69,11 @@ def _fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise ConfigError(f"bad fraction {text!r}: give 0..1, e.g. 0.5")
     return value
+
+
+def _listen(text: str) -> str:
+    parse_listen(text)
+    return text
 
 
 def _flag(text: str) -> bool:
@@ -200,6 +206,11 @@ OPTIONS: tuple[MountOption, ...] = (
     ),
     MountOption(
         "nonempty", _flag, False, "mount", "mount over a directory that has files in it"
+    ),
+    MountOption(
+        "metrics_listen", _listen, None, "mount",
+        "serve Prometheus metrics (FUSE ops, client bytes) on http://HOST:PORT/metrics; "
+        "port 0 picks a free port, the ready file names it (docs/metrics.md; auto: none)",
     ),
 )  # fmt: skip
 

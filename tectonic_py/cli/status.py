@@ -41,7 +41,12 @@ the scrub, or the inventory pass of ``tectonic maintenance`` (or ``tectonic repa
      "degraded_blocks": [{block_id, ec, live, total, k, missing: [node_id or "unplaced"],
        readable}] or null,
      "degraded_error": null or str, "warnings": [str],
-     "last_fsck": null or {checked_at, age_s, path, severity, counts, lost_files, lost_paths}}
+     "last_fsck": null or {checked_at, age_s, path, severity, counts, lost_files, lost_paths},
+     "metrics": [{process, url}]}
+
+``metrics`` lists the Prometheus endpoints the cluster directory records (``metrics.json``
+and ``monitoring/targets.d``, written by ``tectonic cluster up``; tectonic_py/launch/
+monitoring.py), empty for a cluster without them.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -67,6 +73,7 @@ from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import NodeInfo
 from tectonic_py.core.rpc_client import open_connection
 from tectonic_py.core.sockets import parse_address
+from tectonic_py.launch.monitoring import read_endpoints
 from tectonic_py.maintenance import fsck_summary
 from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
@@ -255,6 +262,8 @@ def render(status: dict[str, Any]) -> None:
     for warning in status["warnings"]:
         console.print(f"[bold yellow]warning:[/] {warning}")
     console.print(fsck_summary.describe(status.get("last_fsck")), highlight=False)
+    if status.get("metrics"):
+        console.print(f"metrics: {len(status['metrics'])} endpoints (tectonic stats; --json)")
     degraded = status["degraded_blocks"]
     if degraded is None:
         console.print(f"[bold red]degraded blocks unknown:[/] {status['degraded_error']}")
@@ -287,6 +296,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ) from None
 
     status = trio.run(run)
+    status["metrics"] = read_endpoints(Path(args.cluster_file).resolve().parent)
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -143,6 +143,7 @@ class BlockFetch:
                 if now >= hedge_at:
                     hedge_at = math.inf
                     for _ in range(min(self.pending, self.k - len(self.chunks))):
+                        self.io.stats.hedged_gets += 1 if self.spares else 0
                         self._start_spare()
                 if now >= slow_at:
                     slow_at = math.inf

@@ -15,6 +15,7 @@ class ClientStats:
     chunk_write_failures: int = 0
     chunks_replaced: int = 0
     hedged_puts: int = 0
+    hedged_gets: int = 0  # parity chunks fetched because a data chunk was slow
     # Chunk puts given up on because their store stopped answering while the rest of the
     # block landed: the block commits without them and repair restores them.
     stalled_puts: int = 0

@@ -49,6 +49,7 @@ from tectonic_py.client.async_creates import AsyncCreates, PendingCreate
 from tectonic_py.client.block_io import BlockIO, BlockWrite, IOTuning
 from tectonic_py.client.buffers import BlockCache, BufferPool
 from tectonic_py.client.codec import Codec
+from tectonic_py.client.metrics import watch_client
 from tectonic_py.client.node_view import NodeView
 from tectonic_py.client.packing import Packer, PackTuning
 from tectonic_py.client.reader import FileReader
@@ -66,6 +67,8 @@ from tectonic_py.core.errors import (
     IsADirectory,
 )
 from tectonic_py.core.ids import ROOT_ID
+from tectonic_py.core.metrics import Metrics
+from tectonic_py.core.metrics_http import parse_listen, serve_metrics
 from tectonic_py.core.records import Attrs, BlockInfo, DirEntry
 
 __all__ = ["ClientStats", "FileReader", "FileWriter", "TectonicClient", "open_client"]
@@ -146,6 +149,10 @@ class TectonicClient:
         self.meta = meta
         self.nursery = nursery
         self.stats = ClientStats()
+        # Set by ``open_client(metrics_listen=...)``: the process's families (the mount adds
+        # the FUSE layer's) and where they are served.
+        self.metrics = Metrics.off()
+        self.metrics_address: str | None = None
         self.node_view = NodeView(meta, nursery, node_backoff_s)
         self.codec = Codec()
         self.pool = ChunkPool(
@@ -478,20 +485,27 @@ async def open_client(
     cluster: ClusterConfig | str | os.PathLike[str],
     *,
     first_contact_deadline: float | None = None,
+    metrics_listen: str | None = None,
     **tuning: Any,
 ) -> AsyncIterator[TectonicClient]:
     """Connect to a cluster (a ``ClusterConfig`` or the path of its cluster file).
     ``first_contact_deadline``: how long a metadata server that has not answered yet is
     waited for (``None``: as long as for a restart, the data path's choice; an interactive
-    command passes a few seconds)."""
+    command passes a few seconds). ``metrics_listen``: serve the client's metrics on
+    HOST:PORT (port 0: any; ``client.metrics_address`` says where)."""
     from metadata.client import MetadataClient
 
     config = cluster if isinstance(cluster, ClusterConfig) else cluster_file.load(cluster)
+    listen = None if metrics_listen is None else parse_listen(metrics_listen)
     async with open_service_nursery() as nursery:
         meta = MetadataClient(
             config, nursery=nursery, first_contact_deadline=first_contact_deadline
         )
         client = TectonicClient(config, meta, nursery, **tuning)
+        if listen is not None:
+            client.metrics = Metrics()
+            watch_client(client.metrics, client.stats)
+            client.metrics_address = await nursery.start(serve_metrics, client.metrics, *listen)
         try:
             yield client
         finally:

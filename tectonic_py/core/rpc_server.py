@@ -73,6 +73,7 @@ from tectonic_py.core.framing import (
     send_all,
     send_pieces,
 )
+from tectonic_py.core.rpc_metrics import RpcMetrics
 from tectonic_py.core.sockets import unpaced_on_loopback
 
 log = logging.getLogger(__name__)
@@ -332,6 +333,7 @@ class RpcServer:
         limits: Limits = DEFAULT_LIMITS,
         payload_room: Mapping[str, Callable[[int], tuple[int, int]]] | None = None,
         roles: Mapping[str, frozenset[str]] | None = None,
+        metrics: RpcMetrics | None = None,
     ) -> None:
         """``keys``: the roles accepted and their keys (the cluster secret: every role).
         ``payload_room[op](plen) -> (offset, size)``: receive that op's payload at
@@ -339,14 +341,18 @@ class RpcServer:
         ``Request.buffer`` (the chunk store receives a put where its file image needs it).
         ``roles[op]``: the roles that may call ``op``; any other role's call is refused
         with ``PermissionDenied`` (logged, its handler never runs), and so is an op that has
-        a handler but no entry. None: every role may call every op (tests' servers)."""
+        a handler but no entry. None: every role may call every op (tests' servers).
+        ``metrics``: every handler counted and timed (core/rpc_metrics.py), and ``stats``
+        exposed."""
         self.name = name
         self.payload_room = dict(payload_room or {})
         self._keys = as_keyring(keys)
         self.roles = None if roles is None else dict(roles)
-        self.handlers = dict(handlers)
         self.limits = limits
         self.stats = ServerStats()
+        self.handlers = dict(handlers) if metrics is None else metrics.wrap_all(handlers)
+        if metrics is not None:
+            metrics.watch(self.stats)
         self._budget = _PayloadBudget(limits.payload_budget, limits.max_payload_waiters, self.stats)
         self._spares = SpareBuffers(min(limits.payload_budget // 4, 80 * MiB))
         # Connections in the handshake, oldest first: their cancel scopes, to drop them.

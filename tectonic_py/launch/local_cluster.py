@@ -19,6 +19,8 @@ Layout under ``root``::
     chunks/N/              data directory of chunk store N (node id ``csN``)
     logs/*.log             stdout and stderr of every daemon
     run/*.ready            ready files the daemons write once serving
+    metrics.json,          with ``metrics=True``: every daemon's metrics endpoint, and a
+    monitoring/            Prometheus configuration over them (tectonic_py/launch/monitoring.py)
 
 With ``metadata_engine="etcd"`` a 3-member etcd cluster starts first (on free loopback
 ports), the metadata servers keep their shards in it and take over each other's, and chunk
@@ -62,6 +64,7 @@ from tectonic_py.core.cluster_file import (
 from tectonic_py.core.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.core.errors import ConfigError, Timeout
 from tectonic_py.core.process_env import PROJECT_ROOT, child_env
+from tectonic_py.launch import monitoring
 from tectonic_py.launch.local_etcd import EtcdCluster
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class _Daemon:
         self.log_file = log_file
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
+        self.metrics: str | None = None  # HOST:PORT of its metrics endpoint, if it has one
 
     @property
     def running(self) -> bool:
@@ -117,6 +121,7 @@ class _Daemon:
                 try:
                     info = json.loads(self.ready_file.read_text())
                     self.address = str(info["address"])
+                    self.metrics = info.get("metrics")
                     return self.address
                 except (ValueError, KeyError, OSError):
                     pass  # written atomically, but be lenient with a half-visible file
@@ -181,6 +186,7 @@ class LocalCluster:
         maintenance_args: list[str] | None = None,
         metadata_engine: str = "sqlite",
         etcd_members: int = 3,
+        metrics: bool = False,
     ) -> None:
         if chunkstores < 1 or metadata_servers < 1 or not 1 <= shards <= 65536:
             raise ConfigError("need at least one chunk store and one metadata server")
@@ -206,6 +212,9 @@ class LocalCluster:
         # flags (short grace periods and intervals for tests) in ``maintenance_args``.
         self.maintenance = maintenance
         self.maintenance_args = list(maintenance_args or [])
+        # Every daemon serves Prometheus metrics on a free loopback port; where is written
+        # to metrics.json and monitoring/ (tectonic_py/launch/monitoring.py).
+        self.metrics = metrics
         self._maint = self._daemon("maintenance")
         if metadata_engine not in ENGINES:
             raise ConfigError(f"metadata engine {metadata_engine!r} is not one of {ENGINES}")
@@ -294,6 +303,7 @@ class LocalCluster:
             self._set_root_policy()
             if self.maintenance and not self._maint.running:
                 self.start_maintenance()
+            self._write_endpoints()
         except BaseException:
             self.stop()
             raise
@@ -340,10 +350,12 @@ class LocalCluster:
                     str(self.maintenance_file),
                     "--ready-file",
                     str(self._maint.ready_file),
+                    *self._metrics_args(),
                     *self.maintenance_args,
                 ]
             )
         self._maint.wait_ready(time.monotonic() + self.start_timeout)
+        self._write_endpoints()
 
     def kill_maintenance(self) -> None:
         """kill -9 the maintenance process (fault injection)."""
@@ -383,6 +395,7 @@ class LocalCluster:
         if not self._chunk[i].running:
             self._spawn_chunkstore(i)
         addr = self._chunk[i].wait_ready(time.monotonic() + self.start_timeout)
+        self._write_endpoints()
         self._ports[f"chunkstore-{i}"] = self._port(addr)
         self._save_state()
         return addr
@@ -403,7 +416,21 @@ class LocalCluster:
             self._spawn_metadata(i, require_same_port=True)
         addr = self._meta[i].wait_ready(time.monotonic() + self.start_timeout)
         self._ports[f"metadata-{i}"] = self._port(addr)
+        self._write_endpoints()
         return addr
+
+    def metrics_endpoints(self) -> dict[str, str]:
+        """Process name -> HOST:PORT of its metrics, for every daemon started with them (a
+        killed one stays: Prometheus shows it as down)."""
+        daemons = [*self._meta, *self._chunk, self._maint]
+        return {d.name: d.metrics for d in daemons if d.metrics}
+
+    def _write_endpoints(self) -> None:
+        if self.metrics:
+            monitoring.write_endpoints(self.root, self.metrics_endpoints())
+
+    def _metrics_args(self) -> list[str]:
+        return ["--metrics-listen", f"{HOST}:0"] if self.metrics else []
 
     def metadata_address(self, i: int) -> str:
         return self._meta[i].address
@@ -457,6 +484,7 @@ class LocalCluster:
             "--node-timeout",
             str(self.node_timeout),
             *self._engine_args(),
+            *self._metrics_args(),
             *self.metadata_args,
         ]
         d.spawn(argv)
@@ -498,6 +526,7 @@ class LocalCluster:
             str(self.heartbeat_interval),
             "--ready-file",
             str(d.ready_file),
+            *self._metrics_args(),
             *self.chunkstore_args,
         ]
         d.spawn(argv)

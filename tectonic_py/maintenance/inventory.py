@@ -87,6 +87,7 @@ class Inventory:
             for node, out in zip(nodes, results):
                 nursery.start_soon(one, node, out)
         found = sum(len(r.missing) + len(r.mismatched) for r in results)
+        self.m.counters.inventory_mismatches += found
         if found:
             log.warning(
                 "inventory: %d chunks missing or replaced on %d chunk stores, %d recorded"

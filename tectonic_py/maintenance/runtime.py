@@ -118,6 +118,7 @@ class Counters:
     packs_compacted: int = 0
     compacted_bytes_freed: int = 0
     unreachable_collected: int = 0
+    inventory_mismatches: int = 0  # chunks found missing from or replaced on their store
     rounds: dict[str, int] = field(default_factory=dict)
 
 

@@ -23,9 +23,12 @@ from tectonic_py.client.tectonic_client import TectonicClient
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import TectonicError
+from tectonic_py.core.metrics import Metrics
+from tectonic_py.core.metrics_http import parse_listen, start_endpoint
 from tectonic_py.maintenance.compaction import Compactor
 from tectonic_py.maintenance.gc import GarbageCollector
 from tectonic_py.maintenance.inventory import Inventory
+from tectonic_py.maintenance.metrics import MaintenanceMetrics
 from tectonic_py.maintenance.rebalance import Rebalancer
 from tectonic_py.maintenance.repair import Repairer
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
@@ -35,17 +38,24 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 
-def _write_ready_file(path: Path) -> None:
+def _write_ready_file(path: Path, metrics: str | None) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    info: dict[str, Any] = {"pid": os.getpid(), "address": ""}
+    if metrics is not None:
+        info["metrics"] = metrics
     with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "address": ""}, f)
+        json.dump(info, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 async def _loop(
-    m: Maintenance, name: str, interval: float, round_fn: Callable[[], Awaitable[Any]]
+    m: Maintenance,
+    name: str,
+    interval: float,
+    round_fn: Callable[[], Awaitable[Any]],
+    measures: MaintenanceMetrics | None = None,
 ) -> None:
     failing = False
     while True:
@@ -64,6 +74,8 @@ async def _loop(
             # a cluster without repair is worse than a traceback in a log.
             log.exception("%s round failed with an internal error", name)
             failing = True
+        if measures is not None:
+            measures.round_done(name, time.monotonic() - started, failing)
         await trio.sleep(max(0.05, interval - (time.monotonic() - started)))
 
 
@@ -72,31 +84,41 @@ async def run_services(
     settings: MaintenanceSettings,
     *,
     ready_file: Path | None = None,
+    metrics_listen: str | None = None,
     task_status: trio.TaskStatus[Maintenance] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the configured services until cancelled."""
+    """Run the configured services until cancelled; ``metrics_listen``: HOST:PORT of the
+    metrics endpoint (None: no metrics)."""
+    if metrics_listen is not None:
+        parse_listen(metrics_listen)  # (a bad address is said before anything starts)
     async with open_service_nursery() as nursery:
         meta = MetadataClient(config, nursery=nursery)
         m = Maintenance(config, settings, meta, nursery)
         client: TectonicClient | None = None
+        measures = None if metrics_listen is None else MaintenanceMetrics(Metrics(), m)
         try:
+            metrics_address = None
+            if measures is not None:
+                metrics_address = await start_endpoint(nursery, measures.metrics, metrics_listen)
+
+            def loop(name: str, interval: float, fn: Callable[[], Awaitable[Any]]) -> None:
+                nursery.start_soon(_loop, m, name, interval, fn, measures)
+
             if "repair" in settings.services:
-                nursery.start_soon(_loop, m, "repair", settings.interval, Repairer(m).round)
+                loop("repair", settings.interval, Repairer(m).round)
             if "gc" in settings.services:
-                nursery.start_soon(_loop, m, "gc", settings.interval, GarbageCollector(m).round)
+                loop("gc", settings.interval, GarbageCollector(m).round)
             if "rebalance" in settings.services and settings.rebalance:
-                nursery.start_soon(_loop, m, "rebalance", settings.interval, Rebalancer(m).round)
+                loop("rebalance", settings.interval, Rebalancer(m).round)
             if "inventory" in settings.services:
-                inventory = Inventory(m).round
-                nursery.start_soon(_loop, m, "inventory", settings.inventory_interval, inventory)
+                loop("inventory", settings.inventory_interval, Inventory(m).round)
             if "compaction" in settings.services and settings.compact_below > 0:
                 # Compaction's data path (read a pack, code and store the new one), with a
                 # small write window and no block cache: packs are rewritten one at a time.
                 client = TectonicClient(config, meta, nursery, window_bytes=64 * MiB, cache_bytes=0)
-                compaction = Compactor(m, client).round
-                nursery.start_soon(_loop, m, "compaction", settings.sweep_interval, compaction)
+                loop("compaction", settings.sweep_interval, Compactor(m, client).round)
             if ready_file is not None:
-                await trio.to_thread.run_sync(_write_ready_file, ready_file)
+                await trio.to_thread.run_sync(_write_ready_file, ready_file, metrics_address)
             task_status.started(m)
             await trio.sleep_forever()
         finally:

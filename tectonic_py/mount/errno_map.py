@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -75,14 +76,19 @@ def errno_of(exc: BaseException) -> int:
 
 
 def fuse_op(fn: F) -> F:
-    """Wrap a handler so that nothing but ``FUSEError`` ever leaves it."""
+    """Wrap a handler so that nothing but ``FUSEError`` ever leaves it; with the mount's
+    ``fuse_metrics`` (mount/metrics.py), count and time it on the way."""
     op = fn.__name__
 
     @functools.wraps(fn)
     async def handler(self: Any, *args: Any) -> Any:
+        metrics = getattr(self, "fuse_metrics", None)
+        started = 0.0 if metrics is None else time.perf_counter()
         try:
-            return await fn(self, *args)
-        except pyfuse3.FUSEError:
+            result = await fn(self, *args)
+        except pyfuse3.FUSEError as e:
+            if metrics is not None:
+                metrics.failed(op, started, e.errno)
             raise
         except Exception as e:
             code = errno_of(e)
@@ -97,6 +103,11 @@ def fuse_op(fn: F) -> F:
                 log.debug("%s%r: %s -> %s", op, args[:2], e, name)
             else:
                 log.error("%s%r failed: %s: %s -> %s", op, args[:2], type(e).__name__, e, name)
+            if metrics is not None:
+                metrics.failed(op, started, code)
             raise pyfuse3.FUSEError(code) from None
+        if metrics is not None:
+            metrics.done(op, started, result)
+        return result
 
     return cast(F, handler)

@@ -75,6 +75,7 @@ from tectonic_py.mount.dangling import DanglingNames, placeholder
 from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S, DirListings
 from tectonic_py.mount.errno_map import fuse_op
 from tectonic_py.mount.inode_cache import Handle, InodeCache, OpenFile
+from tectonic_py.mount.metrics import FuseMetrics
 from tectonic_py.mount.namespace import S_IFMT_OF_KIND, NamespaceOps, fuse_name
 from tectonic_py.mount.xattrs import XattrOps
 
@@ -104,6 +105,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     """
 
     supports_dot_lookup = False  # no ".." lookups: we keep no parent pointers
+    # The FUSE layer's metrics (mount/metrics.py), counted by ``fuse_op``; None: off.
+    fuse_metrics: FuseMetrics | None = None
     enable_writeback_cache = False
     enable_acl = False
 
