@@ -16,6 +16,9 @@ one shard), so the move is one transaction:
   them (``file_layer.queue_if_unheld``); a reader that still holds the old block list finds
   the old pack until the GC's grace is over, then re-reads the list.
 
+A pack that holds a patch (file_layer.add_patch) is left as it is: patches leave a pack when
+a writer folds them into a new version of their block, or a newer patch covers them.
+
 A repeat after a lost reply commits the same block again (idempotent) and finds no extent left
 to move; the op is declared repeatable.
 """
@@ -49,6 +52,10 @@ def pack_usage(
     for block_id, data_len, allocated_ns in rows:
         if allocated_ns >= older_than_ns:
             continue
+        if conn.execute(
+            "SELECT 1 FROM file_patches WHERE block_id = ? LIMIT 1", (block_id,)
+        ).fetchone():
+            continue  # a patch's bytes leave it when the writer folds the patches
         extents = conn.execute(
             "SELECT fb.file_id, fb.idx, fe.offset, fe.length FROM file_blocks fb"
             " JOIN file_extents fe ON fe.file_id = fb.file_id AND fe.idx = fb.idx"

@@ -24,7 +24,7 @@ from metadata.block_calls import BlockCalls
 from metadata.routing import Router, gather
 from tectonic_py.core.errors import FileSealed, NotADirectory, TectonicError, error_from_code
 from tectonic_py.core.ids import ROOT_ID
-from tectonic_py.core.records import Attrs, BlockInfo, PackedExtent
+from tectonic_py.core.records import Attrs, BlockInfo, PackedExtent, Patch
 
 DIR_POLICY_TTL_S = 2.0
 
@@ -239,9 +239,23 @@ class FileCalls:
         (addresses filled in from the registry)."""
         r = await self._at(file_id, "file.blocks", {})
         rows = [(*map(int, e), 0, 0)[:4] for e in r["blocks"]]  # (index, id, offset, length)
-        infos = await self._blocks.locate_blocks([e[1] for e in rows])
+        patch_rows = [tuple(map(int, p)) for p in r.get("patches", [])]
+        ids = list(dict.fromkeys([e[1] for e in rows] + [p[3] for p in patch_rows]))
+        located = dict(zip(ids, await self._blocks.locate_blocks(ids)))
+        patches: dict[int, list[Patch]] = {}
+        for index, at, length, block_id, offset in patch_rows:
+            source = dataclasses.replace(located[block_id], ext_off=offset, ext_len=length)
+            patches.setdefault(index, []).append(Patch(at, length, source))
         out = []
-        for (index, _, offset, length), info in zip(rows, infos):
+        for index, block_id, offset, length in rows:
             # A copy per entry: one pack block may hold several of the file's extents.
-            out.append(dataclasses.replace(info, file_index=index, ext_off=offset, ext_len=length))
+            out.append(
+                dataclasses.replace(
+                    located[block_id],
+                    file_index=index,
+                    ext_off=offset,
+                    ext_len=length,
+                    patches=tuple(patches.get(index, ())),
+                )
+            )
         return sorted(out, key=lambda i: i.file_index)

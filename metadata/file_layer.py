@@ -27,6 +27,13 @@ Metadata-only records (symbolic links and mknod's special files, ``NODE_KINDS``)
 sealed with no writer token; a link's target is in ``symlinks``, a device number in
 ``devices``, both dropped with the record. ``stored`` in a file's attrs counts the bytes its
 stored blocks cover (holes excluded), for st_blocks.
+
+Patches: a small in-place write (a 4 KiB ``pwrite`` into a large file, a SQLite commit into
+a packed one) is stored as an extent of a pack laid over the file's block
+(``file_patches``, ``add_patch``), at the cost of its own bytes, instead of a new version
+of the block (16 MiB of chunks for a 4 KiB write into a 24 MiB RS(6,3) block). A patch that
+a newer one covers whole goes at once; at ``MAX_PATCHES`` on a block the writer folds them
+into a new version, whose commit at the index drops them.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from tectonic_py.core.records import (
     KIND_DIR,
     KIND_FILE,
     KIND_SYMLINK,
+    MAX_PATCHES,
     MAX_SYMLINK_TARGET,
     NODE_KINDS,
     Attrs,
@@ -244,12 +252,7 @@ def _queue_gc(
     """Queue for the GC the blocks no file holds any more. A pack block is held by every
     file with an extent in it, so it goes with the last of them; a block of its own goes
     with its file's entry."""
-    gone = [
-        b
-        for b in block_ids
-        if conn.execute("SELECT 1 FROM file_blocks WHERE block_id = ? LIMIT 1", (b,)).fetchone()
-        is None
-    ]
+    gone = [b for b in set(block_ids) if not held(conn, b)]
     conn.executemany(
         "INSERT OR IGNORE INTO gc_blocks (block_id, queued_ns) VALUES (?, ?)",
         [(b, now_ns) for b in gone],
@@ -258,6 +261,27 @@ def _queue_gc(
         conn.executemany(
             "INSERT OR IGNORE INTO gc_superseded (block_id) VALUES (?)", [(b,) for b in gone]
         )
+
+
+def held(conn: sqlite3.Connection, block_id: int) -> bool:
+    """Whether a file's block entry or patch names the block (a pack: any file's)."""
+    for table in ("file_blocks", "file_patches"):
+        row = conn.execute(f"SELECT 1 FROM {table} WHERE block_id = ? LIMIT 1", (block_id,))
+        if row.fetchone() is not None:
+            return True
+    return False
+
+
+def _drop_patches(
+    conn: sqlite3.Connection, file_id: int, first_index: int, last_index: int
+) -> list[int]:
+    """Drop the patches of the file's blocks ``first_index..last_index``; their packs."""
+    where = "file_id = ? AND idx >= ? AND idx <= ?"
+    args = (file_id, first_index, last_index)
+    ids = [r[0] for r in conn.execute(f"SELECT block_id FROM file_patches WHERE {where}", args)]
+    if ids:
+        conn.execute(f"DELETE FROM file_patches WHERE {where}", args)
+    return ids
 
 
 def queue_if_unheld(conn: sqlite3.Connection, block_id: int, now_ns: int) -> None:
@@ -282,6 +306,7 @@ def _drop_blocks_from(
     ]
     conn.execute("DELETE FROM file_blocks WHERE file_id = ? AND idx >= ?", (file_id, first_index))
     conn.execute("DELETE FROM file_extents WHERE file_id = ? AND idx >= ?", (file_id, first_index))
+    ids += _drop_patches(conn, file_id, first_index, 2**62)
     _queue_gc(conn, ids, now_ns)
 
 
@@ -350,8 +375,62 @@ def commit_blocks(
             )
         else:
             conn.execute("DELETE FROM file_extents WHERE file_id = ? AND idx = ?", (file_id, index))
+        patched = _drop_patches(conn, file_id, index, index)  # the new block holds their bytes
         if old is not None and old[0] != block_id:
-            _queue_gc(conn, [old[0]], now_ns, superseded=True)
+            patched.append(old[0])
+        _queue_gc(conn, patched, now_ns, superseded=True)
+    conn.execute("UPDATE files SET mtime_ns = ? WHERE id = ?", (now_ns, file_id))
+
+
+def add_patch(
+    conn: sqlite3.Connection,
+    file_id: int,
+    token: int,
+    index: int,
+    at: int,
+    length: int,
+    block_id: int,
+    offset: int,
+    now_ns: int,
+) -> None:
+    """Lay bytes ``[offset, offset + length)`` of pack ``block_id`` over bytes ``[at, at +
+    length)`` of the file's block ``index`` (module docstring). Older patches that this one
+    covers whole are dropped: rewriting one page again and again keeps one patch."""
+    row = _writable(conn, file_id, token)
+    if at < 0 or length <= 0 or at + length > _bytes_per_block(row):
+        raise InvalidArgument(f"patch {at}+{length} does not fit a block of file {file_id}")
+    if (
+        conn.execute(
+            "SELECT 1 FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
+        ).fetchone()
+        is None
+    ):
+        raise InvalidArgument(f"file {file_id} has no block {index} to patch")
+    covered = conn.execute(
+        "SELECT seq, block_id FROM file_patches WHERE file_id = ? AND idx = ?"
+        " AND at >= ? AND at + length <= ?",
+        (file_id, index, at, at + length),
+    ).fetchall()
+    conn.executemany(
+        "DELETE FROM file_patches WHERE file_id = ? AND idx = ? AND seq = ?",
+        [(file_id, index, seq) for seq, _ in covered],
+    )
+    count, top = conn.execute(
+        "SELECT count(*), max(seq) FROM file_patches WHERE file_id = ? AND idx = ?",
+        (file_id, index),
+    ).fetchone()
+    if count >= MAX_PATCHES:
+        raise InvalidArgument(
+            f"block {index} of file {file_id} has {count} patches: store a new version of it"
+        )
+    conn.execute(
+        "INSERT INTO file_patches (file_id, idx, seq, at, length, block_id, offset)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (file_id, index, (top or 0) + 1, at, length, block_id, offset),
+    )
+    # A normal grace, not a superseded block's short one: a reader holding the block list
+    # from before still finds the same block at the index and would not look again.
+    _queue_gc(conn, [b for _, b in covered if b != block_id], now_ns)
     conn.execute("UPDATE files SET mtime_ns = ? WHERE id = ?", (now_ns, file_id))
 
 
@@ -500,6 +579,26 @@ def blocks(conn: sqlite3.Connection, file_id: int) -> list[tuple[int, int, int, 
             (file_id,),
         )
     ]
+
+
+def patches(conn: sqlite3.Connection, file_id: int) -> list[tuple[int, int, int, int, int]]:
+    """(index, at, length, block_id, offset) of each patch of the file, oldest first."""
+    return [
+        (r[0], r[1], r[2], r[3], r[4])
+        for r in conn.execute(
+            "SELECT idx, at, length, block_id, offset FROM file_patches WHERE file_id = ?"
+            " ORDER BY idx, seq",
+            (file_id,),
+        )
+    ]
+
+
+def block_map(conn: sqlite3.Connection, file_id: int) -> dict[str, list[list[int]]]:
+    """``file.blocks``' answer: the file's blocks and the patches over them."""
+    return {
+        "blocks": [list(b) for b in blocks(conn, file_id)],
+        "patches": [list(p) for p in patches(conn, file_id)],
+    }
 
 
 # --- xattrs (small: a handful per file, values up to 64 KiB) -----------------------------------

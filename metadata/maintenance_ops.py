@@ -75,6 +75,7 @@ from typing import Any
 
 import msgpack
 
+from metadata import file_layer
 from metadata.block_layer import PACK_OWNER, holders, locate, repoint_chunk
 from metadata.shard import now_ns
 from tectonic_py.core import capability
@@ -181,7 +182,9 @@ def forget_block(
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
     holder = conn.execute(
-        "SELECT file_id, idx FROM file_blocks WHERE block_id = ? LIMIT 1", (block_id,)
+        "SELECT file_id, idx FROM file_blocks WHERE block_id = ?"
+        " UNION ALL SELECT file_id, idx FROM file_patches WHERE block_id = ? LIMIT 1",
+        (block_id, block_id),
     ).fetchone()
     if holder is not None:
         what = "pack" if row[1] == PACK_OWNER else "block"
@@ -314,18 +317,13 @@ def gc_ack(conn: sqlite3.Connection, block_ids: list[int]) -> None:
     conn.executemany("DELETE FROM gc_superseded WHERE block_id = ?", [(b,) for b in block_ids])
 
 
-def _pack_held(conn: sqlite3.Connection, block_id: int) -> bool:
-    row = conn.execute("SELECT 1 FROM file_blocks WHERE block_id = ? LIMIT 1", (block_id,))
-    return row.fetchone() is not None
-
-
 def referenced(conn: sqlite3.Connection, refs: list[tuple[int, int, int]]) -> list[bool]:
     """For each (file_id, index, block_id): does the file hold that block at that index?
     For a pack (file_id ``PACK_OWNER``): does any file hold an extent in it?"""
     out = []
     for file_id, index, block_id in refs:
         if file_id == PACK_OWNER:
-            out.append(_pack_held(conn, block_id))
+            out.append(file_layer.held(conn, block_id))
             continue
         row = conn.execute(
             "SELECT block_id FROM file_blocks WHERE file_id = ? AND idx = ?", (file_id, index)
@@ -371,7 +369,6 @@ def collect_unreachable(conn: sqlite3.Connection, file_id: int, ctime_ns: int, n
     """Delete a record the maintenance daemon's walks found unreachable, if it is still as
     they saw it (``ctime_ns``: a hard link made to it since changes that), holds no live
     writer (an open handle) and is not a directory with entries; False when kept."""
-    from metadata import file_layer
     from metadata.dir_entries import has_entries
 
     row = conn.execute(

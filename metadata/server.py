@@ -473,7 +473,7 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
 
     async def op_file__blocks(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        return {"blocks": [list(p) for p in store.read(file_layer.blocks, req["id"])]}
+        return store.read(file_layer.block_map, req["id"])
 
     async def op_file__getxattr(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

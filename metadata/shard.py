@@ -89,6 +89,15 @@ CREATE TABLE IF NOT EXISTS file_extents (
     file_id INTEGER NOT NULL, idx INTEGER NOT NULL, offset INTEGER NOT NULL,
     length INTEGER NOT NULL, PRIMARY KEY (file_id, idx)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS file_blocks_block ON file_blocks (block_id);
+-- Small overwrites laid over a file's block (copy-on-write): bytes [at, at + length) of the
+-- file's block idx are bytes [offset, offset + length) of pack block_id; a higher seq lies
+-- over a lower. A new block at idx drops them (it holds their bytes). Packs live while a
+-- patch names them too.
+CREATE TABLE IF NOT EXISTS file_patches (
+    file_id INTEGER NOT NULL, idx INTEGER NOT NULL, seq INTEGER NOT NULL, at INTEGER NOT NULL,
+    length INTEGER NOT NULL, block_id INTEGER NOT NULL, offset INTEGER NOT NULL,
+    PRIMARY KEY (file_id, idx, seq)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS file_patches_block ON file_patches (block_id);
 CREATE TABLE IF NOT EXISTS xattrs (
     file_id INTEGER NOT NULL, name TEXT NOT NULL, value BLOB NOT NULL,
     PRIMARY KEY (file_id, name)) WITHOUT ROWID;

@@ -24,7 +24,7 @@ name.unlink          dir, name                                             id, r
 file.commit          id, token, entries [[index, block_id], ...], [blocks] {}
 file.close           id, token, size, entries, [blocks]                    attrs
 file.commit_pack     block, files [{id, token, index, offset, length,      results
-                     size, seal}, ...]
+                     size, seal, [at]}, ...]
 ==================== ===================================================== ==============
 
 ``name.create`` makes a regular file, named at once (no orphan window) and holding its writer
@@ -46,7 +46,9 @@ extent ``[offset, offset + length)`` of it at its block ``index``, its size, and
 its seal. Each file is checked and applied in a savepoint of its own, so a fenced writer or a
 file removed meanwhile gets its own error and the others go on; a pack that no file took is
 queued for the GC at once. A repeat after a lost reply finds its seals done (the same
-extent, the same size) and answers them again.
+extent, the same size) and answers them again. A file's extent with ``at`` is a *patch*: it
+is laid over bytes ``[at, at + length)`` of the block the file has at ``index``
+(``file_layer.add_patch``), the copy-on-write of a small in-place write.
 """
 
 from __future__ import annotations
@@ -209,17 +211,18 @@ def packed_from_wire(item: Any) -> PackedExtent:
             item["length"],
             item["size"],
             item.get("seal", False),
+            item.get("at", -1),
         )
     except KeyError as e:
         raise InvalidArgument(f"file.commit_pack: a file lacks {e.args[0]!r}") from None
-    ints = (f.file_id, f.token, f.index, f.offset, f.length, f.size)
+    ints = (f.file_id, f.token, f.index, f.offset, f.length, f.size, f.at)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
         raise InvalidArgument("file.commit_pack: file fields must be integers")
     if not isinstance(f.seal, bool):
         raise InvalidArgument("file.commit_pack: 'seal' must be a boolean")
     if not (0 < f.file_id <= MAX_ID and 0 < f.token <= MAX_ID and 0 <= f.index < 2**40):
         raise InvalidArgument(f"file.commit_pack: bad id, token or index of {f.file_id}")
-    if f.offset < 0 or f.length <= 0 or not 0 <= f.size < 2**62:
+    if f.offset < 0 or f.length <= 0 or not 0 <= f.size < 2**62 or f.at < -1:
         raise InvalidArgument(f"file.commit_pack: bad extent or size of file {f.file_id}")
     return f
 
@@ -231,20 +234,28 @@ def _pack_one(conn: sqlite3.Connection, info: BlockInfo, f: PackedExtent, now: i
             f" {info.block_id:016x} ({info.data_len} bytes)"
         )
     per_block = file_layer.bytes_per_block(conn, f.file_id)
-    if f.length > per_block or f.index * per_block + f.length > f.size:
+    at = max(f.at, 0)
+    if at + f.length > per_block or f.index * per_block + at + f.length > f.size:
         raise InvalidArgument(
-            f"extent of {f.length} bytes at block {f.index} does not fit file {f.file_id}"
-            f" of size {f.size} ({per_block} bytes a block)"
+            f"extent of {f.length} bytes at {at} of block {f.index} does not fit file"
+            f" {f.file_id} of size {f.size} ({per_block} bytes a block)"
         )
     entry = (f.index, info.block_id, f.offset, f.length)
+    patch = (f.index, f.at, f.length, info.block_id, f.offset)
     try:
-        file_layer.commit_blocks(conn, f.file_id, f.token, [entry], now)
+        if f.at >= 0:
+            file_layer.add_patch(conn, f.file_id, f.token, *patch, now)
+        else:
+            file_layer.commit_blocks(conn, f.file_id, f.token, [entry], now)
     except FileSealed:
         # A repeat of this very close (its reply was lost): the seal is done if the file
-        # holds this extent at this size.
-        have = file_layer.blocks(conn, f.file_id)
+        # holds this extent (or patch) at this size.
+        if f.at >= 0:
+            done = patch in file_layer.patches(conn, f.file_id)
+        else:
+            done = entry in file_layer.blocks(conn, f.file_id)
         attrs = file_layer.get(conn, f.file_id, now)
-        if not f.seal or entry not in have or attrs.size != f.size:
+        if not f.seal or not done or attrs.size != f.size:
             raise
         return attrs
     if f.seal:

@@ -377,14 +377,24 @@ def cmd_stat(args: argparse.Namespace) -> int:
             **attrs.to_wire(),
             "state": STATE_TEXT.get(attrs.seal_state, attrs.seal_state),
             "durability": await client.meta.durability(attrs.id, attrs),
-            # Each block of the file: its own, or an extent of a pack shared with other files.
+            # Each block of the file: its own, or an extent of a pack shared with other files;
+            # and the small overwrites laid over it, oldest first (each an extent of a pack).
             "extents": [
                 {
                     "index": b.file_index,
                     "block": f"{b.block_id:016x}",
                     "offset": b.ext_off,
-                    "length": b.file_len,
+                    "length": b.base_len,
                     "packed": b.packed,
+                    "patches": [
+                        {
+                            "at": p.at,
+                            "length": p.length,
+                            "block": f"{p.source.block_id:016x}",
+                            "offset": p.source.ext_off,
+                        }
+                        for p in b.patches
+                    ],
                 }
                 for b in blocks
             ],

@@ -137,10 +137,12 @@ class Packer:
         size: int,
         *,
         seal: bool,
+        at: int = -1,
     ) -> Ticket:
-        """Copy one file's block ``index`` (``data``) into an open pack; the ticket's
-        ``result`` returns when the pack holding it is committed. The caller may reuse
-        ``data``'s buffer at once."""
+        """Copy one file's block ``index`` (``data``) into an open pack, or with ``at`` a
+        patch over bytes ``[at, at + len(data))`` of it; the ticket's ``result`` returns
+        when the pack holding it is committed. The caller may reuse ``data``'s buffer at
+        once."""
         n = data.nbytes
         key = (self._shard_of(file_id), policy.name, chunk_size)
         while True:
@@ -157,7 +159,7 @@ class Packer:
             break
         slot = len(pack.files)
         pack.buf[pack.used : pack.used + n] = data
-        pack.files.append(PackedExtent(file_id, token, index, pack.used, n, size, seal))
+        pack.files.append(PackedExtent(file_id, token, index, pack.used, n, size, seal, at))
         pack.used += n
         if not pack.fits(1):
             self._close(pack)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
+from tectonic_py.client import patches
 from tectonic_py.client.buffers import BlockCache
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
@@ -112,9 +113,7 @@ class FileReader:
             self.layout.block_of(offset + max(length, 1) - 1),
         )
         changed = any(
-            getattr(self._blocks.get(i), "block_id", None)
-            != getattr(fresh.get(i), "block_id", None)
-            for i in range(first, last + 1)
+            _version(self._blocks.get(i)) != _version(fresh.get(i)) for i in range(first, last + 1)
         )
         self.attrs, self.size, self._blocks = attrs, attrs.size, fresh
         return changed
@@ -147,7 +146,11 @@ class FileReader:
             # The common sequential case: one copy from the cached block (none for a view).
             piece = pieces[0]
             info = self._blocks.get(piece.block_index)
-            if info is not None and piece.block_offset + piece.length <= info.file_len:
+            if (
+                info is not None
+                and not info.patches
+                and piece.block_offset + piece.length <= info.file_len
+            ):
                 self._readahead(sequential, offset, length)
                 data = await self.client.read_part(
                     info, info.ext_off + piece.block_offset, piece.length, view=view
@@ -196,12 +199,22 @@ class FileReader:
                 continue
             assert info is not None
             at = info.ext_off + piece.block_offset
-            if sequential or avail >= bs // 2:
+            whole = sequential or avail >= bs // 2
+            if info.patches:
+                read = self._read_part if whole else self.client.read_range
+                await patches.fill(info, piece.block_offset, dst[:avail], read)
+                if whole:
+                    self._done_with(info, piece.block_offset + avail)
+            elif whole:
                 dst[:avail] = await self.client.read_part(info, at, avail, view=True)
                 self._done_with(info, piece.block_offset + avail)
             else:
                 await self.client.read_range(info, at, dst[:avail])
         self._readahead(sequential, offset, length)
+
+    async def _read_part(self, info: BlockInfo, at: int, out: memoryview) -> None:
+        """``out`` gets bytes of ``info`` from its block in the cache (fetched whole)."""
+        out[:] = await self.client.read_part(info, at, out.nbytes, view=True)
 
     def _done_with(self, info: BlockInfo, end: int) -> None:
         """A read reached the end of the file's part of a block: the cache may let it go
@@ -244,3 +257,11 @@ class FileReader:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _version(info: BlockInfo | None) -> tuple[int, ...] | None:
+    """What tells two versions of a file's block apart: its block and the packs of its
+    patches (a reader whose patch's pack is gone finds the fold or the newer patch)."""
+    if info is None:
+        return None
+    return (info.block_id, *(p.source.block_id for p in info.patches))

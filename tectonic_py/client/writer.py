@@ -21,6 +21,13 @@ large one) is not stored alone: it is copied into a *pack* with other files' blo
 close, the seal. A block loaded from a pack is patched and stored anew (never a version that
 adopts chunks: the pack's chunks hold other files' bytes).
 
+A small change to a committed block made durable by ``fsync`` or ``close`` (a 4 KiB
+``pwrite`` into a checkpoint, a SQLite commit, an fsync'd append) is not a new version of the
+block at all: the changed range goes into a pack as a *patch* laid over the block
+(client/patches.py, metadata/file_layer.py), costing its own bytes. The writer folds a
+block's patches into a new version (the paths above) when the change is a large part of the
+block or the block has ``MAX_PATCHES`` already.
+
 ``fsync`` flushes the open block, even a short one (committed at its index; when the writer
 later fills it, the full block replaces it at the same index), and waits until every flush
 task has committed. ``close`` stores the open block, waits for the flush tasks, and commits
@@ -36,6 +43,7 @@ the client's modules need not import each other in a circle.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -44,13 +52,14 @@ from typing import Protocol, TypeVar
 
 import trio
 
+from tectonic_py.client import patches
 from tectonic_py.client.block_io import BlockWrite
 from tectonic_py.client.buffers import BufferPool
 from tectonic_py.client.packing import Packer
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, TectonicError
-from tectonic_py.core.records import Attrs, BlockInfo
+from tectonic_py.core.records import MAX_PATCHES, Attrs, BlockInfo, Patch
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +147,9 @@ class FileWriter:
         # The committed version the open block was loaded from, and the range [lo, hi) of
         # the block that writes changed since (module docstring).
         self._open_base: BlockInfo | None = None
+        # The committed version the open block holds (whole, an extent or patched): what a
+        # small change to it is laid over as a patch.
+        self._open_loaded: BlockInfo | None = None
         self._dirty_lo = 0
         self._dirty_hi = 0
         self._gen = itertools.count(1)
@@ -261,10 +273,12 @@ class FileWriter:
                 continue
             avail = max(0, min(piece.length, info.file_len - piece.block_offset))
             if avail:
-                data = await self.write_path.read_block(info)
-                at = info.ext_off + piece.block_offset
-                dst[:avail] = data[at : at + avail]
+                await patches.fill(info, piece.block_offset, dst[:avail], self._read_into)
         return bytes(out)
+
+    async def _read_into(self, info: BlockInfo, at: int, out: memoryview) -> None:
+        data = await self.write_path.read_block(info)
+        out[:] = data[at : at + out.nbytes]
 
     async def _truncate(self, size: int) -> None:
         self._check()
@@ -286,6 +300,7 @@ class FileWriter:
                 # shows zeros there rather than the old bytes.
                 await self._switch_open(bi)
                 self._open_base = None  # cut short: a new block, not a new version
+                self._open_loaded = None
                 self._dirty = True
         self.size = size
         self._synced_size = size
@@ -293,7 +308,7 @@ class FileWriter:
     async def _fsync(self) -> None:
         self._check()
         await self._meta_call(self.write_path.created())
-        if self._packable():
+        if self._patchable() or self._packable():
             await self._drain()
             self._check()
             await self._pack(seal=False)
@@ -309,6 +324,7 @@ class FileWriter:
                 await self._commit(index, gen, info)
                 if self._committed.get(index) is info:
                     self._open_base = info  # later writes to the open block change this one
+                    self._open_loaded = info
             except TectonicError as e:
                 self._fail(e)
             finally:
@@ -332,7 +348,7 @@ class FileWriter:
         try:
             self._check()  # a sticky error: nothing more is stored
             await self._meta_call(self.write_path.created())
-            if self._packable():
+            if self._patchable() or self._packable():
                 await self._drain()
                 self._check()
                 self._final = await self._pack(seal=True)
@@ -355,6 +371,23 @@ class FileWriter:
             self._release_open()
             self._closed = True
 
+    def _patchable(self) -> bool:
+        """Whether the change to the open block goes into a pack as a patch over the
+        committed version it holds: a change small beside the block (else the block is
+        stored anew, folding its patches) to a block with room for one more patch."""
+        packer = self.write_path.packer
+        loaded, index = self._open_loaded, self._open_index
+        if packer is None or not self._dirty or self._open_buf is None or loaded is None:
+            return False
+        if index is None or self._committed.get(index) is not loaded:
+            return False
+        span = self._dirty_hi - self._dirty_lo
+        if span <= 0 or len(loaded.patches) >= MAX_PATCHES - 1:
+            return False
+        return span <= packer.limit(self.policy, self.attrs.chunk_size) and 2 * span <= max(
+            self._open_len, loaded.file_len
+        )
+
     def _packable(self) -> bool:
         """Whether the open block goes into a pack when it is made durable: dirty, small,
         and not a version of a committed block that could adopt its chunks."""
@@ -365,13 +398,17 @@ class FileWriter:
             return False
         return self._open_len <= packer.limit(self.policy, self.attrs.chunk_size)
 
-    async def _pack(self, *, seal: bool) -> Attrs:
+    async def _pack(self, *, seal: bool, size: int | None = None) -> Attrs:
         """Store the open block in a pack and commit it there, with the file's size (and
-        for a close the seal): one commit for every file of the pack."""
+        for a close the seal): one commit for every file of the pack. Only the changed
+        range when it is a patch (``_patchable``). ``size``: the size to commit, when not
+        the writer's own (a patch made on the way to another block leaves it as it is)."""
         packer = self.write_path.packer
         assert packer is not None and self._open_buf is not None and self._open_index is not None
         index, gen = self._open_index, next(self._gen)
-        view = memoryview(self._open_buf)[: self._open_len]
+        loaded = self._open_loaded if self._patchable() else None
+        lo, hi = (self._dirty_lo, self._dirty_hi) if loaded is not None else (0, self._open_len)
+        view = memoryview(self._open_buf)[lo:hi]
         try:
             ticket = await packer.add(
                 self.file_id,
@@ -380,8 +417,9 @@ class FileWriter:
                 self.attrs.chunk_size,
                 index,
                 view,
-                self.size,
+                self.size if size is None else size,
                 seal=seal,
+                at=lo if loaded is not None else -1,
             )
         finally:
             view.release()
@@ -390,7 +428,12 @@ class FileWriter:
         if seal:
             self._release_open()  # the pack holds a copy: the window gets the buffer back
         attrs, info = await self._meta_call(ticket.result())
+        if loaded is not None:
+            patch = Patch(lo, hi - lo, info)
+            info = dataclasses.replace(loaded, patches=patches.laid(loaded.patches, patch))
         self._note_committed(gen, info)
+        if not seal:
+            self._open_loaded = info  # the next small change is laid over this version
         self.attrs = attrs
         return attrs
 
@@ -488,6 +531,7 @@ class FileWriter:
         self._open_len = 0
         self._dirty = False
         self._open_base = None
+        self._open_loaded = None
         self._dirty_lo = self._dirty_hi = 0
 
     async def _switch_open(self, index: int) -> None:
@@ -499,7 +543,7 @@ class FileWriter:
         size = self._buffer_size(self.layout.block_size if index else max(valid, 0))
         buf = await self.write_path.buffers.acquire(size, size * self.policy.n // self.policy.k)
         self._open_buf, self._open_index, self._open_len, self._dirty = buf, index, 0, False
-        self._open_base, self._dirty_lo, self._dirty_hi = None, 0, 0
+        self._open_base, self._open_loaded, self._dirty_lo, self._dirty_hi = None, None, 0, 0
         self.write_path.buffers.holders.add(self)
         if valid <= 0:
             return
@@ -509,19 +553,28 @@ class FileWriter:
         have = 0
         if info is not None:
             have = min(info.file_len, valid)
-            data = await self.write_path.read_block(info)
-            buf[:have] = data[info.ext_off : info.ext_off + have]
+            await patches.fill(info, 0, memoryview(buf)[:have], self._read_into)
+            self._open_loaded = info
             if have == info.data_len == valid and not info.packed:
                 self._open_base = info
         buf[have:valid] = bytes(valid - have)
         self._open_len = valid
 
     async def _flush_open(self) -> None:
-        """Hand the open block to a background flush task (or drop it if clean)."""
+        """Hand the open block to a background flush task (or drop it if clean). A small
+        change inside the committed size is laid as a patch first, at once (a random page
+        write moving on to another block, a page that straddles two blocks): a patch costs
+        its bytes where a new version of the block costs 1 + m chunks."""
+        if (
+            self._open_index is not None
+            and self._patchable()
+            and self.layout.block_start(self._open_index) + self._dirty_hi <= self._synced_size
+        ):
+            await self._pack(seal=False, size=self._synced_size)
         buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
         base, changed = self._take_dirty()
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
-        self._open_base = None
+        self._open_base = self._open_loaded = None
         self.write_path.buffers.holders.discard(self)
         if buf is None:
             return
@@ -578,7 +631,7 @@ class FileWriter:
         index = info.file_index
         self._committed_gen[index] = gen
         old = self._committed.get(index)
-        if old is not None:
+        if old is not None and old.block_id != info.block_id:
             self.write_path.superseded(old)
         self._committed[index] = info
 

@@ -7,6 +7,7 @@ nanoseconds since the epoch, modes are permission bits only (the kind says file 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -57,8 +58,15 @@ def validate_name(name: object) -> str:
     return name
 
 
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
 def _from_wire(cls: type[T], data: dict[str, Any]) -> T:
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    # The names once per class: a file's block list decodes ten placements a block, and
+    # ``fields`` was most of the cost of a list of a thousand patched extents.
+    names = _field_names(cls)
     return cls(**{k: v for k, v in data.items() if k in names})
 
 
@@ -187,6 +195,10 @@ class BlockInfo:
     A file's block may be an *extent* of a pack, a block shared with other files written at
     the same time: then its bytes are ``[ext_off, ext_off + ext_len)`` of the block (a view
     the File layer gives a file's block list; the Block layer's record has no extent).
+
+    ``patches`` (file view only, oldest first) are small overwrites laid over those bytes,
+    each an extent of a pack: the copy-on-write of a small in-place write, which costs its
+    own bytes instead of a new version of the block (metadata/file_layer.py).
     """
 
     block_id: int
@@ -197,11 +209,18 @@ class BlockInfo:
     file_index: int = 0
     ext_off: int = 0
     ext_len: int = 0  # 0: the file's block is the whole block
+    patches: tuple[Patch, ...] = ()
+
+    @property
+    def base_len(self) -> int:
+        """The file bytes the block (or extent) itself holds, under any patches."""
+        return self.ext_len or self.data_len
 
     @property
     def file_len(self) -> int:
-        """The file bytes this block holds."""
-        return self.ext_len or self.data_len
+        """The file bytes this block holds: patches may reach past its own end."""
+        base = self.ext_len or self.data_len
+        return max(base, max((p.at + p.length for p in self.patches), default=0))
 
     @property
     def packed(self) -> bool:
@@ -227,10 +246,25 @@ class BlockInfo:
         return info
 
 
+MAX_PATCHES = 1024  # patches over one block of a file; a writer folds them before this
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Bytes ``[at, at + length)`` of a file's block, overwritten by an extent of a pack
+    (``source``: the pack's record with ``ext_off``/``ext_len`` set)."""
+
+    at: int
+    length: int
+    source: BlockInfo
+
+
 @dataclass(frozen=True)
 class PackedExtent:
     """One file's part of a pack commit (``file.commit_pack``): its writer, the extent of
-    the pack that is its block ``index``, its size after, and whether it is the close."""
+    the pack that is its block ``index``, its size after, and whether it is the close.
+    ``at`` >= 0: the extent is a patch over bytes ``[at, at + length)`` of the block the
+    file already has at ``index``, not the block itself."""
 
     file_id: int
     token: int
@@ -239,6 +273,7 @@ class PackedExtent:
     length: int
     size: int
     seal: bool
+    at: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -249,6 +284,7 @@ class PackedExtent:
             "length": self.length,
             "size": self.size,
             "seal": self.seal,
+            **({"at": self.at} if self.at >= 0 else {}),
         }
 
 

@@ -241,10 +241,11 @@ class Fsck:
             r = await self.m.meta.call("file.blocks", {"id": file_id})
         except FileNotFound:
             return  # removed while we walk
-        ids = [int(e[1]) for e in r["blocks"]]
-        await self._locate([b for b in ids if b not in self._blocks])
-        for entry in r["blocks"]:
-            index, block_id = int(entry[0]), int(entry[1])
+        # A patch's pack holds file bytes as the block under it does: checked the same way.
+        refs = [(f"block {int(e[0])}", int(e[1])) for e in r["blocks"]]
+        refs += [(f"a patch of block {int(p[0])}", int(p[3])) for p in r.get("patches", [])]
+        await self._locate(list({b for _, b in refs if b not in self._blocks}))
+        for what, block_id in refs:
             report.blocks += 1
             info = self._blocks.get(block_id)
             if info is None:
@@ -253,7 +254,7 @@ class Fsck:
                         BLOCK_MISSING,
                         path,
                         file_id,
-                        f"block {index} ({block_id:016x}) has no record: its bytes are lost",
+                        f"{what} ({block_id:016x}) has no record: its bytes are lost",
                         block_id=block_id,
                     )
                 )
@@ -265,7 +266,7 @@ class Fsck:
                             UNKNOWN_NODE,
                             path,
                             file_id,
-                            f"chunk {c.index} of block {index} is placed on {c.node_id!r},"
+                            f"chunk {c.index} of {what} is placed on {c.node_id!r},"
                             " which the registry does not know",
                             block_id=block_id,
                         )
@@ -278,7 +279,7 @@ class Fsck:
                         BLOCK_LOST,
                         path,
                         file_id,
-                        f"block {index} has {len(health.live)} good chunks of the {k} needed",
+                        f"{what} has {len(health.live)} good chunks of the {k} needed",
                         block_id=block_id,
                     )
                 )
@@ -288,7 +289,7 @@ class Fsck:
                         BLOCK_DEGRADED,
                         path,
                         file_id,
-                        f"block {index} has {len(health.live)} good chunks of {n}"
+                        f"{what} has {len(health.live)} good chunks of {n}"
                         f" (missing {sorted(health.missing)}); readable",
                         block_id=block_id,
                     )

@@ -573,13 +573,15 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
             ofile.times.clear()
 
     def _hand_over(self, ofile: OpenFile, writer: Any) -> None:
-        """Handles that read through the writer get readers of what it sealed, made from
-        its own block map: they keep reading after the file loses its last name, even one
-        that went before the seal (an open right after a writer's close(2), whose release
-        came later)."""
+        """Every readable handle of the inode gets a reader of what the writer sealed, made
+        from its own block map: handles that read through the writer keep reading after the
+        file loses its last name, even one that went before the seal (an open right after a
+        writer's close(2), whose release came later); and a reader opened before the writer
+        sees its writes, as on a local file system (a patch leaves the block it read as it
+        was: client/patches.py)."""
         for fh in ofile.handles:
             handle = self.cache.handles[fh]
-            if handle.readable and handle.reader is None:
+            if handle.readable:
                 handle.reader = self.client.reader_of(writer)
 
     def _handle(self, fh: int) -> Handle:
