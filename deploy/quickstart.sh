@@ -81,6 +81,12 @@ torch.save(state, path)
 t1 = time.perf_counter()
 loaded = torch.load(path, weights_only=True)
 t2 = time.perf_counter()
+# a second save, to another name: the steady state, with torch and the mount warmed up
+again = os.path.join(mnt, "quickstart", "transformer.again.pt")
+t6 = time.perf_counter()
+torch.save(state, again)
+t7 = time.perf_counter()
+os.unlink(again)
 
 # file level: torch.save wrote a zip whose every member carries the CRC-32 torch computed
 # while saving; reading them all back through the mount must match each one
@@ -103,12 +109,19 @@ with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(mnt))) as s
     torch.load(local, weights_only=True)
     t5 = time.perf_counter()
 mb = os.path.getsize(path) / 1e6
-save, load = mb / (t1 - t0), mb / (t2 - t1)
+save, save2, load = mb / (t1 - t0), mb / (t7 - t6), mb / (t2 - t1)
 disk_save, disk_load = mb / (t4 - t3), mb / (t5 - t4)
-print(f"saved {len(state)} tensors ({nbytes / 1e6:.1f} MB of weights, {mb:.1f} MB file) "
-      f"through the mount at {save:.0f} MB/s ({save / disk_save:.0%} of local disk with "
-      f"fsync, {disk_save:.0f} MB/s now); loaded at {load:.0f} MB/s ({load / disk_load:.0%} "
-      f"of a cached local load, {disk_load:.0f} MB/s)")
+print(f"saved {len(state)} tensors ({nbytes / 1e6:.1f} MB of weights, a {mb:.1f} MB file) "
+      f"through the mount:")
+print(f"  first save   {save:6.0f} MB/s = {save / disk_save:.2f} x local disk with fsync "
+      f"({disk_save:.0f} MB/s, measured now)")
+print(f"  second save  {save2:6.0f} MB/s = {save2 / disk_save:.2f} x local disk with fsync")
+print(f"  load         {load:6.0f} MB/s = {load / disk_load:.2f} x a local load from the page "
+      f"cache ({disk_load:.0f} MB/s)")
+print("  1.00 x would be this machine's own disk. A save through the mount is durable when "
+      "close() returns\n  (RS(6,3) over the chunk stores: at least k+1 chunks of every block "
+      "fsync'd), as a local save is\n  after fsync; here the chunk stores, the metadata "
+      "servers and the mount share the machine's cores\n  with torch.")
 if bad_member is not None or not same_tensors:
     print(f"MISMATCH: bad zip member: {bad_member}, tensors equal: {same_tensors}")
     sys.exit(1)
