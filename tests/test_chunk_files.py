@@ -37,7 +37,9 @@ def test_a_repeated_put_makes_the_chunks_name_durable(tmp_path, monkeypatch):
     writes.write_chunk(data_dir, cid, data, crc32c(data))
     synced: list[Path] = []
     monkeypatch.setattr(writes, "_fsync_dir", synced.append)
-    assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(0, 0)
+    assert writes.write_chunk(data_dir, cid, data, crc32c(data)) == writes.Stored(
+        0, 0, written=False
+    )
     assert synced == [layout.chunk_path(data_dir, cid).parent]
 
 

@@ -333,8 +333,8 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
             if shown and action.option_strings and action.help != argparse.SUPPRESS:
                 help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
                 assert "default" in help_text, (name, action.option_strings)
-    # put get ls rm stat mkdir status mount loadtest maintenance repair fsck commit call ...
-    assert found == 15
+    # put get ls rm stat mkdir status stats mount loadtest maintenance repair fsck commit call ...
+    assert found == 16
 
 
 SIZE_FLAGS = {

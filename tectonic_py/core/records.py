@@ -7,7 +7,6 @@ nanoseconds since the epoch, modes are permission bits only (the kind says file 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -58,15 +57,15 @@ def validate_name(name: object) -> str:
     return name
 
 
-@functools.cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(cls))
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
 
 
 def _from_wire(cls: type[T], data: dict[str, Any]) -> T:
     # The names once per class: a file's block list decodes ten placements a block, and
     # ``fields`` was most of the cost of a list of a thousand patched extents.
-    names = _field_names(cls)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
     return cls(**{k: v for k, v in data.items() if k in names})
 
 

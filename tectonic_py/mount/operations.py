@@ -464,8 +464,10 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         writer = ofile.writer
         if writer is not None and not ofile.closing:
             return await writer.pread(off, size)
-        if handle.reader is None:
-            async with ofile.lock:  # the last writer may be sealing right now
+        if handle.reader is None or ofile.closing:
+            # The last writer may be sealing right now: after its seal this handle reads
+            # what it sealed (``_hand_over``), not a block map from before its patches.
+            async with ofile.lock:
                 if ofile.writer is not None:
                     return await ofile.writer.pread(off, size)
                 if handle.reader is None:
