@@ -17,7 +17,9 @@ set +e
 # Two workers, a test file each (--dist loadfile: a file's daemons and fixtures stay in one
 # process): most tests wait on daemons, timeouts and mounts rather than compute, so the
 # suite takes about half as long on two cores. `-n 0` as an argument runs it serially.
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# Files are handed out longest first, as tests/conftest.py orders them
+# (--no-loadscope-reorder), so that no long file starts when the other worker is almost done.
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
