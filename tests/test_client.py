@@ -22,6 +22,13 @@ from tectonic_py.core.errors import (
 from tectonic_py.launch.local_cluster import LocalCluster
 
 
+@pytest.fixture
+def local_cluster(shared_local_cluster: LocalCluster) -> LocalCluster:
+    """One cluster for the module: no test here kills, stops or reconfigures a daemon (the
+    one that needs 14 chunk stores starts its own)."""
+    return shared_local_cluster
+
+
 def _data(n: int, seed: int = 0) -> bytes:
     block = hashlib.sha256(f"{seed}".encode()).digest() * 2048  # 64 KiB, not all equal
     reps = -(-n // len(block)) if n else 0

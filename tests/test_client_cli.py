@@ -10,9 +10,18 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import trio
 
 from tectonic_py.client.tectonic_client import open_client
+from tectonic_py.launch.local_cluster import LocalCluster
+
+
+@pytest.fixture
+def local_cluster(shared_local_cluster: LocalCluster) -> LocalCluster:
+    """One cluster for the module: the commands here never kill, stop or reconfigure a
+    daemon."""
+    return shared_local_cluster
 
 
 def _tectonic(*args: str) -> subprocess.CompletedProcess[str]:

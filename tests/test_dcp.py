@@ -44,6 +44,12 @@ SAVE_RANKS = 4
 LOAD_RANKS = 2
 
 
+@pytest.fixture
+def local_cluster(shared_local_cluster: LocalCluster) -> LocalCluster:
+    """One cluster for the module: the kill -9 here is of ranks, never of a daemon."""
+    return shared_local_cluster
+
+
 def _full_tensors(seed: int) -> dict[str, Any]:
     """The global tensors of a step, the same in every process (a seeded generator)."""
     g = torch.Generator().manual_seed(seed)

@@ -22,6 +22,7 @@ from tectonic_py.cli.loadtest import client_options
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.units import parse_size
+from tectonic_py.launch.local_cluster import LocalCluster
 from tectonic_py.loadtest import LoadtestConfig, RankResult, ShardData, run_loadtest
 from tectonic_py.loadtest.metrics import Recorder, phase_figures
 from tectonic_py.loadtest.report import creates_table, summary_table
@@ -29,6 +30,12 @@ from tectonic_py.loadtest.report import creates_table, summary_table
 REPO = Path(__file__).resolve().parent.parent
 KiB = 1024
 MiB = 1024 * KiB
+
+
+@pytest.fixture
+def local_cluster(shared_local_cluster: LocalCluster) -> LocalCluster:
+    """One cluster for the module's client-library runs: none kills or stops a daemon."""
+    return shared_local_cluster
 
 
 def _no_workers_left() -> bool:
