@@ -263,13 +263,21 @@ def _queue_gc(
         )
 
 
+def holder(conn: sqlite3.Connection, block_id: int) -> tuple[int, int] | None:
+    """A file's (id, index) whose block entry or patch names the block (a pack: any file
+    with an extent or a patch in it); None when nothing holds it."""
+    for table in ("file_blocks", "file_patches"):
+        row = conn.execute(
+            f"SELECT file_id, idx FROM {table} WHERE block_id = ? LIMIT 1", (block_id,)
+        ).fetchone()
+        if row is not None:
+            return int(row[0]), int(row[1])
+    return None
+
+
 def held(conn: sqlite3.Connection, block_id: int) -> bool:
     """Whether a file's block entry or patch names the block (a pack: any file's)."""
-    for table in ("file_blocks", "file_patches"):
-        row = conn.execute(f"SELECT 1 FROM {table} WHERE block_id = ? LIMIT 1", (block_id,))
-        if row.fetchone() is not None:
-            return True
-    return False
+    return holder(conn, block_id) is not None
 
 
 def _drop_patches(

@@ -181,15 +181,11 @@ def forget_block(
         return None
     if file_id is not None and (row[1], row[2]) != (file_id, file_index):
         return None
-    holder = conn.execute(
-        "SELECT file_id, idx FROM file_blocks WHERE block_id = ?"
-        " UNION ALL SELECT file_id, idx FROM file_patches WHERE block_id = ? LIMIT 1",
-        (block_id, block_id),
-    ).fetchone()
-    if holder is not None:
+    held_by = file_layer.holder(conn, block_id)
+    if held_by is not None:
         what = "pack" if row[1] == PACK_OWNER else "block"
         raise Refused(
-            f"{what} {block_id:016x} is still referenced (file {holder[0]} block {holder[1]})"
+            f"{what} {block_id:016x} is still referenced (file {held_by[0]} block {held_by[1]})"
         )
     chunks = locate(conn, [block_id])[0].chunks if state == "committed" else []
     placed = [(c.node_id, c.storage_block(block_id), c.index) for c in chunks]
