@@ -308,10 +308,11 @@ class FileWriter:
     async def _fsync(self) -> None:
         self._check()
         await self._meta_call(self.write_path.created())
-        if self._patchable() or self._packable():
+        patch = self._patchable()
+        if patch or self._packable():
             await self._drain()
             self._check()
-            await self._pack(seal=False)
+            await self._pack(seal=False, patch=patch)
             self._synced_size = self.size
             self._stamped = False
             return
@@ -348,10 +349,11 @@ class FileWriter:
         try:
             self._check()  # a sticky error: nothing more is stored
             await self._meta_call(self.write_path.created())
-            if self._patchable() or self._packable():
+            patch = self._patchable()
+            if patch or self._packable():
                 await self._drain()
                 self._check()
-                self._final = await self._pack(seal=True)
+                self._final = await self._pack(seal=True, patch=patch)
                 return self._final
             last = await self._store_open()
             await self._drain()
@@ -398,15 +400,15 @@ class FileWriter:
             return False
         return self._open_len <= packer.limit(self.policy, self.attrs.chunk_size)
 
-    async def _pack(self, *, seal: bool, size: int | None = None) -> Attrs:
+    async def _pack(self, *, seal: bool, patch: bool, size: int | None = None) -> Attrs:
         """Store the open block in a pack and commit it there, with the file's size (and
         for a close the seal): one commit for every file of the pack. Only the changed
-        range when it is a patch (``_patchable``). ``size``: the size to commit, when not
+        range when it is a patch (``patch``: ``_patchable`` said so). ``size``: the size to commit, when not
         the writer's own (a patch made on the way to another block leaves it as it is)."""
         packer = self.write_path.packer
         assert packer is not None and self._open_buf is not None and self._open_index is not None
         index, gen = self._open_index, next(self._gen)
-        loaded = self._open_loaded if self._patchable() else None
+        loaded = self._open_loaded if patch else None
         lo, hi = (self._dirty_lo, self._dirty_hi) if loaded is not None else (0, self._open_len)
         view = memoryview(self._open_buf)[lo:hi]
         try:
@@ -429,8 +431,8 @@ class FileWriter:
             self._release_open()  # the pack holds a copy: the window gets the buffer back
         attrs, info = await self._meta_call(ticket.result())
         if loaded is not None:
-            patch = Patch(lo, hi - lo, info)
-            info = dataclasses.replace(loaded, patches=patches.laid(loaded.patches, patch))
+            laid = Patch(lo, hi - lo, info)
+            info = dataclasses.replace(loaded, patches=patches.laid(loaded.patches, laid))
         self._note_committed(gen, info)
         if not seal:
             self._open_loaded = info  # the next small change is laid over this version
@@ -570,7 +572,7 @@ class FileWriter:
             and self._patchable()
             and self.layout.block_start(self._open_index) + self._dirty_hi <= self._synced_size
         ):
-            await self._pack(seal=False, size=self._synced_size)
+            await self._pack(seal=False, patch=True, size=self._synced_size)
         buf, index, n, dirty = self._open_buf, self._open_index, self._open_len, self._dirty
         base, changed = self._take_dirty()
         self._open_buf, self._open_index, self._open_len, self._dirty = None, None, 0, False
