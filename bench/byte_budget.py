@@ -87,7 +87,7 @@ def measure(total: int) -> dict[str, Any]:
     out["loopback send + receive of n chunks (1.5 GiB, both ends)"] = round(
         _loopback(chunks, blocks) * scale, 3
     )
-    warm_memory()
+    warm_memory(min(6 * GiB, 4 * total))
     out["store pwrite + fsync of n chunks (1.5 GiB, over 9 files each block)"] = round(
         _disk(chunks, blocks) * scale, 3
     )

@@ -130,7 +130,7 @@ def torch_workload(
             name = f"torch_{verb}"
             if verb == "load":
                 _cold(path, remount)
-            warm_memory()
+            warm_memory(min(6 * GiB, 4 * size))  # what a save of size may touch afresh
             pids = daemon_pids()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.mount_workloads", verb, path, str(size)],
