@@ -14,8 +14,9 @@ process, the FUSE daemon, every daemon of the filesystem). Issue 36's targets ar
 this run: tectonic's save <= 6 CPU-s/GiB and >= 0.8 of JuiceFS's MB/s; its cold load >= 1.5x
 JuiceFS's.
 
-``--profile DIR`` records a py-spy flame graph (SVG, with native frames off) of the mount
-and of one chunk store and one metadata server during tectonic's save, for the byte budget
+``--profile DIR`` records py-spy profiles (raw, collapsed stacks) of the mount
+and of one chunk store and one metadata server during an extra save and load of ours
+(DIR/save, DIR/load), for the byte budget
 (docs/byte-budget.md).
 
 ``python -m bench.bench_save [--size MiB] [--repeat N] [--no-peers] [--profile DIR] [--json]``
@@ -90,8 +91,9 @@ def _tectonic(work: Path, size: int, repeat: int, profile: Path | None) -> list[
             if profile is not None:
                 named = {"mount": pid, "chunkstore": groups["chunk stores"][0]}
                 named["metadata"] = groups["metadata"][0]
-                with _py_spy(named, profile):
-                    torch_workload(str(mnt), size, list, verbs=("save",))
+                torch_workload(
+                    str(mnt), size, list, around=lambda verb: _py_spy(named, profile / verb)
+                )
     return runs
 
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,15 @@ def torch_workload(
     remount: Callable[[], None] | None = None,
     groups: dict[str, list[int]] | None = None,
     verbs: tuple[str, ...] = ("save", "load"),
+    around: Callable[[str], AbstractContextManager[object]] = lambda verb: nullcontext(),
 ) -> dict[str, dict[str, Any]]:
     """torch.save (+ fsync) then a cold, verified torch.load of ``size`` bytes of tensors.
 
     Each runs in a fresh ``python -m bench.mount_workloads`` process that times only the
     call itself, so interpreter start and ``import torch`` are not charged to the mount.
     ``groups`` names subsets of the daemons whose CPU-seconds are also given apart
-    (``cpu_s_by_process``), for a byte budget.
+    (``cpu_s_by_process``), for a byte budget; ``around(verb)`` is entered for the length
+    of each measured call (a profiler).
     """
     path = os.path.join(mountpoint, "bench-state.pt")
     out: dict[str, dict[str, Any]] = {}
@@ -148,7 +151,8 @@ def torch_workload(
                 raise RuntimeError(f"torch {verb} worker failed: {err[-800:]}")
             meter = CpuMeter(pids)
             apart = {g: CpuMeter(p) for g, p in (groups or {}).items()}
-            stdout, stderr = proc.communicate("go\n", timeout=3600)
+            with around(verb):
+                stdout, stderr = proc.communicate("go\n", timeout=3600)
             daemons = meter.used()
             by_process = {g: round(m.used(), 3) for g, m in apart.items()}
             if proc.returncode != 0:
