@@ -52,7 +52,9 @@ class QuotaCalls:
     async def _dir(self, dir_id: int) -> Any:
         attrs = await self._files.getattr(dir_id)
         if attrs.kind != KIND_DIR:
-            raise NotADirectory(f"a quota or reservation is on a directory; {dir_id} is a {attrs.kind}")
+            raise NotADirectory(
+                f"a quota or reservation is on a directory; {dir_id} is a {attrs.kind}"
+            )
         return attrs
 
     async def _adopt_tree(self, dir_id: int, realm: int, key: int) -> int:

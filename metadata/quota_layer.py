@@ -69,29 +69,37 @@ def _delta(realm: str, key: str, fid: str, d_bytes: str, d_files: str) -> str:
 _SIZE_OF = "(SELECT size FROM main.files WHERE id = {})"
 _TRIGGERS = {
     "quota_attach": (
-        "AFTER INSERT ON main.file_realms"
-        " WHEN EXISTS (SELECT 1 FROM main.files WHERE id = NEW.file_id)",
+        (
+            "AFTER INSERT ON main.file_realms"
+            " WHEN EXISTS (SELECT 1 FROM main.files WHERE id = NEW.file_id)"
+        ),
         _delta("NEW.realm", "NEW.realm_key", "NEW.file_id", _SIZE_OF.format("NEW.file_id"), "1"),
     ),
     "quota_detach": (
-        "AFTER DELETE ON main.file_realms"
-        " WHEN EXISTS (SELECT 1 FROM main.files WHERE id = OLD.file_id)",
+        (
+            "AFTER DELETE ON main.file_realms"
+            " WHEN EXISTS (SELECT 1 FROM main.files WHERE id = OLD.file_id)"
+        ),
         _delta(
             "OLD.realm", "OLD.realm_key", "OLD.file_id", "-" + _SIZE_OF.format("OLD.file_id"), "-1"
         ),
     ),
     "quota_move": (
-        "AFTER UPDATE ON main.file_realms"
-        " WHEN (OLD.realm, OLD.realm_key) IS NOT (NEW.realm, NEW.realm_key)"
-        " AND EXISTS (SELECT 1 FROM main.files WHERE id = NEW.file_id)",
+        (
+            "AFTER UPDATE ON main.file_realms"
+            " WHEN (OLD.realm, OLD.realm_key) IS NOT (NEW.realm, NEW.realm_key)"
+            " AND EXISTS (SELECT 1 FROM main.files WHERE id = NEW.file_id)"
+        ),
         _delta(
             "OLD.realm", "OLD.realm_key", "OLD.file_id", "-" + _SIZE_OF.format("OLD.file_id"), "-1"
         )
         + _delta("NEW.realm", "NEW.realm_key", "NEW.file_id", _SIZE_OF.format("NEW.file_id"), "1"),
     ),
     "quota_resize": (
-        "AFTER UPDATE OF size ON main.files WHEN NEW.size != OLD.size"
-        " AND EXISTS (SELECT 1 FROM main.file_realms WHERE file_id = NEW.id)",
+        (
+            "AFTER UPDATE OF size ON main.files WHEN NEW.size != OLD.size"
+            " AND EXISTS (SELECT 1 FROM main.file_realms WHERE file_id = NEW.id)"
+        ),
         _delta(
             "(SELECT realm FROM main.file_realms WHERE file_id = NEW.id)",
             "(SELECT realm_key FROM main.file_realms WHERE file_id = NEW.id)",
@@ -101,8 +109,10 @@ _TRIGGERS = {
         ),
     ),
     "quota_gone": (
-        "AFTER DELETE ON main.files"
-        " WHEN EXISTS (SELECT 1 FROM main.file_realms WHERE file_id = OLD.id)",
+        (
+            "AFTER DELETE ON main.files"
+            " WHEN EXISTS (SELECT 1 FROM main.file_realms WHERE file_id = OLD.id)"
+        ),
         _delta(
             "(SELECT realm FROM main.file_realms WHERE file_id = OLD.id)",
             "(SELECT realm_key FROM main.file_realms WHERE file_id = OLD.id)",
@@ -167,7 +177,9 @@ def adopt(conn: sqlite3.Connection, file_id: int, realm: int, key: int) -> str:
     if row is None:
         raise FileNotFound(f"no file or directory {file_id}")
     if realm and conn.execute("SELECT 1 FROM quotas WHERE dir_id = ?", (file_id,)).fetchone():
-        raise InvalidArgument(f"directory {file_id} below has a quota of its own: quotas do not nest")
+        raise InvalidArgument(
+            f"directory {file_id} below has a quota of its own: quotas do not nest"
+        )
     attach(conn, file_id, realm, key)
     return str(row[0])
 
@@ -381,9 +393,7 @@ def reserve(
     if q is None:
         raise FileNotFound(f"directory {realm} has no quota")
     _expire(conn, realm, now)
-    conn.execute(
-        "DELETE FROM quota_reservations WHERE realm = ? AND dir_id = ?", (realm, dir_id)
-    )
+    conn.execute("DELETE FROM quota_reservations WHERE realm = ? AND dir_id = ?", (realm, dir_id))
     claimed, _, reserved = _held(conn, realm, now)
     free = q[1] - q[3] - claimed - reserved
     if q[1] and nbytes > free:

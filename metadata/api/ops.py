@@ -379,6 +379,4 @@ def _services() -> list[Op]:
     ]  # fmt: skip
 
 
-OPS = Contract(
-    [*_name_layer(), *_file_layer(), *_block_layer(), *_quotas(), *_services()]
-)
+OPS = Contract([*_name_layer(), *_file_layer(), *_block_layer(), *_quotas(), *_services()])

@@ -35,7 +35,9 @@ from tectonic_py.core.units import duration_arg, format_size, size_arg
 async def _dir_id(client: TectonicClient, path: str) -> int:
     attrs = await client.stat(path)
     if not attrs.is_dir:
-        raise NotADirectory(f"{path!r} is a {attrs.kind}: quotas and reservations are on directories")
+        raise NotADirectory(
+            f"{path!r} is a {attrs.kind}: quotas and reservations are on directories"
+        )
     return attrs.id
 
 

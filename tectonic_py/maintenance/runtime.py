@@ -64,7 +64,13 @@ class MaintenanceSettings:
     services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction", "quotas")
 
     def __post_init__(self) -> None:
-        for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth", "quota_interval"):
+        for name in (
+            "interval",
+            "sweep_interval",
+            "inventory_interval",
+            "bandwidth",
+            "quota_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
         for name in (
@@ -81,7 +87,12 @@ class MaintenanceSettings:
         if not 0 <= self.compact_below < 1:
             raise ConfigError("compact-below must be at least 0 and below 1")
         unknown = set(self.services) - {
-            "repair", "gc", "rebalance", "inventory", "compaction", "quotas"
+            "repair",
+            "gc",
+            "rebalance",
+            "inventory",
+            "compaction",
+            "quotas",
         }
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")

@@ -58,7 +58,6 @@ import pyfuse3
 import trio
 
 from tectonic_py.core.ec_policy import ECPolicy
-from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.errors import (
     DanglingName,
     FileNotFound,
@@ -68,6 +67,7 @@ from tectonic_py.core.errors import (
     StaleWriterToken,
     TectonicError,
 )
+from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import (
     KIND_FILE,
     UNSEALED,
