@@ -148,8 +148,9 @@ class QuotaCalls:
         want: int = 0,
         files: int = 0,
         prealloc: bool = False,
-    ) -> int:
-        """Bytes the caller may add to ``file_id`` (``need`` to ``want``), or QuotaExceeded."""
+    ) -> tuple[int, int]:
+        """(bytes the caller may add to ``file_id``, ``need`` to ``want``; of which fallocate
+        had set aside for it), or QuotaExceeded."""
         r = await self._r.call_shard(
             self._r.shard_of(realm),
             "quota.claim",
@@ -163,14 +164,14 @@ class QuotaCalls:
                 "prealloc": prealloc,
             },
         )
-        return int(r["granted"])
+        return int(r["granted"]), int(r["prealloc"])
 
-    async def unclaim(self, realm: int, file_id: int, nbytes: int) -> None:
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, *, keep: bool = False) -> None:
         if nbytes > 0:
             await self._r.call_shard(
                 self._r.shard_of(realm),
                 "quota.unclaim",
-                {"realm": realm, "file": file_id, "bytes": nbytes},
+                {"realm": realm, "file": file_id, "bytes": nbytes, "keep": keep},
             )
 
     async def dir_realm(self, dir_id: int) -> tuple[int, int]:

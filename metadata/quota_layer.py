@@ -289,15 +289,15 @@ def claim(
     files: int,
     prealloc: bool,
     now: int,
-) -> int:
-    """Bytes granted to ``file_id`` for growth, between ``need`` and ``want``: first from
+) -> tuple[int, int]:
+    """(granted, of which set aside before): bytes granted to ``file_id`` for growth, between ``need`` and ``want``: first from
     what fallocate set aside for it, then from its directory's reservation, then from the
     free quota; ``QuotaExceeded`` (nothing taken) when ``need`` does not fit. ``files``:
     records about to be created (under file id 0). ``prealloc``: set the bytes aside for
     the file (fallocate KEEP_SIZE) instead of handing them out."""
     q = _quota_row(conn, realm)
     if q is None:
-        return want  # no quota (removed meanwhile): nothing to hold to
+        return want, 0  # no quota (removed meanwhile): nothing to hold to
     _, max_bytes, max_files, used_bytes, used_files = q
     _expire(conn, realm, now)
     want = max(want, need)
@@ -310,7 +310,7 @@ def claim(
             )
         _add_claim(conn, realm, 0, 0, 0, files, now + CLAIM_TTL_NS)
     if not want:
-        return 0
+        return 0, 0
     granted = 0
     row = conn.execute(
         "SELECT prealloc FROM quota_claims WHERE realm = ? AND file_id = ?", (realm, file_id)
@@ -321,6 +321,7 @@ def claim(
             "UPDATE quota_claims SET prealloc = prealloc - ? WHERE realm = ? AND file_id = ?",
             (granted, realm, file_id),
         )
+    from_prealloc = granted
     if dir_id and granted < want and not prealloc:
         res = conn.execute(
             "SELECT bytes FROM quota_reservations WHERE realm = ? AND dir_id = ?", (realm, dir_id)
@@ -347,7 +348,7 @@ def claim(
     _add_claim(
         conn, realm, file_id, 0 if prealloc else granted, granted if prealloc else 0, 0, now + ttl
     )
-    return granted
+    return granted, from_prealloc
 
 
 def _add_claim(
@@ -369,11 +370,15 @@ def _add_claim(
     )
 
 
-def unclaim(conn: sqlite3.Connection, realm: int, file_id: int, nbytes: int) -> None:
-    """A writer gives back claimed bytes it did not write (at close)."""
+def unclaim(
+    conn: sqlite3.Connection, realm: int, file_id: int, nbytes: int, keep: bool = False
+) -> None:
+    """A writer gives back claimed bytes it did not write (at close); ``keep``: bytes it
+    drew from what fallocate set aside for the file, which stay set aside for it."""
     conn.execute(
-        "UPDATE quota_claims SET bytes = max(0, bytes - ?) WHERE realm = ? AND file_id = ?",
-        (nbytes, realm, file_id),
+        "UPDATE quota_claims SET prealloc = prealloc + CASE WHEN ? THEN min(bytes, ?) ELSE 0 END,"
+        " bytes = max(0, bytes - ?) WHERE realm = ? AND file_id = ?",
+        (keep, nbytes, nbytes, realm, file_id),
     )
     _drop_empty(conn, realm)
 

@@ -54,7 +54,7 @@ class QuotaOps:
 
     async def op_quota__claim(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        granted = await store.write(
+        granted, from_prealloc = await store.write(
             quota_layer.claim,
             req["realm"],
             req["dir"],
@@ -65,11 +65,11 @@ class QuotaOps:
             req["prealloc"],
             now_ns(),
         )
-        return {"granted": granted}
+        return {"granted": granted, "prealloc": from_prealloc}
 
     async def op_quota__unclaim(self, req: Request) -> None:
         store = self._store(req)
-        await store.write(quota_layer.unclaim, req["realm"], req["file"], req["bytes"])
+        await store.write(quota_layer.unclaim, req["realm"], req["file"], req["bytes"], req["keep"])
 
     async def op_quota__reserve(self, req: Request) -> dict[str, Any]:
         store = self._store(req)

@@ -28,14 +28,16 @@ class Claims(Protocol):
 
     async def claim(
         self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
-    ) -> int: ...
+    ) -> tuple[int, int]: ...
 
-    async def unclaim(self, realm: int, file_id: int, nbytes: int) -> None: ...
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None: ...
 
 
 class QuotaCharge:
     """One writer's account with its realm: ``top`` is the size its growth has been paid up
-    to, ``claimed`` what it holds beyond that."""
+    to, ``claimed`` what it holds beyond that, ``set_aside`` the part of it that fallocate
+    had held for the file (spent first; what is left of it goes back to the file, not to
+    the realm)."""
 
     def __init__(self, claims: Claims, realm: int, file_id: int, size: int) -> None:
         self._claims = claims
@@ -44,6 +46,7 @@ class QuotaCharge:
         self.dir_id = 0  # the file's directory: its reservation is drawn from (0: unknown)
         self.top = size
         self.claimed = 0
+        self.set_aside_left = 0
 
     async def grow(self, end: int) -> None:
         """Pay for the file growing to ``end`` bytes, or raise QuotaExceeded (nothing paid)."""
@@ -52,10 +55,13 @@ class QuotaCharge:
         need = end - self.top
         if need > self.claimed:
             short = need - self.claimed
-            self.claimed += await self._claims.claim(
+            granted, drawn = await self._claims.claim(
                 self.realm, self.dir_id, self.file_id, short, max(short, CLAIM_STEP), False
             )
+            self.claimed += granted
+            self.set_aside_left += drawn
         self.claimed -= need
+        self.set_aside_left = max(0, self.set_aside_left - need)
         self.top = end
 
     def shrink(self, size: int) -> None:
@@ -67,15 +73,21 @@ class QuotaCharge:
         writer's life (the realm keeps them for PREALLOC_TTL); returns the bytes held."""
         if not self.realm or end <= self.top:
             return 0
-        return await self._claims.claim(
+        granted, _ = await self._claims.claim(
             self.realm, self.dir_id, self.file_id, end - self.top, end - self.top, True
         )
+        return granted
 
     async def give_back(self) -> None:
         """At close: the claimed bytes the writer did not write go back to the realm."""
         left, self.claimed = self.claimed, 0
-        if self.realm and left > 0:
-            try:
-                await self._claims.unclaim(self.realm, self.file_id, left)
-            except TectonicError as e:  # the claim lapses at its expiry instead
-                log.info("file %d: claimed quota not given back: %s", self.file_id, e)
+        kept, self.set_aside_left = min(left, self.set_aside_left), 0
+        if not self.realm:
+            return
+        try:
+            if left - kept > 0:
+                await self._claims.unclaim(self.realm, self.file_id, left - kept, False)
+            if kept > 0:
+                await self._claims.unclaim(self.realm, self.file_id, kept, True)
+        except TectonicError as e:  # the claim lapses at its expiry instead
+            log.info("file %d: claimed quota not given back: %s", self.file_id, e)

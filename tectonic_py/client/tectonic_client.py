@@ -419,14 +419,14 @@ class _WritePath:
 
     async def claim(
         self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
-    ) -> int:
-        granted: int = await self.meta.claim(
+    ) -> tuple[int, int]:
+        granted: tuple[int, int] = await self.meta.claim(
             realm, dir_id=dir_id, file_id=file_id, need=need, want=want, prealloc=prealloc
         )
         return granted
 
-    async def unclaim(self, realm: int, file_id: int, nbytes: int) -> None:
-        await self.meta.unclaim(realm, file_id, nbytes)
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        await self.meta.unclaim(realm, file_id, nbytes, keep=keep)
 
 
 @dataclass(frozen=True)
@@ -480,12 +480,12 @@ class _PendingPath:
 
     async def claim(
         self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
-    ) -> int:
+    ) -> tuple[int, int]:
         await self.pending.wait()
         return await self.inner.claim(realm, dir_id, file_id, need, want, prealloc)
 
-    async def unclaim(self, realm: int, file_id: int, nbytes: int) -> None:
-        await self.inner.unclaim(realm, file_id, nbytes)
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        await self.inner.unclaim(realm, file_id, nbytes, keep)
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -127,12 +127,13 @@ class WritePath(Protocol):
 
     async def claim(
         self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
-    ) -> int:
-        """Bytes of the quota realm the file may grow by (client/quota_charge.py)."""
+    ) -> tuple[int, int]:
+        """Bytes of the quota realm the file may grow by, and how many of them fallocate had
+        set aside for it (client/quota_charge.py)."""
         ...
 
-    async def unclaim(self, realm: int, file_id: int, nbytes: int) -> None:
-        """Give claimed bytes back."""
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        """Give claimed bytes back (``keep``: to the file's set-aside bytes)."""
         ...
 
 

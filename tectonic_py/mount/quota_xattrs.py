@@ -22,7 +22,13 @@ from typing import Any
 
 import pyfuse3
 
-from tectonic_py.core.errors import ConfigError, FileNotFound, InvalidArgument, XattrNotFound
+from tectonic_py.core.errors import (
+    ConfigError,
+    FileNotFound,
+    InvalidArgument,
+    PermissionDenied,
+    XattrNotFound,
+)
 from tectonic_py.core.units import parse_duration, parse_size
 
 PREFIX = "tectonic."
@@ -97,7 +103,10 @@ async def set_(ops: Any, inode: int, name: str, value: bytes) -> None:
     except FileNotFound:
         limits = {"max_bytes": 0, "max_files": 0}
     limits[name.rsplit(".", 1)[1]] = limit
-    await ops.meta.set_quota(inode, limits["max_bytes"], limits["max_files"])
+    try:
+        await ops.meta.set_quota(inode, limits["max_bytes"], limits["max_files"])
+    except PermissionDenied:
+        raise pyfuse3.FUSEError(errno.EACCES) from None  # a client's mount: the operator's call
     ops.cache.forget_dir(inode)
 
 
