@@ -242,22 +242,27 @@ class QuotaCalls:
             if not r["pages"]:
                 break
             for page in r["pages"]:
-                realm, key, upto = page["realm"], page["realm_key"], page["upto"]
-                await self._r.call_shard(
+                realm, key = page["realm"], page["realm_key"]
+                r = await self._r.call_shard(
                     self._r.shard_of(realm),
                     "quota.fold",
                     {
                         "realm": realm,
                         "realm_key": key,
                         "src_shard": shard,
-                        "upto": upto,
+                        "first": page["first"],
+                        "upto": page["upto"],
                         "bytes": page["bytes"],
                         "files": page["files"],
                         "grown": page["grown"],
                     },
                 )
+                # Folded now, or before (an ack lost to a crash): the deltas up to what the
+                # realm has go, and a page that began in them is read again without them.
                 await self._r.call_shard(
-                    shard, "quota.ack", {"realm": realm, "realm_key": key, "upto": upto}
+                    shard,
+                    "quota.ack",
+                    {"realm": realm, "realm_key": key, "upto": int(r["last_seq"])},
                 )
                 done += 1
         return done

@@ -439,7 +439,7 @@ def pending(conn: sqlite3.Connection, limit: int) -> list[dict[str, Any]]:
     for seq, realm, key, fid, d_bytes, d_files in rows:
         page = out.setdefault(
             (realm, key),
-            {"realm": realm, "realm_key": key, "upto": 0, "bytes": 0, "files": 0},
+            {"realm": realm, "realm_key": key, "first": seq, "upto": 0, "bytes": 0, "files": 0},
         )
         page["upto"] = max(page["upto"], seq)
         page["bytes"] += d_bytes
@@ -457,23 +457,28 @@ def fold(
     realm: int,
     key: int,
     src_shard: int,
+    first: int,
     upto: int,
     d_bytes: int,
     d_files: int,
     grown: list[list[int]],
-) -> str:
-    """Add one page of a shard's deltas to the realm's usage, once: ``folded``, ``repeat``
-    (a page already folded: its ack was lost) or ``discarded`` (the realm or its key is
-    gone: nothing counts toward it any more)."""
+) -> tuple[str, int]:
+    """Add one page of a shard's deltas (sequence numbers ``first``..``upto``) to the
+    realm's usage, once. (outcome, the last sequence number folded from that shard):
+    ``folded``; ``repeat``: the page, or its start, was folded before (an ack lost to a
+    crash; the caller acks up to the number returned and reads the page again, so a page
+    that mixes folded and new deltas is never added); ``discarded``: the realm or its key
+    is gone, nothing counts toward it any more."""
     q = _quota_row(conn, realm)
     if q is None or q[0] != key:
-        return "discarded"
-    last = conn.execute(
+        return "discarded", upto
+    row = conn.execute(
         "SELECT last_seq FROM quota_folds WHERE realm = ? AND realm_key = ? AND src_shard = ?",
         (realm, key, src_shard),
     ).fetchone()
-    if last is not None and upto <= last[0]:
-        return "repeat"
+    last = int(row[0]) if row is not None else 0
+    if first <= last:
+        return "repeat", last
     conn.execute(
         "INSERT OR REPLACE INTO quota_folds (realm, realm_key, src_shard, last_seq)"
         " VALUES (?, ?, ?, ?)",
@@ -497,7 +502,7 @@ def fold(
             (new_files, realm),
         )
     _drop_empty(conn, realm)
-    return "folded"
+    return "folded", upto
 
 
 def ack(conn: sqlite3.Connection, realm: int, key: int, upto: int) -> None:

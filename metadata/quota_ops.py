@@ -88,17 +88,18 @@ class QuotaOps:
 
     async def op_quota__fold(self, req: Request) -> dict[str, Any]:
         store = self._store(req)
-        outcome = await store.write(
+        outcome, last = await store.write(
             quota_layer.fold,
             req["realm"],
             req["realm_key"],
             req["src_shard"],
+            req["first"],
             req["upto"],
             req["bytes"],
             req["files"],
             [list(g) for g in req["grown"]],
         )
-        return {"outcome": outcome}
+        return {"outcome": outcome, "last_seq": last}
 
     async def op_quota__ack(self, req: Request) -> None:
         store = self._store(req)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import pytest
 import trio
 
+from metadata import quota_layer
+from metadata.shard import SCHEMA
 from tectonic_py.cli.main import main
 from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.errors import CrossRealm, NoSpace, QuotaExceeded, TectonicError
@@ -232,3 +235,56 @@ async def test_kill9_of_a_metadata_server_never_drifts_usage(
         assert crash and crash[0]["ok"], crash
         assert crash[0]["pending_bytes"] == 0
         assert crash[0]["counted_files"] > 10
+
+
+def test_fold_of_a_page_whose_ack_was_lost_counts_nothing_twice() -> None:
+    """The layer alone (two shards' SQLite, no servers): a fold whose ack was lost, then a
+    longer page that starts with the folded deltas, is refused, acked up to what the
+    realm has, and the rest folded: usage equals the recount (docs/decisions)."""
+    src, dst = sqlite3.connect(":memory:"), sqlite3.connect(":memory:")
+    for conn in (src, dst):
+        conn.executescript(SCHEMA)
+        quota_layer.install_accounting(conn)
+    realm, key = 77, 5
+    dst.execute(
+        "INSERT INTO files VALUES (77, 'dir', 0, 0, 0, 0, 0, 0, 0, 1, 'rs-6-3',"
+        " 65536, 2, 0, 0, 1, 1, 'q', 0)"
+    )
+    quota_layer.set_quota(dst, realm, 0, 0, key)
+
+    def add_file(fid: int, size: int) -> None:
+        src.execute(
+            "INSERT INTO files VALUES (?, 'file', ?, 0, 0, 0, 0, 0, 0, 0, 'rs-6-3',"
+            " 65536, 1, 0, 0, 1, 77, 'f', 0)",
+            (fid, 0),
+        )
+        quota_layer.attach(src, fid, realm, key)
+        src.execute("UPDATE files SET size = ? WHERE id = ?", (size, fid))
+
+    def fold_page() -> tuple[str, int]:
+        (page,) = quota_layer.pending(src, 1000)
+        outcome, last = quota_layer.fold(
+            dst,
+            realm,
+            key,
+            3,
+            page["first"],
+            page["upto"],
+            page["bytes"],
+            page["files"],
+            page["grown"],
+        )
+        return outcome, last
+
+    add_file(1, 100)
+    add_file(2, 50)
+    assert fold_page()[0] == "folded"  # ... and the ack is lost
+    add_file(3, 7)
+    src.execute("DELETE FROM files WHERE id = 1")
+    outcome, last = fold_page()
+    assert outcome == "repeat"
+    quota_layer.ack(src, realm, key, last)
+    assert fold_page()[0] == "folded"
+    used = quota_layer.get_quota(dst, realm, 0)
+    counted = quota_layer.recount(src)["records"]
+    assert [[realm, key, used["used_bytes"], used["used_files"]]] == counted == [[77, 5, 57, 2]]
