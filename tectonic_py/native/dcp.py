@@ -309,18 +309,25 @@ class TectonicWriter(FileSystemWriter):
         """On the coordinator: DCP's file prefixes, and this save's staging directory."""
         plans = super().prepare_global_plan(plans)
         if not self._atomic():
+            self._reserve_for(plans, os.fspath(self.path))
             return plans
         self._staging = f"{self.path}{STAGING_MARK}{uuid.uuid4().hex[:16]}"
-        if self.reserve is not False:
-            size = plan_bytes(plans) if self.reserve is True else int(self.reserve)
-            self.fs.mkdir(self._staging)
-            self.client.run(_reserve, self.client, self._staging, size, self.reserve_ttl)
+        self._reserve_for(plans, self._staging)
         return [
             dataclasses.replace(
                 p, storage_data=_StagedPrefix(p.storage_data.prefix, staging=self._staging)
             )
             for p in plans
         ]
+
+    def _reserve_for(self, plans: list[SavePlan], directory: str) -> None:
+        """``reserve``: the save's size in the directory its files go to, before any rank
+        writes (a save that is not atomic keeps it until its TTL: no commit ends it)."""
+        if self.reserve is False:
+            return
+        size = plan_bytes(plans) if self.reserve is True else int(self.reserve)
+        self.fs.mkdir(directory)
+        self.client.run(_reserve, self.client, directory, size, self.reserve_ttl)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's writer, aimed at the staging directory when the plan names one (the
