@@ -3,8 +3,8 @@
 What is counted where, and why usage never drifts, is metadata/quota_layer.py. Here are the
 sequences that span shards:
 
-* ``set_quota``: ``quota.set`` in the directory's shard, then (a new realm) a walk of the
-  tree below attaching every record (``quota.adopt`` in each record's shard). A directory
+* ``set_quota``: ``quota.set`` in the directory's shard, then a walk of the tree below
+  attaching every record (``quota.adopt`` in each record's shard). A directory
   is attached before it is listed, so a create landing in it meanwhile takes the realm
   itself; one that landed before is in the listing. A quota found below (nesting) undoes
   the whole set. A crash mid-walk leaves part of the tree counted: ``set`` again walks
@@ -106,12 +106,13 @@ class QuotaCalls:
             {"dir": dir_id, "max_bytes": max_bytes, "max_files": max_files, "realm_key": new_id()},
         )
         self._files.forget_policy(dir_id)
-        if r["fresh"]:
-            try:
-                await self._adopt_tree(dir_id, dir_id, int(r["realm_key"]))
-            except InvalidArgument:
+        try:
+            # Also when the quota was there: a set cut short by a crash is finished so.
+            await self._adopt_tree(dir_id, dir_id, int(r["realm_key"]))
+        except InvalidArgument:
+            if r["fresh"]:
                 await self.remove_quota(dir_id)
-                raise
+            raise
         return await self.get_quota(dir_id)
 
     async def get_quota(self, dir_id: int) -> dict[str, Any]:
