@@ -52,9 +52,13 @@ PREALLOC_TTL_NS = 3600 * 1_000_000_000  # fallocate KEEP_SIZE: an hour, or until
 
 # The accounting triggers: TEMP triggers on the writer connection (the etcd engine's rebuild
 # of a shard from etcd removes them first, so a restore counts nothing twice).
+# No OR-clauses and no upserts in here or on the tables the triggers watch: an outer
+# statement's conflict policy overrides a trigger's own (and the etcd engine's change
+# capture is a trigger too).
 _NEXT = (
-    "INSERT OR IGNORE INTO quota_seq (id, value) VALUES (1, 0);"
-    " UPDATE quota_seq SET value = value + 1 WHERE id = 1;"
+    "UPDATE quota_seq SET value = value + 1 WHERE id = 1;"
+    " INSERT INTO quota_seq (id, value) SELECT 1, 1"
+    " WHERE NOT EXISTS (SELECT 1 FROM quota_seq WHERE id = 1);"
 )
 
 
@@ -160,12 +164,15 @@ def attach(conn: sqlite3.Connection, file_id: int, realm: int, key: int) -> None
     """The record counts toward (realm, key) from now on ((0, 0): toward none); the
     triggers move its bytes and its count."""
     if realm and key:
-        conn.execute(
-            "INSERT INTO file_realms (file_id, realm, realm_key) VALUES (?, ?, ?)"
-            " ON CONFLICT (file_id) DO UPDATE SET realm = excluded.realm,"
-            " realm_key = excluded.realm_key",
-            (file_id, realm, key),
+        cur = conn.execute(
+            "UPDATE file_realms SET realm = ?, realm_key = ? WHERE file_id = ?",
+            (realm, key, file_id),
         )
+        if cur.rowcount == 0:
+            conn.execute(
+                "INSERT INTO file_realms (file_id, realm, realm_key) VALUES (?, ?, ?)",
+                (file_id, realm, key),
+            )
     else:
         conn.execute("DELETE FROM file_realms WHERE file_id = ?", (file_id,))
 
@@ -360,14 +367,17 @@ def _add_claim(
     files: int,
     expires: int,
 ) -> None:
-    conn.execute(
-        "INSERT INTO quota_claims (realm, file_id, bytes, files, prealloc, expires_ns)"
-        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (realm, file_id) DO UPDATE SET"
-        " bytes = bytes + excluded.bytes, files = files + excluded.files,"
-        " prealloc = prealloc + excluded.prealloc,"
-        " expires_ns = max(expires_ns, excluded.expires_ns)",
-        (realm, file_id, nbytes, files, prealloc, expires),
+    cur = conn.execute(
+        "UPDATE quota_claims SET bytes = bytes + ?, files = files + ?, prealloc = prealloc + ?,"
+        " expires_ns = max(expires_ns, ?) WHERE realm = ? AND file_id = ?",
+        (nbytes, files, prealloc, expires, realm, file_id),
     )
+    if cur.rowcount == 0:
+        conn.execute(
+            "INSERT INTO quota_claims (realm, file_id, bytes, files, prealloc, expires_ns)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (realm, file_id, nbytes, files, prealloc, expires),
+        )
 
 
 def unclaim(
@@ -479,11 +489,17 @@ def fold(
     last = int(row[0]) if row is not None else 0
     if first <= last:
         return "repeat", last
-    conn.execute(
-        "INSERT OR REPLACE INTO quota_folds (realm, realm_key, src_shard, last_seq)"
-        " VALUES (?, ?, ?, ?)",
-        (realm, key, src_shard, upto),
-    )
+    if row is None:
+        conn.execute(
+            "INSERT INTO quota_folds (realm, realm_key, src_shard, last_seq) VALUES (?, ?, ?, ?)",
+            (realm, key, src_shard, upto),
+        )
+    else:
+        conn.execute(
+            "UPDATE quota_folds SET last_seq = ? WHERE realm = ? AND realm_key = ?"
+            " AND src_shard = ?",
+            (upto, realm, key, src_shard),
+        )
     conn.execute(
         "UPDATE quotas SET used_bytes = used_bytes + ?, used_files = used_files + ?"
         " WHERE dir_id = ?",
