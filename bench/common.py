@@ -113,3 +113,19 @@ def reap(proc: subprocess.Popen[Any], exit_s: float, term_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def warm_memory(nbytes: int = 6 * 1024**3) -> None:
+    """Touch and free ``nbytes`` of memory, so the measured run that follows does not pay
+    the first touch of guest pages.
+
+    On these VMs a page the guest has not used lately costs the kernel a fault into the host
+    the first time it is touched (DAMON reclaim hands cold free pages back): a ``dd`` of 1.5
+    GiB with fsync took 7.0 s of system CPU the first time and 0.63 s right after. Whichever
+    filesystem a bench ran first paid it for the page cache and its buffers."""
+    import mmap
+
+    piece = b"\1" * (64 * 1024 * 1024)
+    with mmap.mmap(-1, nbytes) as mm:
+        for _ in range(nbytes // len(piece)):
+            mm.write(piece)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import drop_cache, run_timed
+from bench.common import drop_cache, run_timed, warm_memory
 from tectonic_py.loadtest import CpuMeter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,18 +113,24 @@ def torch_workload(
     size: int,
     daemon_pids: PidsFn = list,
     remount: Callable[[], None] | None = None,
+    groups: dict[str, list[int]] | None = None,
+    verbs: tuple[str, ...] = ("save", "load"),
 ) -> dict[str, dict[str, Any]]:
     """torch.save (+ fsync) then a cold, verified torch.load of ``size`` bytes of tensors.
 
     Each runs in a fresh ``python -m bench.mount_workloads`` process that times only the
     call itself, so interpreter start and ``import torch`` are not charged to the mount.
+    ``groups`` names subsets of the daemons whose CPU-seconds are also given apart
+    (``cpu_s_by_process``), for a byte budget.
     """
     path = os.path.join(mountpoint, "bench-state.pt")
     out: dict[str, dict[str, Any]] = {}
     try:
-        for name, verb in (("torch_save", "save"), ("torch_load", "load")):
+        for verb in verbs:
+            name = f"torch_{verb}"
             if verb == "load":
                 _cold(path, remount)
+            warm_memory(min(6 * GiB, 4 * size))  # what a save of size may touch afresh
             pids = daemon_pids()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.mount_workloads", verb, path, str(size)],
@@ -141,8 +147,10 @@ def torch_workload(
                 err = proc.communicate(timeout=60)[1]
                 raise RuntimeError(f"torch {verb} worker failed: {err[-800:]}")
             meter = CpuMeter(pids)
+            apart = {g: CpuMeter(p) for g, p in (groups or {}).items()}
             stdout, stderr = proc.communicate("go\n", timeout=3600)
             daemons = meter.used()
+            by_process = {g: round(m.used(), 3) for g, m in apart.items()}
             if proc.returncode != 0:
                 raise RuntimeError(f"torch {verb} failed: {stderr[-800:]}")
             r = json.loads(stdout.strip().splitlines()[-1])
@@ -153,6 +161,11 @@ def torch_workload(
                 r["cpu_s"] + daemons,
                 client_cpu_s=round(r["cpu_s"], 3),
                 daemon_cpu_s=round(daemons, 3),
+                **(
+                    {"cpu_s_by_process": {"torch": round(r["cpu_s"], 3), **by_process}}
+                    if groups
+                    else {}
+                ),
                 **{k: v for k, v in r.items() if k not in ("bytes", "seconds", "cpu_s")},
             )
             if verb == "load" and not r.get("verified"):

@@ -126,6 +126,7 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         _inplace(results),
         _appends(results),
         _metrics(results),
+        _save(results),
         _targets(results),
         _burst_table(results),
         _metadata(results),
@@ -605,6 +606,22 @@ def _metrics(results: dict[str, Any]) -> list[str]:
         ]
         lines.append("")
     return lines + _reproduce("others", "python -m bench.bench_metrics --json")
+
+
+def _save(results: dict[str, Any]) -> list[str]:
+    """torch.save / torch.load of 1 GiB beside JuiceFS, GlusterFS and disk, with the CPU of
+    every process (issue 36's figures; the byte budget is docs/byte-budget.md)."""
+    from bench.bench_save import format_table
+
+    r = _get(results, "others", "bench_save")
+    lines = ["## torch.save and torch.load beside JuiceFS, GlusterFS and local disk", ""]
+    if not isinstance(r, dict):
+        lines += ["Not measured in this run (others was skipped).", ""]
+    elif r.get("status", "ok") != "ok" or "tectonic" not in r:
+        lines += [f"Not measured: `{str(r.get('error', ''))[:400]}`", ""]
+    else:
+        lines += [format_table(r), ""]
+    return lines + _reproduce("others", "python -m bench.bench_save --repeat 2 --json")
 
 
 def _targets(results: dict[str, Any]) -> list[str]:

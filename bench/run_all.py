@@ -80,12 +80,14 @@ OTHER_SCRIPTS: dict[str, list[str]] = {
     "bench_fuse": ["--size", "1024"],
     "bench_repair": ["--size-mib", "512", "--write-mib", "128"],
     "bench_metrics": [],
+    "bench_save": ["--repeat", "2"],
 }
 
 # Scripts whose smoke run a test of their own makes (two clusters and mounts: a minute and
 # more); a smoke run of the whole suite leaves them to it.
 OWN_SMOKE_TEST = {
-    "bench_metrics": "smoke-tested on its own (tests/test_bench_smoke.py::test_bench_metrics_smoke)"
+    "bench_metrics": "smoke-tested on its own (tests/test_bench_smoke.py::test_bench_metrics_smoke)",
+    "bench_save": "smoke-tested on its own (tests/test_bench_smoke.py::test_bench_save_smoke)",
 }
 
 # Every part of a run, in the order they run: the names --skip and --only take. The cluster

@@ -112,17 +112,27 @@ class ChunkClient:
         return resp
 
     async def put(
-        self, chunk_id: str, data: framing.Buffer, cap: bytes, checksum: int | None = None
+        self,
+        chunk_id: str,
+        data: framing.Buffer,
+        cap: bytes,
+        checksum: int | None = None,
+        segments: bytes | None = None,
     ) -> None:
         """Store a chunk durably; returns once it is on the store's disk.
 
-        ``checksum`` is the chunk's crc32c (computed here if not given). Raises ChunkConflict
+        ``checksum`` is the chunk's crc32c (computed here if not given); ``segments`` its
+        segment table (``checksum.pack_table``) when the caller has it, which spares the
+        store a pass over the bytes. Raises ChunkConflict
         if other bytes are stored under the id, Busy (retryable) when the store is at its
         admission limit, DiskFull, BadCapability, ChecksumMismatch.
         """
         if checksum is None:
             checksum = await self._crc(memoryview(data))
-        await self.call("put", {"chunk_id": chunk_id, "checksum": checksum, "cap": cap}, data)
+        fields: dict[str, object] = {"chunk_id": chunk_id, "checksum": checksum, "cap": cap}
+        if segments is not None:
+            fields["segments"] = segments
+        await self.call("put", fields, data)
 
     async def get(
         self,

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tectonic_py.core.checksum import SEGMENT_SIZE, segment_checksums
 from tectonic_py.core.checksum import checksum as crc32c
-from tectonic_py.core.checksum import segment_checksums
 from tectonic_py.core.errors import ChunkCorrupt, InvalidArgument
 from tectonic_py.core.ids import parse_chunk_id
 
@@ -53,7 +53,6 @@ VERSION_PACKED = 1
 VERSION_ALIGNED = 2
 VERSIONS = (VERSION_PACKED, VERSION_ALIGNED)
 MAGIC = b"TCHUNK"
-SEGMENT_SIZE = 64 * 1024
 HEADER = struct.Struct("!H6sQIIII")
 HEADER_CRC_OFFSET = 28
 TMP_PREFIX = ".tmp-"

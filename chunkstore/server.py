@@ -55,6 +55,7 @@ from chunkstore.metrics import StoreMetrics
 from chunkstore.scrub import Scrubber
 from tectonic_py.core import auth, buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
+from tectonic_py.core.checksum import unpack_table
 from tectonic_py.core.errors import (
     ConfigError,
     DiskFull,
@@ -380,6 +381,7 @@ class ChunkStoreServer:
     async def _put(self, req: Request) -> dict[str, Any]:
         chunk_id = self._chunk_id(req)
         checksum = req.int("checksum", hi=2**32 - 1)
+        table = req.bytes("segments", None, max_len=4 * layout.segment_count(MAX_CHUNK))
         cap = req.bytes("cap", max_len=capability.MAX_TOKEN)
         block_id, index = parse_chunk_id(chunk_id)
         capability.verify(
@@ -393,7 +395,13 @@ class ChunkStoreServer:
         try:
             async with self._locks.hold(chunk_id):
                 stored = await self._writers.run(
-                    writes.write_chunk, self.data_dir, chunk_id, data, checksum, req.buffer
+                    writes.write_chunk,
+                    self.data_dir,
+                    chunk_id,
+                    data,
+                    checksum,
+                    req.buffer,
+                    None if table is None else unpack_table(table),
                 )
         finally:
             self._outstanding -= 1

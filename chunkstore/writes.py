@@ -43,7 +43,7 @@ from chunkstore.layout import (
     put_room,
 )
 from chunkstore.reads import is_chunk, read_header, verify_chunk
-from tectonic_py.core.checksum import segment_checksums
+from tectonic_py.core.checksum import segment_checksums, whole_from_table
 from tectonic_py.core.errors import (
     ChecksumMismatch,
     ChunkConflict,
@@ -176,6 +176,7 @@ def write_chunk(
     data: memoryview | bytes | bytearray,
     checksum: int,
     image: memoryview | None = None,
+    segment_crcs: list[int] | None = None,
 ) -> Stored:
     """Store a chunk durably and atomically.
 
@@ -184,14 +185,22 @@ def write_chunk(
     is written with O_DIRECT (buffered when the filesystem refuses it).
 
     Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
-    on the way). The same chunk again is a no-op (0, 0); different contents under the same id
+    on the way). ``segment_crcs``: the segment table the writer sent with the payload, in
+    the same authenticated frame; it is checked against ``checksum`` without a pass over
+    the bytes (``checksum.whole_from_table``), else one pass computes both. The same chunk again is a no-op (0, 0); different contents under the same id
     raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
     put heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary
     file. The caller serialises writes of one chunk id.
     """
     view = memoryview(data).cast("B")
-    # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
-    segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE, keep_gil=True)
+    if segment_crcs is not None:
+        carried = whole_from_table(segment_crcs, view)
+        if carried is None:
+            raise ChecksumMismatch(f"chunk {chunk_id}: its segment table does not fit its bytes")
+        whole = carried
+    else:
+        # One pass gives the segment table and the whole CRC (checksum.segment_checksums).
+        segment_crcs, whole = segment_checksums(view, SEGMENT_SIZE, keep_gil=True)
     if whole != checksum:
         raise ChecksumMismatch(
             f"chunk {chunk_id}: payload crc32c {whole:08x} != sent checksum {checksum:08x}"

@@ -236,6 +236,25 @@ def test_bench_metrics_smoke():
     assert _mounts().count("bench-metrics-") == before.count("bench-metrics-") == 0
 
 
+def test_bench_save_smoke():
+    """bench_save and byte_budget run at small sizes: ours beside the disk, with the CPU of
+    each process of ours, and each pass alone."""
+    reason = fuse_available()
+    if reason:
+        pytest.skip(reason)
+    before = _mounts()
+    r = _run("bench.bench_save", "--size", "32", "--repeat", "1", "--no-peers", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    split = out["tectonic"]["torch_save"]["cpu_s_by_process"]
+    assert set(split) == {"torch", "mount", "chunk stores", "metadata"}
+    assert out["disk"]["torch_load"]["verified"] and out["tectonic"]["torch_load"]["verified"]
+    assert _mounts().count("bench-save-") == before.count("bench-save-") == 0
+    r = _run("bench.byte_budget", "--mib", "48", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["chunks per GiB"] == 384.0
+
+
 NEW_SECTIONS = (
     "## The checkpoint burst into one directory",
     "## Creates in one directory",

@@ -33,6 +33,7 @@ from chunkstore import layout, reads
 from chunkstore.server import ChunkStoreServer, StoreConfig
 from tectonic_py.core import buffers, capability, framing, ids, rpc_server
 from tectonic_py.core.checksum import checksum as crc32c
+from tectonic_py.core.checksum import pack_table, segment_checksums, whole_from_table
 from tectonic_py.core.errors import (
     AuthError,
     BadCapability,
@@ -150,6 +151,46 @@ async def test_bad_checksum_on_put_stores_nothing(store, secret):
     assert not chunk_file(server, cid).parent.exists() or not any(
         chunk_file(server, cid).parent.iterdir()
     )
+
+
+async def test_a_carried_segment_table_is_stored_and_checked_against_the_checksum(store, secret):
+    """The writer sends the segment table it made while encoding; the store checks it
+    against the whole CRC (and reads a short last segment) instead of reading the bytes.
+    A table that does not fit is refused and stores nothing; a table that lies about a full
+    segment consistently is the writer's bug, and reads of that segment say so."""
+    server, port = store
+    size = 3 * layout.SEGMENT_SIZE + 100
+    data = os.urandom(size)
+    crcs, whole = segment_checksums(data, layout.SEGMENT_SIZE)
+    async with open_client(port, secret) as c:
+        cid, cap = new_chunk(secret)
+        await c.put(cid, data, cap, whole, pack_table(crcs))
+        assert bytes(await c.get(cid)) == data
+        assert reads.verify_chunk(chunk_file(server, cid))
+
+        bad = [
+            [*crcs, 0],  # one entry too many
+            crcs[:-1],  # one too few
+            [*crcs[:-1], crcs[-1] ^ 1],  # a wrong short tail: read and caught
+            [crcs[0] ^ 1, *crcs[1:]],  # a wrong full segment: the whole CRC no longer fits
+        ]
+        for table in bad:
+            cid, cap = new_chunk(secret)
+            with pytest.raises(ChecksumMismatch):
+                await c.put(cid, data, cap, whole, pack_table(table))
+            assert not chunk_file(server, cid).exists()
+        cid, cap = new_chunk(secret)
+        with pytest.raises(InvalidArgument):
+            await c.put(cid, data, cap, whole, b"\0" * 7)
+
+        lie = [crcs[0], crcs[1] ^ 1, *crcs[2:]]
+        consistent = whole_from_table(lie, data, layout.SEGMENT_SIZE)
+        cid, cap = new_chunk(secret)
+        await c.put(cid, data, cap, consistent, pack_table(lie))
+        assert bytes(await c.get(cid, 0, 100)) == data[:100]
+        with pytest.raises(ChunkCorrupt):
+            await c.get(cid, layout.SEGMENT_SIZE + 5, 10)
+        assert not reads.verify_chunk(chunk_file(server, cid))
 
 
 async def test_corrupt_data_is_detected_and_never_returned(store, secret):

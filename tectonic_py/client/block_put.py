@@ -278,6 +278,6 @@ class BlockPut:
 
         async def once() -> None:
             client = await self.pool.client(node.address)
-            await client.put(cid, enc.chunks[i], cap, enc.checksums[i])
+            await client.put(cid, enc.chunks[i], cap, enc.checksums[i], enc.tables[i])
 
         await retry(once, policy=PUT_RETRY, when=_same_node_helps)

@@ -36,9 +36,10 @@ class BufferPool:
     """The client-wide memory window: block buffers, reused, at most ``capacity`` bytes.
 
     A buffer is charged ``charge`` bytes (its size plus the parity zfec will allocate for it)
-    from ``acquire`` to ``release``. Up to two released buffers are kept for reuse (a large
-    allocation is costly), so the pool's memory stays within the capacity plus two buffers;
-    spares of other sizes are dropped to make room.
+    from ``acquire`` to ``release``. Released buffers are kept for reuse (a large allocation
+    is costly) while the window has room for them, and two once no buffer is charged, so
+    the pool's memory stays within the capacity plus two buffers; spares of other sizes
+    are dropped to make room.
 
     Idle writers are spilled: a writer's open block holds a buffer between writes, so a
     program that writes many files round-robin from one thread could hold the whole window
@@ -86,11 +87,16 @@ class BufferPool:
     def release(self, buf: bytearray, charge: int) -> None:
         charge = min(max(charge, len(buf)), self.capacity)
         self._charged -= charge
-        # Keep at most two spare buffers: the next acquire nearly always takes one at once,
-        # and memory stays within the window plus two buffers.
-        if self._spare_bytes + len(buf) <= 2 * len(buf):
+        # While writers are busy, keep every released buffer the window has room for: the
+        # flushes of a full window end together, and a buffer freed then is a fresh one
+        # (memset and page faults) for the next block. Idle, keep two.
+        keep = self.capacity - self._charged if self._charged else 2 * len(buf)
+        if self._spare_bytes + len(buf) <= keep:
             self._spare.setdefault(len(buf), []).append(buf)
             self._spare_bytes += len(buf)
+        if not self._charged:
+            while self._spare_bytes > 2 * len(buf):
+                self._drop_one_spare()
         self._lot.unpark_all()
 
     def _spill_idle(self) -> None:

@@ -2,8 +2,10 @@
 
 zfec is systematic: of a block's n = k + m chunks, the first k are the block's own bytes cut
 into k equal slices, so encoding produces only the m parity chunks and the data chunks are
-memoryviews of the caller's block buffer (no copy). The CRC-32C of every chunk is computed in
-the same worker call, while the data is hot in cache. Replication (k = 1) skips zfec: every
+memoryviews of the caller's block buffer (no copy). The CRC-32C of every chunk, and the table
+of its 64 KiB segments' CRCs that the chunk store keeps on disk, are computed in the same
+worker call and pass, while the data is hot in cache; the store takes the table from the put
+(the frame's tag authenticates it with the bytes) instead of reading the chunk again. Replication (k = 1) skips zfec: every
 "chunk" is the block itself.
 
 zfec and crc32c release the GIL, so ``Codec`` runs them in ``trio.to_thread.run_sync`` under a
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import trio
 import zfec
 
-from tectonic_py.core.checksum import checksum
+from tectonic_py.core.checksum import SEGMENT_SIZE, checksum, pack_table, segment_checksums
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, QuorumLost
 
@@ -53,11 +55,13 @@ def _decoder(policy: ECPolicy) -> zfec.Decoder:
 
 @dataclass
 class EncodedBlock:
-    """The n chunks of a block (data chunks are views of the input) and their CRC-32Cs."""
+    """The n chunks of a block (data chunks are views of the input), their CRC-32Cs and
+    their segment tables (``checksum.pack_table``), made in the one pass that checksums."""
 
     chunks: list[Buffer]
     checksums: list[int]
     chunk_len: int
+    tables: list[bytes]
 
 
 def encode_block(policy: ECPolicy, block: Buffer, chunk_len: int) -> EncodedBlock:
@@ -71,11 +75,15 @@ def encode_block(policy: ECPolicy, block: Buffer, chunk_len: int) -> EncodedBloc
         raise InvalidArgument(f"block of {view.nbytes} bytes is not {k} chunks of {chunk_len}")
     data = tuple(view[i * chunk_len : (i + 1) * chunk_len] for i in range(k))
     if policy.replicated:
-        crc = checksum(view)
-        return EncodedBlock([view] * policy.n, [crc] * policy.n, chunk_len)
+        crcs, crc = segment_checksums(view, SEGMENT_SIZE)
+        table = pack_table(crcs)
+        return EncodedBlock([view] * policy.n, [crc] * policy.n, chunk_len, [table] * policy.n)
     parity = _encoder(policy).encode(data, tuple(range(k, policy.n)))
     chunks: list[Buffer] = [*data, *parity]
-    return EncodedBlock(chunks, [checksum(c) for c in chunks], chunk_len)
+    sums = [segment_checksums(c, SEGMENT_SIZE) for c in chunks]
+    return EncodedBlock(
+        chunks, [whole for _, whole in sums], chunk_len, [pack_table(t) for t, _ in sums]
+    )
 
 
 def decode_into(

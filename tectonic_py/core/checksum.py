@@ -15,10 +15,18 @@ bounds their speed, so a second pass would cost as much again.
 from __future__ import annotations
 
 import mmap
+import struct
 
 from crc32c import crc32c as _crc32c
 
+from tectonic_py.core.errors import InvalidArgument
+
 _MASK = 0xFFFFFFFF
+
+# The chunk file's segment: a ranged read checks only the segments it touches. The writer
+# computes the table in its encoding pass and sends it with the put (``pack_table``), so the
+# store does not read the chunk's bytes again to make it.
+SEGMENT_SIZE = 64 * 1024
 
 # Up to this many bytes, a CRC computed while holding the GIL (about 50 microseconds per MiB)
 # costs the other threads less than the GIL hand-offs of releasing it; callers that share
@@ -77,6 +85,42 @@ def _shift(n: int) -> _Shift:
         if len(_shifts) < 64:  # a few fixed segment sizes in practice; never unbounded
             _shifts[n] = shift
     return shift
+
+
+def pack_table(crcs: list[int]) -> bytes:
+    """A segment table on the wire and on disk: big-endian 32-bit CRCs."""
+    return struct.pack(f"!{len(crcs)}I", *crcs)
+
+
+def unpack_table(raw: bytes) -> list[int]:
+    if len(raw) % 4:
+        raise InvalidArgument(f"a segment table of {len(raw)} bytes is not 4-byte CRCs")
+    return list(struct.unpack(f"!{len(raw) // 4}I", raw))
+
+
+def whole_from_table(
+    crcs: list[int], data: bytes | bytearray | memoryview, segment_size: int = SEGMENT_SIZE
+) -> int | None:
+    """The CRC-32C of ``data`` from a table of its segments' CRCs, reading only a short last
+    segment (which it checks against the table's last entry); None when the table does not
+    fit ``data``'s length or its last entry is wrong.
+
+    Why trust the full segments' entries unread: the table came in the same authenticated
+    frame as the bytes, computed by the writer over those very bytes."""
+    view = memoryview(data).cast("B")
+    full, tail = divmod(len(view), segment_size)
+    if len(crcs) != full + (1 if tail else 0):
+        return None
+    whole = 0
+    shift = _shift(segment_size)
+    for c in crcs[:full]:
+        whole = shift(whole) ^ c
+    if tail:
+        piece = view[full * segment_size :]
+        if _crc32c(piece) != crcs[full]:
+            return None
+        whole = _crc32c(piece, whole)
+    return whole
 
 
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
