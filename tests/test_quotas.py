@@ -28,6 +28,7 @@ from tectonic_py.client.tectonic_client import TectonicClient, open_client
 from tectonic_py.core.errors import CrossRealm, NoSpace, QuotaExceeded, TectonicError
 from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.launch.local_cluster import LocalCluster
+from tectonic_py.loadtest import LoadtestConfig, run_loadtest
 from tectonic_py.maintenance.fsck import recount_quotas
 
 KiB = 1024
@@ -319,3 +320,25 @@ async def test_usage_survives_a_rebuild_from_etcd(
         await mc.client.settle_quotas()
         got = await mc.client.get_quota(d.id)
         assert (got["used_bytes"], got["used_files"]) == (21007, 8)
+
+
+async def test_a_loadtest_whose_step_cannot_fit_fails_before_writing(
+    local_cluster: LocalCluster, admin: TectonicClient
+) -> None:
+    """``--reserve``: 4 ranks of 64 GiB (384 GiB raw under RS(6,3)) on a machine with less
+    free: the run reports the refusal and not a byte was written."""
+    cfg = LoadtestConfig(
+        cluster_file=str(local_cluster.cluster_file),
+        ranks=4,
+        processes=1,
+        shard_size=64 << 30,
+        reserve=True,
+        run_dir="/lt-reserve",
+        keep=True,
+        max_seconds=120,
+        daemon_cpu=False,
+    )
+    result = await run_loadtest(cfg)
+    assert result["errors"] >= 1 and "cannot hold" in str(result["error_samples"])
+    assert result["bytes_written"] == 0
+    assert await admin.listdir("/lt-reserve/step_000001") == []
