@@ -201,6 +201,7 @@ class CheckpointCalls:
             },
         )
         await self._after_commit(dir_id, final, int(r["id"]), int(r["old_latest"]))
+        await self._end_reservation(attrs)
         return {"id": r["id"], "files": state.files, "dirs": state.dirs, "retired": r["retired"]}
 
     async def _after_commit(self, dir_id: int, final: str, child: int, old_latest: int) -> None:
@@ -217,6 +218,21 @@ class CheckpointCalls:
                 )
         except TectonicError as e:
             log.info("commit of %r: after-commit bookkeeping failed: %s", final, e)
+
+    async def _end_reservation(self, step: Attrs) -> None:
+        """A step's reservation (``tectonic reserve`` of its staging directory, the DCP
+        writer's) ends at its commit: the raw space at the registry, the quota's in the
+        realm's shard. Best effort: one left behind lapses at its TTL."""
+        try:
+            await self._r.call_registry("space.release", {"dir": step.id})
+            if step.realm:
+                await self._r.call_shard(
+                    self._r.shard_of(step.realm),
+                    "quota.release",
+                    {"realm": step.realm, "dir": step.id},
+                )
+        except TectonicError as e:
+            log.info("commit of %d: its reservation is left to lapse: %s", step.id, e)
 
     # --- staging directories of dead jobs (for the GC) --------------------------------------
 

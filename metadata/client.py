@@ -61,6 +61,7 @@ from metadata.coalescer import Coalescer, Item, coalesces
 from metadata.file_calls import FileCalls
 from metadata.maintenance_calls import MaintenanceCalls
 from metadata.name_calls import NameCalls
+from metadata.quota_calls import QuotaCalls
 from metadata.routing import gather
 from metadata.server_calls import ServerCalls
 from tectonic_py.core import rpc_client, sockets
@@ -186,6 +187,7 @@ class MetadataClient:
         checkpoints = CheckpointCalls(self, names)
         servers = ServerCalls(self, blocks)
         maintenance = MaintenanceCalls(self)
+        quotas = QuotaCalls(self, names, files)
         # Name layer
         self.lookup = names.lookup
         self.resolve = names.resolve
@@ -234,6 +236,18 @@ class MetadataClient:
         self.commit_step = checkpoints.commit_step
         self.staging_dirs = checkpoints.staging_dirs
         self.remove_tree = checkpoints.remove_tree
+        # quotas and reservations
+        self.set_quota = quotas.set_quota
+        self.get_quota = quotas.get_quota
+        self.list_quotas = quotas.list_quotas
+        self.remove_quota = quotas.remove_quota
+        self.claim = quotas.claim
+        self.unclaim = quotas.unclaim
+        self.dir_realm = quotas.dir_realm
+        self.reserve = quotas.reserve
+        self.release = quotas.release
+        self.settle_quotas = quotas.settle
+        self.recount_quotas = quotas.recount
         # whole servers
         self.server_stats = servers.server_stats
         self.statfs = servers.statfs

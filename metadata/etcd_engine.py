@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 import trio
 
+from metadata import quota_layer
 from metadata.shard import SCHEMA_VERSION, Mutation, ShardStore
 from tectonic_py.core.errors import ShardUnavailable, TectonicError, WrongShard
 from tectonic_py.core.etcd_client import (
@@ -168,6 +169,7 @@ class ShardReplica:
                 raise ShardUnavailable(f"shard {self.shard}: etcd holds rows of table {table!r}")
             row = msgpack.unpackb(kv.value)
             pending.setdefault(table, []).append(tuple(row.get(c) for c in tables[table][0]))
+        quota_layer.remove_accounting(conn)  # the rows come as they are: nothing to count
         conn.execute("BEGIN IMMEDIATE")
         try:
             for table in tables:
@@ -183,6 +185,8 @@ class ShardReplica:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+        finally:
+            quota_layer.install_accounting(conn)
         return len(kvs)
 
 

@@ -35,7 +35,7 @@ class FileCalls:
     def __init__(self, router: Router, blocks: BlockCalls) -> None:
         self._r = router
         self._blocks = blocks
-        self._dir_policy: dict[int, tuple[float, str, int]] = {}
+        self._dir_policy: dict[int, tuple[float, str, int, int, int]] = {}
 
     async def _at(self, file_id: int, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         return await self._r.call_shard(self._r.shard_of(file_id), op, {"id": file_id, **fields})
@@ -55,6 +55,8 @@ class FileCalls:
                 time.monotonic() + DIR_POLICY_TTL_S,
                 attrs.ec,
                 attrs.chunk_size,
+                attrs.realm,
+                attrs.realm_key,
             )
 
     def forget_policy(self, dir_id: int) -> None:
@@ -70,6 +72,17 @@ class FileCalls:
         if not attrs.is_dir:
             raise NotADirectory(f"{dir_id} is not a directory")
         return attrs.ec, self._chunk_size(dir_id, attrs.chunk_size)
+
+    async def realm(self, dir_id: int) -> tuple[int, int]:
+        """(realm, key) new entries of ``dir_id`` count toward ((0, 0): no quota); cached
+        as the policy is, so a new quota reaches this client's creates within the TTL."""
+        cached = self._dir_policy.get(dir_id)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[3], cached[4]
+        attrs = await self.getattr(dir_id)
+        if not attrs.is_dir:
+            raise NotADirectory(f"{dir_id} is not a directory")
+        return attrs.realm, attrs.realm_key
 
     def _chunk_size(self, dir_id: int, recorded: int) -> int:
         """The root directory is made by the server, which has no cluster file: its files

@@ -42,6 +42,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from metadata import quota_layer
 from metadata.dir_entries import has_entries
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
@@ -111,6 +112,10 @@ def _row(conn: sqlite3.Connection, file_id: int) -> tuple[Any, ...]:
 def get(conn: sqlite3.Connection, file_id: int, now_ns: int) -> Attrs:
     row = _row(conn, file_id)
     attrs = _row_to_attrs(row, now_ns)
+    if attrs.kind == KIND_DIR:
+        attrs.realm, attrs.realm_key = quota_layer.child_realm(conn, file_id)
+    else:
+        attrs.realm, attrs.realm_key = quota_layer.own_realm(conn, file_id)
     if attrs.kind == KIND_FILE and attrs.size:
         attrs.stored = _stored(conn, file_id, attrs.size, _bytes_per_block(row))
     elif attrs.kind in (KIND_CHR, KIND_BLK):
@@ -207,6 +212,14 @@ def create(
             now_ns,
         ),
     )
+    # Its quota realm: the one the client read off the parent (a directory made in another
+    # shard than its parent's), else the parent's, here when the parent is in this shard.
+    realm, key = int(spec.get("realm", 0)), int(spec.get("realm_key", 0))
+    parent = int(spec.get("parent", 0))
+    if not realm and parent and parent != fid and shard_of(parent, total_shards) == shard:
+        realm, key = quota_layer.child_realm(conn, parent)
+    if realm:
+        quota_layer.attach(conn, fid, realm, key)
     if kind == KIND_SYMLINK:
         conn.execute("INSERT INTO symlinks (file_id, target) VALUES (?, ?)", (fid, target))
     elif kind in (KIND_CHR, KIND_BLK):

@@ -35,6 +35,7 @@ from metadata.file_calls import FileCalls
 from metadata.routing import Router
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import (
+    CrossRealm,
     DanglingName,
     DirectoryNotEmpty,
     FileExists,
@@ -140,6 +141,8 @@ class NameCalls:
         """File record in a random shard, then the Name entry; undo the record on failure."""
         validate_name(name)
         dir_ec, chunk_size = await self._files.policy(dir_id)
+        realm, realm_key = await self._files.realm(dir_id)
+        await self.count_entry(dir_id)
         policy = ECPolicy.parse(ec or dir_ec).name
         shard = self._rng.randrange(self._r.config.shards)
         r = await self._r.call_shard(
@@ -154,6 +157,8 @@ class NameCalls:
                 "chunk_size": chunk_size,
                 "parent": dir_id,
                 "name": name,
+                "realm": realm,
+                "realm_key": realm_key,
             },
         )
         attrs = Attrs.from_wire(r["attrs"])
@@ -170,6 +175,15 @@ class NameCalls:
                 log.info("record %d left for orphan GC: %s", attrs.id, e)
             raise
         return attrs, r["token"]
+
+    async def count_entry(self, dir_id: int) -> None:
+        """A new entry of ``dir_id`` counts toward its quota's files: claimed before it is
+        made (QuotaExceeded, EDQUOT, when the quota is full; metadata/quota_layer.py)."""
+        realm, _ = await self._files.realm(dir_id)
+        if realm:
+            await self._r.call_shard(
+                self._r.shard_of(realm), "quota.claim", {"realm": realm, "need": 0, "files": 1}
+            )
 
     async def _insert_name(self, dir_id: int, name: str, child: int, kind: str) -> None:
         """A new record's ``name.insert``, sent again after a lost reply (a server killed
@@ -232,6 +246,7 @@ class NameCalls:
             # under it) is answered with the file its first try made, not FileExists.
             "token": new_id(),
         }
+        await self.count_entry(dir_id)
         for _ in range(3):
             try:
                 r = await self._in(dir_id, "name.create", fields, repeat=True)
@@ -315,6 +330,7 @@ class NameCalls:
         """A metadata-only record (``NODE_KINDS``: a symlink, FIFO, socket or device) with
         its name, made at once in the directory's shard."""
         validate_name(name)
+        await self.count_entry(dir_id)
         r = await self._in(
             dir_id,
             "name.make_node",
@@ -336,6 +352,9 @@ class NameCalls:
         up first and the name second (a crash between leaves the file kept, not a name
         that outlives its file); a name that is taken undoes the count."""
         validate_name(name)
+        target = await self._files.getattr(file_id)
+        if target.realm_key != (await self._files.realm(dir_id))[1]:
+            raise CrossRealm("a hard link between quota realms: copy instead")
         r = await self._r.call_shard(self._r.shard_of(file_id), "file.add_link", {"id": file_id})
         attrs = Attrs.from_wire(r["attrs"])
         try:
@@ -432,6 +451,7 @@ class NameCalls:
         validate_name(src_name)
         validate_name(dst_name)
         if src_dir != dst_dir:
+            await self._check_same_realm(src_dir, src_name, dst_dir)
             await self._check_not_into_itself(src_dir, src_name, dst_dir)
         try:
             result = await self._rename_once(src_dir, src_name, dst_dir, dst_name, 0)
@@ -467,6 +487,23 @@ class NameCalls:
             )
         except TectonicError as e:
             log.info("rename: could not refresh the name hint of %d: %s", child, e)
+
+    async def _check_same_realm(self, src_dir: int, src_name: str, dst_dir: int) -> None:
+        """A record stays in the quota realm its usage is counted in (CephFS refuses such
+        renames alike): a move between realms, or of a quota directory into one, is
+        ``CrossRealm`` (EXDEV: mv copies and deletes). Read through the directories' cached
+        attributes, so a quota set elsewhere in the last DIR_POLICY_TTL_S may be missed."""
+        src_realm = await self._files.realm(src_dir)
+        dst_realm = await self._files.realm(dst_dir)
+        if src_realm[1] != dst_realm[1]:
+            raise CrossRealm(
+                f"rename between quota realms (directory {src_realm[0] or 'none'} and"
+                f" {dst_realm[0] or 'none'}): copy and delete instead"
+            )
+        if dst_realm[0]:
+            moving = await self.lookup(src_dir, src_name)
+            if moving.is_dir and moving.realm == moving.id:
+                raise CrossRealm("a directory with a quota cannot move into another quota")
 
     async def _check_not_into_itself(self, src_dir: int, src_name: str, dst_dir: int) -> None:
         """Moving a directory below itself would cut a loop out of the tree: walk up from the

@@ -45,6 +45,7 @@ from metadata.engine import Engine, EngineSettings, ShardPlan
 from metadata.engines import open_engine
 from metadata.maintenance_ops import MaintenanceOps
 from metadata.metrics import MetadataMetrics
+from metadata.quota_ops import QuotaOps
 from metadata.registry import Registry, RemoteRegistry
 from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
@@ -103,7 +104,7 @@ def write_ready_file(
     os.replace(tmp, path)
 
 
-class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
+class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps, QuotaOps):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
     The ops of the background services come from ``MaintenanceOps``
@@ -366,6 +367,8 @@ class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps):
             "chunk_size": req["chunk_size"],
             "parent": parent,
             "name": req["name"],
+            "realm": req["realm"],
+            "realm_key": req["realm_key"],
         }
         attrs, token = await store.write(
             file_layer.create, store.shard, self.total_shards, spec, now_ns(), self.lease_ns

@@ -48,6 +48,7 @@ from typing import Any
 
 import trio
 
+from metadata import quota_layer
 from tectonic_py.core.errors import ShardUnavailable, TectonicError
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,34 @@ CREATE TABLE IF NOT EXISTS bad_chunks (
     reason TEXT NOT NULL, reported_ns INTEGER NOT NULL,
     PRIMARY KEY (block_id, idx, node_id)) WITHOUT ROWID;
 
+-- Quotas (metadata/quota_layer.py). In a quota directory's shard: its limits, folded usage
+-- and realm key; the pages of deltas folded per source shard; writers' claims; reservations.
+CREATE TABLE IF NOT EXISTS quotas (
+    dir_id INTEGER PRIMARY KEY, realm_key INTEGER NOT NULL, max_bytes INTEGER NOT NULL,
+    max_files INTEGER NOT NULL, used_bytes INTEGER NOT NULL, used_files INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quota_folds (
+    realm INTEGER NOT NULL, realm_key INTEGER NOT NULL, src_shard INTEGER NOT NULL,
+    last_seq INTEGER NOT NULL, PRIMARY KEY (realm, realm_key, src_shard)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS quota_claims (
+    realm INTEGER NOT NULL, file_id INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    files INTEGER NOT NULL, prealloc INTEGER NOT NULL, expires_ns INTEGER NOT NULL,
+    PRIMARY KEY (realm, file_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS quota_reservations (
+    realm INTEGER NOT NULL, dir_id INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    expires_ns INTEGER NOT NULL, PRIMARY KEY (realm, dir_id)) WITHOUT ROWID;
+-- In a record's shard: the realm it counts toward, and the deltas not yet folded there
+-- (seq from quota_seq, never reused).
+CREATE TABLE IF NOT EXISTS file_realms (
+    file_id INTEGER PRIMARY KEY, realm INTEGER NOT NULL, realm_key INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quota_seq (id INTEGER PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quota_deltas (
+    seq INTEGER PRIMARY KEY, realm INTEGER NOT NULL, realm_key INTEGER NOT NULL,
+    file_id INTEGER NOT NULL, d_bytes INTEGER NOT NULL, d_files INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS quota_deltas_realm ON quota_deltas (realm, realm_key, seq);
+-- Reserved raw space (only used in the registry shard).
+CREATE TABLE IF NOT EXISTS space_reservations (
+    dir_id INTEGER PRIMARY KEY, raw_bytes INTEGER NOT NULL, expires_ns INTEGER NOT NULL);
+
 -- Node registry (only used in the registry shard).
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, address TEXT NOT NULL, failure_domain TEXT NOT NULL,
@@ -193,6 +222,7 @@ class ShardStore:
         # One transaction: one fsync for the whole schema instead of one per statement.
         self._writer.executescript("BEGIN IMMEDIATE;" + SCHEMA + "COMMIT;")
         self._adopt(fresh)
+        quota_layer.install_accounting(self._writer)
         self.reader = _connect(self.path, durable=self.durable)
         self._queue: list[Mutation] = []
         self._has_work = trio.Event()

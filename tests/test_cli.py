@@ -334,7 +334,8 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
                 help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
                 assert "default" in help_text, (name, action.option_strings)
     # put get ls rm stat mkdir status stats mount loadtest maintenance repair fsck commit call ...
-    assert found == 16
+    # quota set/get/ls/rm, reserve
+    assert found == 21
 
 
 SIZE_FLAGS = {
@@ -342,6 +343,7 @@ SIZE_FLAGS = {
     ("chunkstore", "--reply-budget"), ("chunkstore", "--scrub-rate"),
     ("maintenance", "--bandwidth"),
     ("loadtest", "--shard-size"), ("loadtest", "--min-size"), ("loadtest", "--max-size"),
+    ("set", "--bytes"),
 }  # fmt: skip
 
 

@@ -370,3 +370,45 @@ def test_kill_9_during_a_save_never_shows_a_partial_step(
         assert set(committed) <= set(steps) <= set(committed) | {step}, (seed, steps)
         committed = steps
         print(f"seed {seed} step {step}: rank {victim} killed ({what}); committed {steps}")
+
+
+@single_process
+def test_a_reserving_save_that_cannot_fit_fails_before_writing(local_cluster: LocalCluster) -> None:
+    """``reserve=True``: the plan's size is reserved in the checkpoint's directory first;
+    more than the quota (EDQUOT) or the cluster's free space (ENOSPC) fails the save
+    before a file is written. One that fits saves and loads as any."""
+    saved = {"w": torch.randn(1 << 20)}  # 4 MiB
+    with BlockingClient(local_cluster.cluster_file) as client:
+        client.mkdir("/dq")
+        client.run(_set_quota, client, "/dq", 2 << 20)
+        with pytest.raises(BaseException, match="cannot hold"):  # DCP wraps it
+            dcp.save(
+                saved,
+                storage_writer=TectonicWriter("/dq/a", client=client, reserve=True),
+                no_dist=True,
+            )
+        with pytest.raises(BaseException, match="cannot hold"):  # DCP wraps it
+            dcp.save(
+                saved,
+                storage_writer=TectonicWriter("/b", client=client, reserve=1 << 50),
+                no_dist=True,
+            )
+        # Nothing written: the staging directories the saves drew are empty.
+        for parent in ("/dq", "/"):
+            for e in client.listdir(parent):
+                if ".staging-" in e.name:
+                    assert client.listdir(f"{parent.rstrip('/')}/{e.name}") == []
+        client.run(_set_quota, client, "/dq", 16 << 20)
+        dcp.save(
+            saved,
+            storage_writer=TectonicWriter("/dq/c", client=client, reserve=True),
+            no_dist=True,
+        )
+        loaded = {"w": torch.zeros(1 << 20)}
+        dcp.load(loaded, storage_reader=TectonicReader("/dq/c", client=client), no_dist=True)
+        assert torch.equal(loaded["w"], saved["w"])
+
+
+async def _set_quota(client: BlockingClient, path: str, max_bytes: int) -> None:
+    d = await client.client.stat(path)
+    await client.client.meta.set_quota(d.id, max_bytes, 0)

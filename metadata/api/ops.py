@@ -51,6 +51,7 @@ MAX_DELEGATE = 4096  # file ids one name.delegate reserves
 MAX_XATTR_VALUE = 64 * 1024
 MAX_CHUNK_SIZE = 64 * 2**20
 MAX_SIZE = 2**62
+MAX_SHARD_NO = 2**31
 
 # Who may call what.
 READ = frozenset({ROLE_CLIENT, ROLE_MAINTENANCE, ROLE_ADMIN})
@@ -152,7 +153,8 @@ def _file_layer() -> list[Op]:
     return [
         _op("file.create",
             [Arg("kind", "kind"), int_("mode", 0o644, hi=MAX_MODE), _UID, _GID, _EC,
-             _CHUNK_SIZE, id_("parent"), name_()],
+             _CHUNK_SIZE, id_("parent"), name_(), id_("realm", 0, lo=0),
+             int_("realm_key", 0, hi=MAX_ID)],
             "attrs, token", DRAWN, WRITE, mutates=True, repeatable=True,
             doc="an unnamed record (a repeat leaves one more, which the orphan GC collects)"),
         _op("file.get", fid, "attrs, parent", by("id"), READ, mutates=False, coalesce=True),
@@ -300,6 +302,64 @@ def _block_layer() -> list[Op]:
     ]  # fmt: skip
 
 
+def _quotas() -> list[Op]:
+    """Directory quotas, claims, reservations (metadata/quota_layer.py). Setting and removing
+    a quota is the operator's (admin); a filesystem user reads quotas, claims the bytes its
+    writes add and reserves space; folding usage is the maintenance daemon's."""
+    realm = id_("realm")
+    signed = {"lo": -I64, "hi": I64}
+    return [
+        _op("quota.set",
+            [id_("dir"), int_("max_bytes", hi=I64), int_("max_files", hi=I64),
+             id_("realm_key")],
+            "realm_key, fresh", by("dir"), ADMIN, mutates=True, repeatable=True,
+            doc="limits of a directory (0: none); a new realm takes realm_key and the "
+                "caller attaches the tree below (quota.adopt)"),
+        _op("quota.get", [id_("dir")], "quota", by("dir"), READ, mutates=False),
+        _op("quota.list", [], "quotas", SCAN, READ, mutates=False),
+        _op("quota.remove", [id_("dir")], "realm_key", by("dir"), ADMIN, mutates=True,
+            doc="drops the realm; the caller detaches the tree below (quota.adopt to 0)"),
+        _op("quota.adopt", [id_("id"), id_("realm", lo=0), int_("realm_key", hi=MAX_ID)],
+            "kind", by("id"), ADMIN, mutates=True, repeatable=True,
+            doc="the record counts toward this realm from now on (0: none)"),
+        _op("quota.claim",
+            [realm, id_("dir", 0, lo=0), id_("file", 0, lo=0), int_("need", hi=I64),
+             int_("want", 0, hi=I64), int_("files", 0, hi=MAX_DELEGATE),
+             bool_("prealloc", False)],
+            "granted, prealloc", by("realm"), WRITE, mutates=True,
+            doc="bytes a writer may add (need..want), or EDQUOT; prealloc: set aside for "
+                "the file (fallocate KEEP_SIZE)"),
+        _op("quota.unclaim",
+            [realm, id_("file", 0, lo=0), int_("bytes", hi=I64), bool_("keep", False)], "{}",
+            by("realm"), WRITE, mutates=True,
+            doc="claimed bytes a writer did not use (keep: they stay set aside for the file)"),
+        _op("quota.reserve",
+            [realm, id_("dir"), int_("bytes", hi=I64), int_("ttl_ns", lo=1, hi=I64)],
+            "free", by("realm"), WRITE, mutates=True, repeatable=True,
+            doc="hold bytes of the quota for one directory's writes, or EDQUOT"),
+        _op("quota.release", [realm, id_("dir")], "left", by("realm"), WRITE, mutates=True,
+            repeatable=True),
+        _op("quota.pending", [_LIMIT], "pages", SCAN, UPKEEP, mutates=False,
+            doc="the shard's oldest deltas, summed per realm"),
+        _op("quota.fold",
+            [realm, id_("realm_key"), int_("src_shard", hi=MAX_SHARD_NO), int_("first", hi=I64),
+             int_("upto", hi=I64),
+             int_("bytes", **signed), int_("files", **signed),
+             list_("grown", "pairs", max_len=MAX_SCAN, width=3)],
+            "outcome, last_seq", by("realm"), UPKEEP, mutates=True, repeatable=True,
+            doc="once per page of sequence numbers first..upto: a page whose start was "
+                "folded is refused (repeat), and the caller acks up to last_seq"),
+        _op("quota.ack", [realm, id_("realm_key"), int_("upto", hi=I64)], "{}", SCAN, UPKEEP,
+            mutates=True, repeatable=True),
+        _op("quota.recount", [], "records, pending, quotas", SCAN, UPKEEP, mutates=False),
+        _op("space.reserve", [id_("dir"), int_("raw_bytes", hi=I64), int_("ttl_ns", lo=1, hi=I64)],
+            "free", REGISTRY, WRITE, mutates=True, repeatable=True,
+            doc="hold raw bytes of the live chunk stores' free space, or ENOSPC"),
+        _op("space.release", [id_("dir")], "{}", REGISTRY, WRITE, mutates=True,
+            repeatable=True),
+    ]  # fmt: skip
+
+
 def _services() -> list[Op]:
     return [
         _op("node.heartbeat",
@@ -322,4 +382,4 @@ def _services() -> list[Op]:
     ]  # fmt: skip
 
 
-OPS = Contract([*_name_layer(), *_file_layer(), *_block_layer(), *_services()])
+OPS = Contract([*_name_layer(), *_file_layer(), *_block_layer(), *_quotas(), *_services()])

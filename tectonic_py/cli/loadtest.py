@@ -108,6 +108,13 @@ def register(subparsers: Any) -> None:
         "the burst's pause and per-file CPU beside it",
     )
     p.add_argument(
+        "--reserve",
+        action="store_true",
+        help="reserve each step's bytes in its directory before its burst (`tectonic "
+        "reserve`): a step the cluster or a quota cannot hold fails at once, ENOSPC or "
+        "EDQUOT, before a rank writes a byte",
+    )
+    p.add_argument(
         "--client-opt",
         action="append",
         default=[],
@@ -146,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         watch_pids=list(args.watch_pids),
         daemon_cpu=not args.no_daemon_cpu,
         baseline_stream=args.baseline_stream,
+        reserve=args.reserve,
     )
 
 

@@ -97,8 +97,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--services",
-        default="repair,gc,rebalance,inventory,compaction",
-        help="comma-separated subset of repair,gc,rebalance,inventory,compaction",
+        default="repair,gc,rebalance,inventory,compaction,quotas",
+        help="comma-separated subset of repair,gc,rebalance,inventory,compaction,quotas "
+        "(quotas: fold writers' usage into directory quotas, every 2 s)",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
     p.add_argument(

@@ -320,7 +320,9 @@ class TectonicClient:
         attrs, token = await self.meta.create(
             dir_id, name, mode=mode, uid=uid, gid=gid, exclusive=exclusive, ec=ec
         )
-        return FileWriter(self._write_path, attrs, token, {})
+        writer = FileWriter(self._write_path, attrs, token, {})
+        writer.quota.dir_id = dir_id
+        return writer
 
     async def create_pending(
         self, dir_id: int, name: str, *, mode: int = 0o644, uid: int = 0, gid: int = 0
@@ -330,6 +332,8 @@ class TectonicClient:
         tectonic_py/client/async_creates.py says what it promises); None when no delegated
         id is at hand, and the caller creates synchronously."""
         ec, chunk_size = await self.meta.dir_policy(dir_id)
+        if (await self.meta.dir_realm(dir_id))[0]:
+            return None  # under a quota: a create is counted (and may be refused) at once
         started = self.creates.start(
             dir_id, name, mode=mode, uid=uid, gid=gid, ec=ec, chunk_size=chunk_size
         )
@@ -345,7 +349,10 @@ class TectonicClient:
         blocks: dict[int, BlockInfo] = {}
         if not truncate and attrs.size:
             blocks = {b.file_index: b for b in await self.meta.block_list(file_id)}
-        return FileWriter(self._write_path, attrs, token, blocks)
+        writer = FileWriter(self._write_path, attrs, token, blocks)
+        if attrs.realm:
+            writer.quota.dir_id = await self.meta.parent(file_id)  # whose reservation it draws
+        return writer
 
     async def open_reader(self, file_id: int) -> FileReader:
         return await self.reader_at(await self.meta.getattr(file_id))
@@ -410,6 +417,17 @@ class _WritePath:
     async def created(self) -> None:
         return None
 
+    async def claim(
+        self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
+    ) -> tuple[int, int]:
+        granted: tuple[int, int] = await self.meta.claim(
+            realm, dir_id=dir_id, file_id=file_id, need=need, want=want, prealloc=prealloc
+        )
+        return granted
+
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        await self.meta.unclaim(realm, file_id, nbytes, keep=keep)
+
 
 @dataclass(frozen=True)
 class _PendingPath:
@@ -459,6 +477,15 @@ class _PendingPath:
 
     def superseded(self, old: BlockInfo) -> None:
         self.inner.superseded(old)
+
+    async def claim(
+        self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
+    ) -> tuple[int, int]:
+        await self.pending.wait()
+        return await self.inner.claim(realm, dir_id, file_id, need, want, prealloc)
+
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        await self.inner.unclaim(realm, file_id, nbytes, keep)
 
 
 # --- helpers -----------------------------------------------------------------------------------

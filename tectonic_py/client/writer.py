@@ -56,6 +56,7 @@ from tectonic_py.client import patches
 from tectonic_py.client.block_io import BlockWrite
 from tectonic_py.client.buffers import BufferPool
 from tectonic_py.client.packing import Packer
+from tectonic_py.client.quota_charge import QuotaCharge
 from tectonic_py.client.stripe import Layout
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, TectonicError
@@ -124,6 +125,17 @@ class WritePath(Protocol):
         """A newer version of ``old`` is committed: no reader should get it from a cache."""
         ...
 
+    async def claim(
+        self, realm: int, dir_id: int, file_id: int, need: int, want: int, prealloc: bool
+    ) -> tuple[int, int]:
+        """Bytes of the quota realm the file may grow by, and how many of them fallocate had
+        set aside for it (client/quota_charge.py)."""
+        ...
+
+    async def unclaim(self, realm: int, file_id: int, nbytes: int, keep: bool) -> None:
+        """Give claimed bytes back (``keep``: to the file's set-aside bytes)."""
+        ...
+
 
 class FileWriter:
     """An open file being written; holds the writer token (see the module docstring)."""
@@ -138,6 +150,8 @@ class FileWriter:
         self.policy = ECPolicy.parse(attrs.ec)
         self.layout = Layout(self.policy, attrs.chunk_size)
         self.size = attrs.size
+        # Quota: growth is claimed of the file's realm before it is buffered.
+        self.quota = QuotaCharge(write_path, attrs.realm, attrs.id, attrs.size)
         self._lock = trio.Lock()
         self._committed = blocks
         self._open_index: int | None = None
@@ -190,6 +204,21 @@ class FileWriter:
         async with self._lock:
             await self._truncate(size)
 
+    async def fallocate(self, offset: int, length: int, *, keep_size: bool = False) -> None:
+        """fallocate(2), modes 0 and KEEP_SIZE: the range's bytes are claimed of the quota
+        (EDQUOT if they do not fit); mode 0 also grows the file to cover the range (the
+        new bytes read as zeros, a hole until written), KEEP_SIZE sets them aside for the
+        file's later writes without changing its size."""
+        if offset < 0 or length <= 0:
+            raise InvalidArgument(f"bad fallocate range {offset}+{length}")
+        async with self._lock:
+            self._check()
+            end = offset + length
+            if keep_size:
+                await self.quota.set_aside(end)
+            elif end > self.size:
+                await self._truncate(end)
+
     async def fsync(self) -> None:
         """Return when every byte written so far is durable and committed."""
         async with self._lock:
@@ -198,7 +227,10 @@ class FileWriter:
     async def close(self) -> Attrs:
         """fsync, then seal the file and release the writer token. Idempotent."""
         async with self._lock:
-            return await self._close()
+            try:
+                return await self._close()
+            finally:
+                await self.quota.give_back()
 
     def committed_blocks(self) -> dict[int, BlockInfo]:
         """The committed blocks by index (after ``close``: every block of the sealed file)."""
@@ -210,6 +242,7 @@ class FileWriter:
         self._closed = True
         async with self._lock:
             self._release_open()
+            await self.quota.give_back()
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -230,6 +263,7 @@ class FileWriter:
         view = memoryview(data).cast("B")
         if not view.nbytes:
             return 0
+        await self.quota.grow(offset + view.nbytes)  # EDQUOT before a byte is taken
         layout = self.layout
         for piece in layout.pieces(offset, view.nbytes):
             if piece.block_index != self._open_index:
@@ -284,6 +318,7 @@ class FileWriter:
         self._check()
         if size < 0:
             raise InvalidArgument(f"negative size {size}")
+        await self.quota.grow(size)
         await self._flush_open()
         await self._drain()
         self._check()
@@ -304,6 +339,7 @@ class FileWriter:
                 self._dirty = True
         self.size = size
         self._synced_size = size
+        self.quota.shrink(size)
 
     async def _fsync(self) -> None:
         self._check()

@@ -15,6 +15,7 @@ from tectonic_py.core.errors import (
     ChunkCorrupt,
     ChunkNotFound,
     ConfigError,
+    CrossRealm,
     DanglingName,
     DirectoryNotEmpty,
     DiskFull,
@@ -29,6 +30,7 @@ from tectonic_py.core.errors import (
     PermissionDenied,
     ProtocolError,
     QuorumLost,
+    QuotaExceeded,
     Refused,
     ShardUnavailable,
     StaleWriterToken,
@@ -50,6 +52,8 @@ ERRNO: dict[type[TectonicError], int] = {
     InvalidArgument: errno.EINVAL,
     NoSpace: errno.ENOSPC,
     DiskFull: errno.ENOSPC,
+    QuotaExceeded: errno.EDQUOT,
+    CrossRealm: errno.EXDEV,
     # Another writer (another mount, or a recovery) took the file: this handle is fenced
     # off for good, which is what "stale file handle" tells a program.
     StaleWriterToken: errno.ESTALE,

@@ -235,9 +235,24 @@ class ShardUnavailable(TectonicError):
 
 
 class NoSpace(TectonicError):
-    """Placement found fewer live nodes than the erasure-coding scheme needs."""
+    """Placement found fewer live nodes than the erasure-coding scheme needs, or the
+    cluster's free raw space cannot hold a reservation."""
 
     code = "no_space"
+
+
+class QuotaExceeded(TectonicError):
+    """A directory quota (bytes or files) cannot hold the write, create or reservation;
+    nothing of it was taken (metadata/quota_layer.py)."""
+
+    code = "edquot"
+
+
+class CrossRealm(TectonicError):
+    """A rename or hard link between two quota realms (the record would leave the usage
+    it is counted in); copy and delete instead, as across filesystems."""
+
+    code = "exdev"
 
 
 class Refused(TectonicError):

@@ -91,6 +91,11 @@ class Attrs:
     # what st_blocks counts. A directory's or a special file's is 0.
     stored: int = 0
     rdev: int = 0  # device number of a KIND_CHR or KIND_BLK record
+    # The quota realm (its directory's id, 0: none) and its key (metadata/quota_layer.py):
+    # for a directory, the one its new entries count toward (its own quota, else its own
+    # realm); for any other record, the one it counts toward.
+    realm: int = 0
+    realm_key: int = 0
 
     @property
     def is_dir(self) -> bool:

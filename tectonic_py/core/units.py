@@ -57,3 +57,25 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: '10m' -> 600, '30s' or '30' -> 30, '1h', '2d', '500ms'.
+
+    ConfigError (one line, with examples) for anything else, including negative ones."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ConfigError(f"bad duration {text!r}: use e.g. 30, 30s, 10m, 1h, 2d")
+    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+
+
+def duration_arg(text: str) -> float:
+    """argparse ``type=`` for durations (a bad one is argparse's usage error)."""
+    try:
+        return parse_duration(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

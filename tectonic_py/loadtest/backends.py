@@ -92,6 +92,14 @@ class ClientBackend:
         await w.write(data)
         await w.close()
 
+    async def reserve(self, path: str, nbytes: int, ttl_s: float) -> None:
+        """``tectonic reserve`` of the directory: NoSpace or QuotaExceeded at once."""
+        d = await self.client.stat(path)
+        await self.client.meta.reserve(d.id, nbytes, ttl_s)
+
+    async def release(self, path: str) -> None:
+        await self.client.meta.release((await self.client.stat(path)).id)
+
 
 def _is_dir(st: Any) -> bool:
     kind = getattr(st, "kind", None)
@@ -141,6 +149,14 @@ class MountBackend:
 
     async def makedirs(self, path: str) -> None:
         await self._run(lambda: os.makedirs(self._path(path), exist_ok=True))
+
+    async def reserve(self, path: str, nbytes: int, ttl_s: float) -> None:
+        """The mount's ``tectonic.reserve`` attribute: ENOSPC or EDQUOT at once."""
+        value = f"{nbytes}:{ttl_s}s".encode()
+        await self._run(lambda: os.setxattr(self._path(path), "tectonic.reserve", value))
+
+    async def release(self, path: str) -> None:
+        await self._run(lambda: os.removexattr(self._path(path), "tectonic.reserve"))
 
     async def write_file(self, path: str, pieces: Iterable[memoryview], opened: Any) -> None:
         fd, open_s = await self._run(

@@ -48,6 +48,7 @@ class LoadtestConfig:
     watch_pids: list[int] = field(default_factory=list)
     daemon_cpu: bool = True  # find the local cluster's daemons and count their CPU
     baseline_stream: bool = False  # also write the same bytes as one file (loadtest.baseline)
+    reserve: bool = False  # reserve each step's bytes in its directory before its burst
 
     def validate(self) -> None:
         """ConfigError (one line naming the flag) for anything a run cannot do."""

@@ -168,7 +168,13 @@ class _Run:
         """One checkpoint: the burst, its index, and the removal of the step now too old."""
         cfg = self.cfg
         await self._metadata(self.backend.makedirs, step_dir(cfg, step))
+        if cfg.reserve:  # fails here, before the burst, when the step cannot fit
+            await self._metadata(
+                self.backend.reserve, step_dir(cfg, step), self.shard_bytes, cfg.max_seconds
+            )
         await self._phase("write", step)
+        if cfg.reserve:
+            await self._metadata(self.backend.release, step_dir(cfg, step))
         index = {
             "step": step,
             "ranks": cfg.ranks,

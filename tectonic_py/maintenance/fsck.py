@@ -17,6 +17,9 @@
    child of a pending cross-shard rename intent, or unlinked and still open (no names, a
    live writer). Its blocks are checked as a named file's are (its bytes are worth keeping).
    A writer lease past its term (not yet recovered by the GC) is named too.
+4. Of a whole-cluster pass: every directory quota's usage, folded first, against a recount
+   of the records below it (``recount_quotas``); a difference is **quota drift**, which
+   the accounting's design rules out (metadata/quota_layer.py).
 
 Severity: ``lost`` (some file's bytes cannot be read now), else ``degraded`` (anything else
 found: readable, and repair, the GC or ``--repair`` can make it whole), else ``clean``.
@@ -61,6 +64,7 @@ BLOCK_LOST = "block_lost"
 BLOCK_DEGRADED = "block_degraded"
 UNKNOWN_NODE = "chunk_on_unknown_node"
 LEASE_EXPIRED = "lease_expired"
+QUOTA_DRIFT = "quota_drift"
 _LOST_KINDS = fsck_summary.LOST_KINDS
 
 
@@ -143,6 +147,14 @@ class Report:
         }
 
 
+async def recount_quotas(meta: Any) -> list[dict[str, Any]]:
+    """Every quota's accounted usage beside a recount of the records below it, after the
+    pending usage is folded (metadata/quota_layer.py): ``ok`` when they agree, as they
+    always should on a quiet cluster, crashes of any server at any point included."""
+    await meta.settle_quotas()
+    return list(await meta.recount_quotas())
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent.rstrip('/')}/{name}"
 
@@ -173,6 +185,19 @@ class Fsck:
         elif start.kind == KIND_FILE:
             await self._check_file(report, start.id, path)
         await self._scan_records(report, reached, whole=start.id == ROOT_ID)
+        if start.id == ROOT_ID:
+            for q in await recount_quotas(meta):
+                if not q["ok"]:
+                    report.findings.append(
+                        Finding(
+                            QUOTA_DRIFT,
+                            f"quota of directory {q['dir']}",
+                            q["dir"],
+                            f"accounted {q['accounted_bytes']} bytes, {q['accounted_files']}"
+                            f" files; its records hold {q['counted_bytes']} bytes,"
+                            f" {q['counted_files']} files",
+                        )
+                    )
         return report
 
     async def reachable(self) -> set[int]:

@@ -59,10 +59,18 @@ class MaintenanceSettings:
     rebalance_max_moves: int = 256  # chunk moves per rebalance round
     # compaction: packs at most this share of whose bytes are live are rewritten (0: never)
     compact_below: float = 0.25
-    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction")
+    # quotas: seconds between folds of the usage deltas into their quotas (quota_layer.py)
+    quota_interval: float = 2.0
+    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction", "quotas")
 
     def __post_init__(self) -> None:
-        for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
+        for name in (
+            "interval",
+            "sweep_interval",
+            "inventory_interval",
+            "bandwidth",
+            "quota_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
         for name in (
@@ -78,7 +86,14 @@ class MaintenanceSettings:
             raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
         if not 0 <= self.compact_below < 1:
             raise ConfigError("compact-below must be at least 0 and below 1")
-        unknown = set(self.services) - {"repair", "gc", "rebalance", "inventory", "compaction"}
+        unknown = set(self.services) - {
+            "repair",
+            "gc",
+            "rebalance",
+            "inventory",
+            "compaction",
+            "quotas",
+        }
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")
 

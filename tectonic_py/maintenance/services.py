@@ -112,6 +112,8 @@ async def run_services(
                 loop("rebalance", settings.interval, Rebalancer(m).round)
             if "inventory" in settings.services:
                 loop("inventory", settings.inventory_interval, Inventory(m).round)
+            if "quotas" in settings.services:
+                loop("quotas", settings.quota_interval, meta.settle_quotas)
             if "compaction" in settings.services and settings.compact_below > 0:
                 # Compaction's data path (read a pack, code and store the new one), with a
                 # small write window and no block cache: packs are rewritten one at a time.

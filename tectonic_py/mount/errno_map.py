@@ -42,6 +42,8 @@ _ANSWERS = frozenset(
         errno.ENODATA,
         errno.EOPNOTSUPP,
         errno.EPERM,
+        errno.EDQUOT,  # a quota refused a write or create (the user's limit, not a fault)
+        errno.EXDEV,  # a rename between quota realms: mv copies instead
     }
 )
 

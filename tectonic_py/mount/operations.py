@@ -63,14 +63,17 @@ from tectonic_py.core.errors import (
     FileNotFound,
     FileSealed,
     InvalidArgument,
+    QuotaExceeded,
     StaleWriterToken,
     TectonicError,
 )
+from tectonic_py.core.ids import ROOT_ID
 from tectonic_py.core.records import (
     KIND_FILE,
     UNSEALED,
     Attrs,
 )
+from tectonic_py.mount import quota_xattrs
 from tectonic_py.mount.dangling import DanglingNames, placeholder
 from tectonic_py.mount.dir_listings import DEFAULT_NEGATIVE_TIMEOUT_S, DirListings
 from tectonic_py.mount.errno_map import fuse_op
@@ -83,6 +86,8 @@ if TYPE_CHECKING:
     from tectonic_py.client.tectonic_client import TectonicClient
 
 log = logging.getLogger(__name__)
+
+FALLOC_FL_KEEP_SIZE = 1
 
 T = TypeVar("T")
 
@@ -330,6 +335,43 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         finally:
             self.cache.drop_if_idle(ofile)
 
+    async def fallocate_inode(self, inode: int, keep_size: bool, offset: int, length: int) -> None:
+        """fallocate(2) of modes 0 and KEEP_SIZE on a file (client/writer.py's
+        ``fallocate``), through its open writer here or a writer of its own, sealed at once
+        (the ``tectonic.fallocate`` attribute: pyfuse3 3.5 passes no fallocate call on)."""
+        ofile = self.cache.open_file(inode)
+        try:
+            async with ofile.lock:
+                if ofile.error is not None:
+                    raise ofile.error
+                if ofile.writer is not None:
+                    await self._guard(
+                        ofile, ofile.writer.fallocate(offset, length, keep_size=keep_size)
+                    )
+                    ofile.write_seq += 1
+                    return
+                writer = await self.client.open_writer(inode)
+                try:
+                    await writer.fallocate(offset, length, keep_size=keep_size)
+                    await writer.close()
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await _abort(writer)
+                    raise
+        finally:
+            self.cache.drop_if_idle(ofile)
+
+    @fuse_op
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """The handler fallocate(2) would reach if pyfuse3 dispatched it (3.5 does not):
+        mode 0 and FALLOC_FL_KEEP_SIZE; every other mode is EOPNOTSUPP."""
+        if mode not in (0, FALLOC_FL_KEEP_SIZE):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        await self.fallocate_inode(handle.ofile.inode, mode == FALLOC_FL_KEEP_SIZE, offset, length)
+
     # --- files ----------------------------------------------------------------------------
 
     @fuse_op
@@ -442,6 +484,8 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
                 return await call
             except FileSealed as e:
                 raise StaleWriterToken(f"{e}: another writer took and closed it") from e
+        except QuotaExceeded:
+            raise  # refused before a byte was taken: the file and its writer are whole
         except Exception as e:
             if ofile.error is None:
                 ofile.error = e
@@ -595,21 +639,31 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
     @fuse_op
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Real capacity from the node registry, as usable bytes under the cluster's
-        default EC policy (raw bytes * k / n), so that df shows what fits."""
+        default EC policy (raw bytes * k / n), so that df shows what fits; when the root
+        has a quota, its limits and what is left of them (as CephFS's df of a quota)."""
         stats = await self.meta.statfs()
         policy = ECPolicy.parse(self.client.config.default_ec)
         usable = int(stats.get("capacity", 0)) * policy.k // policy.n
         free = int(stats.get("free", 0)) * policy.k // policy.n
-        files = int(stats.get("files", 0))
+        files, ffree = int(stats.get("files", 0)) + 2**32, 2**32
+        if (await self._attrs(ROOT_ID)).realm == ROOT_ID:
+            try:
+                limits = quota_xattrs.statfs_limits(await self.meta.get_quota(ROOT_ID), free)
+            except FileNotFound:
+                limits = (0, -1, 0, -1)  # removed since the attributes were read
+            if limits[0]:
+                usable, free = limits[0], limits[1]
+            if limits[2]:
+                files, ffree = limits[2], limits[3]
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLKSIZE
         s.f_frsize = FRSIZE
         s.f_blocks = usable // FRSIZE
         s.f_bfree = free // FRSIZE
         s.f_bavail = free // FRSIZE
-        s.f_files = files + 2**32
-        s.f_ffree = 2**32
-        s.f_favail = 2**32
+        s.f_files = files
+        s.f_ffree = ffree
+        s.f_favail = ffree
         s.f_namemax = 255
         return s
 

@@ -1,5 +1,8 @@
 """Extended attributes of the mount: ``user.*`` stored in the File layer, and the mount's own.
 
+The quota, reservation and fallocate attributes (``tectonic.quota.*``, ``tectonic.reserve``,
+``tectonic.fallocate``) are tectonic_py/mount/quota_xattrs.py's.
+
 ``user.tectonic.ec`` is a file's EC policy (on a directory: the policy new files inherit,
 settable there); ``user.tectonic.durability`` is a file's durability (read-only). Both are
 read and set by name and never listed: listed, cp --preserve=xattr and rsync -X would copy a
@@ -21,11 +24,13 @@ import pyfuse3
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import InvalidArgument, InvalidName, XattrNotFound
 from tectonic_py.core.records import WRITING, Attrs
+from tectonic_py.mount import quota_xattrs
 from tectonic_py.mount.errno_map import fuse_op
 
 if TYPE_CHECKING:
     from tectonic_py.mount.inode_cache import InodeCache
 
+_OURS = (b"user.", b"tectonic.")  # the namespaces that reach the metadata service
 EC_XATTR = "user.tectonic.ec"
 DURABILITY_XATTR = "user.tectonic.durability"
 
@@ -52,9 +57,14 @@ class XattrOps:
     @fuse_op
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         # Hot path: security.capability before every write. No round trip for it.
-        if not name.startswith(b"user."):
+        if not name.startswith(_OURS):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         key = _key(name)
+        quota_name = quota_xattrs.ours(key)
+        if quota_name is not None:
+            return await quota_xattrs.get(self, inode, quota_name)
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         if key == EC_XATTR:
             return (await self._attrs(inode)).ec.encode()
         if key == DURABILITY_XATTR:
@@ -77,9 +87,15 @@ class XattrOps:
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
-        if not name.startswith(b"user."):
+        if not name.startswith(_OURS):
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         key = _key(name)
+        quota_name = quota_xattrs.ours(key)
+        if quota_name is not None:
+            await quota_xattrs.set_(self, inode, quota_name, value)
+            return
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         if key == DURABILITY_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
         if key == EC_XATTR:
@@ -111,6 +127,12 @@ class XattrOps:
 
     @fuse_op
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if not name.startswith(_OURS):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        quota_name = quota_xattrs.ours(_key(name))
+        if quota_name is not None:
+            await quota_xattrs.remove(self, inode, quota_name)
+            return
         if not name.startswith(b"user."):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         if _key(name) in (EC_XATTR, DURABILITY_XATTR):

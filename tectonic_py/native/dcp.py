@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
 import os
 import pickle
 import posixpath
@@ -209,6 +210,28 @@ async def _commit(
     )
 
 
+async def _reserve(client: BlockingClient, staging: str, size: int, ttl: float) -> None:
+    d = await client.client.stat(staging)
+    await client.client.meta.reserve(d.id, size, ttl)
+
+
+ITEM_OVERHEAD = 4096  # a torch.save record's header, and a bytes item's guess
+
+
+def plan_bytes(plans: Sequence[SavePlan]) -> int:
+    """What the plans will write, about: each tensor item's bytes and a record's overhead
+    (a non-tensor item counts the overhead alone)."""
+    total = 0
+    for plan in plans:
+        for item in plan.items:
+            total += ITEM_OVERHEAD
+            td = item.tensor_data
+            if td is not None:
+                itemsize = torch.empty((), dtype=td.properties.dtype).element_size()
+                total += math.prod(td.chunk.sizes) * itemsize
+    return total
+
+
 def _client(
     cluster: str | os.PathLike[str] | None, client: BlockingClient | None
 ) -> BlockingClient:
@@ -223,7 +246,11 @@ class TectonicWriter(FileSystemWriter):
     files per rank written at once; ``ec``: the EC policy of the checkpoint's files (default:
     the directory's); ``commit``: write under a staging directory and commit the step
     atomically at ``finish``; ``latest``: the name of a symbolic link beside the step that
-    the commit points at it. The other arguments are ``FileSystemWriter``'s.
+    the commit points at it; ``reserve``: before any rank writes, reserve the save's size
+    in its staging directory (``True``: the plan's total, estimated from its tensors; an
+    int: that many bytes), so a save that cannot fit fails at once with ENOSPC or EDQUOT
+    (``NoSpace``, ``QuotaExceeded``) instead of half written; the reservation lasts until
+    the commit or ``reserve_ttl`` seconds. The other arguments are ``FileSystemWriter``'s.
     """
 
     def __init__(
@@ -240,6 +267,8 @@ class TectonicWriter(FileSystemWriter):
         ec: str | None = None,
         commit: bool = True,
         latest: str | None = None,
+        reserve: bool | int = False,
+        reserve_ttl: float = 600.0,
     ) -> None:
         super().__init__(
             checkpoint_path(path),
@@ -255,6 +284,8 @@ class TectonicWriter(FileSystemWriter):
         self.path = self.fs.init_path(path)
         self.commit = commit
         self.latest = latest or ""
+        self.reserve = reserve
+        self.reserve_ttl = reserve_ttl
         self._staging = ""
 
     @classmethod
@@ -278,14 +309,25 @@ class TectonicWriter(FileSystemWriter):
         """On the coordinator: DCP's file prefixes, and this save's staging directory."""
         plans = super().prepare_global_plan(plans)
         if not self._atomic():
+            self._reserve_for(plans, os.fspath(self.path))
             return plans
         self._staging = f"{self.path}{STAGING_MARK}{uuid.uuid4().hex[:16]}"
+        self._reserve_for(plans, self._staging)
         return [
             dataclasses.replace(
                 p, storage_data=_StagedPrefix(p.storage_data.prefix, staging=self._staging)
             )
             for p in plans
         ]
+
+    def _reserve_for(self, plans: list[SavePlan], directory: str) -> None:
+        """``reserve``: the save's size in the directory its files go to, before any rank
+        writes (a save that is not atomic keeps it until its TTL: no commit ends it)."""
+        if self.reserve is False:
+            return
+        size = plan_bytes(plans) if self.reserve is True else int(self.reserve)
+        self.fs.mkdir(directory)
+        self.client.run(_reserve, self.client, directory, size, self.reserve_ttl)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's writer, aimed at the staging directory when the plan names one (the
