@@ -61,6 +61,7 @@ from metadata.coalescer import Coalescer, Item, coalesces
 from metadata.file_calls import FileCalls
 from metadata.maintenance_calls import MaintenanceCalls
 from metadata.name_calls import NameCalls
+from metadata.retention_calls import RetentionCalls
 from metadata.routing import gather
 from metadata.server_calls import ServerCalls
 from tectonic_py.core import rpc_client, sockets
@@ -186,6 +187,7 @@ class MetadataClient:
         checkpoints = CheckpointCalls(self, names)
         servers = ServerCalls(self, blocks)
         maintenance = MaintenanceCalls(self)
+        retention = RetentionCalls(self, names, files, checkpoints)
         # Name layer
         self.lookup = names.lookup
         self.resolve = names.resolve
@@ -256,6 +258,13 @@ class MetadataClient:
         self.recover_lease = maintenance.recover_lease
         self.pack_usage = maintenance.pack_usage
         self.relocate_extents = maintenance.relocate_extents
+        # retention policies
+        self.set_retention = retention.set_retention
+        self.retention_of = retention.retention_of
+        self.remove_retention = retention.remove_retention
+        self.retention_policies = retention.retention_policies
+        self.retire_steps = retention.retire_steps
+        self.apply_retention = retention.apply_retention
 
     async def aclose(self) -> None:
         self._closed = True

@@ -35,6 +35,7 @@ from tectonic_py.cli import (
     loadtest,
     maintenance,
     mount,
+    retention,
     stats,
     status,
 )
@@ -47,6 +48,7 @@ _COMMAND_MODULES = [
     cluster,  # tectonic cluster up/down
     data,  # tectonic put/get/ls/rm/stat/mkdir/status
     commit,  # tectonic commit
+    retention,  # tectonic retention set/get/ls/rm
     call,  # tectonic call
     mount,  # tectonic mount/umount
     status,  # tectonic status

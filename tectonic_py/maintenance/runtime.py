@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 1024 * 1024
+SERVICES = ("repair", "gc", "rebalance", "inventory", "compaction", "retention")
 CHUNK_CALL_TIMEOUT_S = 60.0  # a chunk store that hangs (not down, not answering) is skipped
 
 
@@ -59,10 +60,17 @@ class MaintenanceSettings:
     rebalance_max_moves: int = 256  # chunk moves per rebalance round
     # compaction: packs at most this share of whose bytes are live are rewritten (0: never)
     compact_below: float = 0.25
-    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction")
+    retention_interval: float = 5.0  # seconds between retention rounds (after a commit)
+    services: tuple[str, ...] = SERVICES
 
     def __post_init__(self) -> None:
-        for name in ("interval", "sweep_interval", "inventory_interval", "bandwidth"):
+        for name in (
+            "interval",
+            "sweep_interval",
+            "inventory_interval",
+            "retention_interval",
+            "bandwidth",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
         for name in (
@@ -78,7 +86,7 @@ class MaintenanceSettings:
             raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
         if not 0 <= self.compact_below < 1:
             raise ConfigError("compact-below must be at least 0 and below 1")
-        unknown = set(self.services) - {"repair", "gc", "rebalance", "inventory", "compaction"}
+        unknown = set(self.services) - set(SERVICES)
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")
 
@@ -119,6 +127,7 @@ class Counters:
     compacted_bytes_freed: int = 0
     unreachable_collected: int = 0
     inventory_mismatches: int = 0  # chunks found missing from or replaced on their store
+    steps_retired: int = 0  # committed steps retention removed
     rounds: dict[str, int] = field(default_factory=dict)
 
 
