@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,30 @@ def measure(smoke: bool, rate: int, mib: int) -> dict[str, Any]:
         },
         "errors": sum(r.get("errors", 0) for r in (alone["a"], together["a"], together["b"])),
     }
+
+
+def report_section(r: dict[str, Any], fmt: Callable[..., str]) -> list[str]:
+    """The section of bench/REPORT.md (bench.report) for a run of ``measure``."""
+    lines = ["## Jobs sharing a cluster (traffic classes)", ""]
+    if r.get("status", "ok") != "ok":
+        return lines + [f"Not measured: `{str(r.get('error', ''))[:400]}`", ""]
+    both = r.get("together_bytes_s") or {}
+    shape = (
+        f"Job a (weight 1) writes {fmt(r['bytes']['a'] // MiB)} MiB and job b (weight 3)"
+        f" three times that, at once, on {r['stores']} stores paced to"
+        f" {fmt(r['store_rate_bytes_s'] // MiB)} MiB/s of puts each ({r['ec']})."
+    )
+    return lines + [
+        shape,
+        "",
+        "| figure | value |",
+        "|---|---:|",
+        f"| job a, MB/s together | {fmt(both.get('a', 0) / 1e6, 1)} |",
+        f"| job b, MB/s together | {fmt(both.get('b', 0) / 1e6, 1)} |",
+        f"| a:b (target 0.333 within 20%) | {fmt(r.get('ratio_a_to_b'), 3)} |",
+        f"| job a alone over the two together | {fmt(r.get('alone_over_together_total'), 3)} |",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

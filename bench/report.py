@@ -609,26 +609,13 @@ def _metrics(results: dict[str, Any]) -> list[str]:
 
 
 def _sharing(results: dict[str, Any]) -> list[str]:
-    """Two jobs of weights 1:3 on one cluster (bench.bench_sharing): an optional part, so a
-    run without it leaves the section out."""
+    """Two jobs of weights 1:3 on one cluster: an optional part, left out when not run."""
+    from bench.bench_sharing import report_section
+
     r = results.get("sharing")
     if not isinstance(r, dict):
         return []
-    lines = ["## Jobs sharing a cluster (traffic classes)", ""]
-    if r.get("status", "ok") != "ok":
-        lines += [f"Not measured: `{str(r.get('error', ''))[:400]}`", ""]
-    else:
-        both = r.get("together_bytes_s") or {}
-        lines += [
-            "| figure | value |",
-            "|---|---:|",
-            f"| job a (weight 1), MB/s together | {_fmt(both.get('a', 0) / 1e6, 1)} |",
-            f"| job b (weight 3), MB/s together | {_fmt(both.get('b', 0) / 1e6, 1)} |",
-            f"| a:b (target 0.333 within 20%) | {_fmt(r.get('ratio_a_to_b'), 3)} |",
-            f"| job a alone over the two together | {_fmt(r.get('alone_over_together_total'), 3)} |",
-            "",
-        ]
-    return lines + _reproduce("sharing", "python -m bench.bench_sharing")
+    return report_section(r, _fmt) + _reproduce("sharing", "python -m bench.bench_sharing")
 
 
 def _targets(results: dict[str, Any]) -> list[str]:

@@ -196,7 +196,7 @@ class _Waiter:
 
 @dataclass
 class ClassStats:
-    """Per class: requests waiting now, requests and bytes admitted so far."""
+    """Per class: requests waiting now, requests and bytes gone to the disk so far."""
 
     queued: int = 0
     served: int = 0
@@ -227,11 +227,8 @@ class FairAdmission:
         return len(self._drr)
 
     def _admit(self, cls: str, cost: int) -> float:
-        """Account an admission; the time it may start (pacing), or 0."""
+        """Take a slot; the time the request may start (pacing), or 0."""
         self.busy += 1
-        st = self.stats[cls]
-        st.served += 1
-        st.served_bytes += cost
         if self.rate is None:
             return 0.0
         start = max(trio.current_time(), self._next_start)
@@ -248,6 +245,10 @@ class FairAdmission:
         try:
             if start > trio.current_time():
                 await trio.sleep_until(start)
+            # Counted as it goes to the disk, not when its paced slot was granted.
+            st = self.stats[cls]
+            st.served += 1
+            st.served_bytes += cost
             yield
         finally:
             self.busy -= 1
