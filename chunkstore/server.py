@@ -298,6 +298,8 @@ class ChunkStoreServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
+                nursery.start_soon(self.write_queue.pace)
+                nursery.start_soon(self.read_queue.pace)
                 listen = self.config.metrics_listen
                 self.metrics_address = await start_endpoint(nursery, self.metrics, listen)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)

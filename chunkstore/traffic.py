@@ -208,6 +208,10 @@ class FairAdmission:
 
     ``async with admission.slot(cls, weight, cost):`` waits for a slot. A request that
     finds a slot free and nobody waiting goes at once (no scheduler work on an idle store).
+    With a ``rate``, a request is also admitted no sooner than the rate allows after the one
+    before, and ``pace`` (a task of the server's nursery) admits the waiting ones as their
+    times come: the wait is in the fair queue, never in a slot already granted, so the order
+    of the bytes that go to the disk is the queue's.
     """
 
     def __init__(self, slots: int, *, quantum: int = QUANTUM, rate: float | None = None) -> None:
@@ -220,44 +224,42 @@ class FairAdmission:
         self.busy = 0
         self._drr = Drr(quantum)
         self.stats: dict[str, ClassStats] = collections.defaultdict(ClassStats)
-        self._next_start = 0.0  # pacing: when the next admitted request may start
+        self._next_start = 0.0  # pacing: when the next request may be admitted
+        self._kick = trio.Event()  # pacing: a waiter came or a slot freed
 
     @property
     def waiting(self) -> int:
         return len(self._drr)
 
-    def _admit(self, cls: str, cost: int) -> float:
-        """Take a slot; the time the request may start (pacing), or 0."""
+    def _due(self) -> bool:
+        return self.rate is None or trio.current_time() >= self._next_start
+
+    def _admit(self, cls: str, cost: int) -> None:
         self.busy += 1
-        if self.rate is None:
-            return 0.0
-        start = max(trio.current_time(), self._next_start)
-        self._next_start = start + cost / self.rate
-        return start
+        st = self.stats[cls]
+        st.served += 1
+        st.served_bytes += cost
+        if self.rate is not None:
+            self._next_start = max(trio.current_time(), self._next_start) + cost / self.rate
 
     @asynccontextmanager
     async def slot(self, cls: str, weight: int, cost: int) -> AsyncIterator[None]:
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self.busy < self.slots and not self._drr:
-            start = self._admit(cls, cost)
+        if self.busy < self.slots and not self._drr and self._due():
+            self._admit(cls, cost)
         else:
-            start = await self._wait(cls, weight, cost)
+            await self._wait(cls, weight, cost)
         try:
-            if start > trio.current_time():
-                await trio.sleep_until(start)
-            # Counted as it goes to the disk, not when its paced slot was granted.
-            st = self.stats[cls]
-            st.served += 1
-            st.served_bytes += cost
             yield
         finally:
             self.busy -= 1
             self._grant()
 
-    async def _wait(self, cls: str, weight: int, cost: int) -> float:
+    async def _wait(self, cls: str, weight: int, cost: int) -> None:
         waiter = _Waiter(cls, cost, trio.lowlevel.current_task())
         self._drr.push(cls, weight, waiter, cost)
         self.stats[cls].queued += 1
+        self._kick.set()
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             if waiter.granted:
@@ -266,15 +268,27 @@ class FairAdmission:
             self.stats[cls].queued -= 1
             return trio.lowlevel.Abort.SUCCEEDED
 
-        start: float = await trio.lowlevel.wait_task_rescheduled(abort)
-        return start
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _grant(self) -> None:
-        while self.busy < self.slots:
+        while self.busy < self.slots and self._due():
             waiter = self._drr.pop()
             if waiter is None:
                 return
             waiter.granted = True
             self.stats[waiter.cls].queued -= 1
-            start = self._admit(waiter.cls, waiter.cost)
-            trio.lowlevel.reschedule(waiter.task, outcome.Value(start))
+            self._admit(waiter.cls, waiter.cost)
+            trio.lowlevel.reschedule(waiter.task, outcome.Value(None))
+        self._kick.set()
+
+    async def pace(self) -> None:
+        """With a rate: admit waiting requests as their times come (run until cancelled)."""
+        if self.rate is None:
+            return
+        while True:
+            if self._drr and self.busy < self.slots:
+                await trio.sleep_until(self._next_start)
+                self._grant()
+            else:
+                self._kick = trio.Event()
+                await self._kick.wait()

@@ -251,3 +251,56 @@ async def test_two_jobs_puts_are_served_by_weight(tmp_path, secret, monkeypatch)
         a, b = served[:n].count("a"), served[:n].count("b")
         assert abs(3 * a - b) <= 4, served
     assert served[: last_b + 1].count("a") <= 5, served
+
+
+def test_the_job_comes_from_the_cluster_file_and_is_checked(tmp_path, secret_file):
+    """``job``/``job_weight`` of a cluster file reach the credential a client connects
+    with; a bad job is one clear error, as is a loadtest --weight without --job."""
+    from tectonic_py.core import cluster_file
+    from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
+    from tectonic_py.loadtest import LoadtestConfig
+
+    config = ClusterConfig(
+        name="t",
+        secret_file=secret_file,
+        shards=1,
+        metadata_servers=[MetadataServer("127.0.0.1:1", [0])],
+        role=auth.ROLE_CLIENT,
+        job="train-a",
+        job_weight=3,
+    )
+    config.write(tmp_path / "client.toml")
+    loaded = cluster_file.load(tmp_path / "client.toml")
+    cred = loaded.credential()
+    assert (cred.role, cred.job, cred.weight) == (auth.ROLE_CLIENT, "train-a", 3)
+    assert loaded.with_job("b", 0).credential().job == "b"
+    for job, weight in (("a b", 0), ("x" * 65, 0), ("", 3), ("a", 1001)):
+        with pytest.raises(ConfigError):
+            auth.Credential(auth.ROLE_CLIENT, b"k" * 16, job, weight)
+    cfg = LoadtestConfig(cluster_file=str(tmp_path / "client.toml"), run_dir="/r", job_weight=2)
+    with pytest.raises(ConfigError, match="--weight needs --job"):
+        cfg.validate()
+
+
+async def test_paced_admission_waits_in_the_queue_not_in_a_slot(autojump_clock):
+    """With a rate, requests are admitted one cost/rate apart, in DRR order, and none holds
+    a slot while it waits for its time (the pacer admits them; a virtual clock)."""
+    adm = FairAdmission(4, quantum=Q, rate=Q)  # one request of cost Q per second
+    order: list[tuple[str, float]] = []
+
+    async def one(cls: str, weight: int) -> None:
+        async with adm.slot(cls, weight, Q):
+            order.append((cls, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(adm.pace)
+        async with trio.open_nursery() as jobs:
+            jobs.start_soon(one, "x", 1)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(3):
+                for cls, weight in (("a", 1), ("b", 3)):
+                    jobs.start_soon(one, cls, weight)
+                    await trio.testing.wait_all_tasks_blocked()
+            assert adm.busy == 0 and adm.waiting == 6  # x went at once and is done
+        nursery.cancel_scope.cancel()
+    assert order == [(c, float(t)) for t, c in enumerate("xabbbaa")]
