@@ -333,13 +333,15 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
             if shown and action.option_strings and action.help != argparse.SUPPRESS:
                 help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
                 assert "default" in help_text, (name, action.option_strings)
-    # put get ls rm stat mkdir status stats mount loadtest maintenance repair fsck commit call ...
-    assert found == 16
+    # put get ls rm stat mkdir status stats mount loadtest maintenance repair fsck commit call
+    # retention ...
+    assert found == 17
 
 
 SIZE_FLAGS = {
     ("chunkstore", "--capacity"), ("chunkstore", "--payload-budget"),
     ("chunkstore", "--reply-budget"), ("chunkstore", "--scrub-rate"),
+    ("chunkstore", "--max-write-rate"), ("chunkstore", "--max-read-rate"),
     ("maintenance", "--bandwidth"),
     ("loadtest", "--shard-size"), ("loadtest", "--min-size"), ("loadtest", "--max-size"),
 }  # fmt: skip
