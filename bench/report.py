@@ -127,6 +127,7 @@ def render_report(results: dict[str, Any], plot_name: str, notes: str = "") -> s
         _appends(results),
         _metrics(results),
         _save(results),
+        _sharing(results),
         _targets(results),
         _burst_table(results),
         _metadata(results),
@@ -622,6 +623,16 @@ def _save(results: dict[str, Any]) -> list[str]:
     else:
         lines += [format_table(r), ""]
     return lines + _reproduce("others", "python -m bench.bench_save --repeat 2 --json")
+
+
+def _sharing(results: dict[str, Any]) -> list[str]:
+    """Two jobs of weights 1:3 on one cluster: an optional part, left out when not run."""
+    from bench.bench_sharing import report_section
+
+    r = results.get("sharing")
+    if not isinstance(r, dict):
+        return []
+    return report_section(r, _fmt) + _reproduce("sharing", "python -m bench.bench_sharing")
 
 
 def _targets(results: dict[str, Any]) -> list[str]:

@@ -38,6 +38,8 @@ the peer, CPU-seconds per GiB beside GlusterFS's), ``bench/report.png`` and
 everything at tiny sizes into a scratch directory (the test suite uses it) and never touches
 the committed report. ``--skip PARTS`` and ``--only PARTS`` (names in ``PARTS``) leave parts
 out or run some alone: each section of the report names the command that reproduces it.
+Optional parts (``OPTIONAL_PARTS``: ``sharing``, two jobs of weights 1:3 on one cluster,
+``bench.bench_sharing``) run only when ``--only`` or ``--with`` names them.
 
 Nothing here asserts: targets are printed as met or missed, with the figures.
 """
@@ -104,7 +106,10 @@ PARTS = (
     "peer",
     "onedir",
     "others",
+    "sharing",
 )
+# Parts a run leaves out unless --only or --with names them.
+OPTIONAL_PARTS = frozenset({"sharing"})
 CLUSTER_PARTS = frozenset({"fuse", "dirops", "inplace", "appends", "bursts", "restore"})
 MOUNT_PARTS = frozenset({"fuse", "dirops", "inplace", "appends"})
 
@@ -126,6 +131,7 @@ EXPECTED_S: dict[str, float] = {
     "peer": 150,
     "onedir": 360,
     "others": 300,
+    "sharing": 90,
 }
 
 
@@ -480,6 +486,13 @@ def run(
             )
             others[name]["command"] = " ".join(["python -m", f"bench.{name}", "--json", *extra])
 
+    if "sharing" not in skip:
+        _guard(
+            results,
+            "sharing",
+            lambda: _python_module("bench.bench_sharing", "--json", *flag, timeout=t),
+        )
+
     results["load_after"] = os.getloadavg()
     results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return results
@@ -734,6 +747,14 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of parts: run these alone (each section of the report names its own)",
     )
     parser.add_argument(
+        "--with",
+        dest="with_parts",
+        type=parts_arg,
+        default=set(),
+        help=f"optional parts to run too: {','.join(sorted(OPTIONAL_PARTS))} (two jobs of "
+        "weights 1:3 sharing a cluster, bench.bench_sharing)",
+    )
+    parser.add_argument(
         "--no-peers",
         action="store_true",
         help="no GlusterFS or JuiceFS: skips the peer part and onedir's peers (minutes, and "
@@ -784,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rewrote {out_dir / 'REPORT.md'}")
         return 0
     skip = set(args.skip) | (set(PARTS) - args.only if args.only else set())
+    skip |= OPTIONAL_PARTS - (args.only or set()) - args.with_parts
     peers = not args.no_peers and "peer" not in args.skip
     if args.no_peers:
         skip.add("peer")

@@ -12,6 +12,7 @@ from typing import Any
 import trio
 
 from chunkstore.server import StoreConfig, serve
+from chunkstore.traffic import parse_weights
 from tectonic_py.core import auth, capability, sockets
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
@@ -84,6 +85,26 @@ def register(subparsers: Any) -> None:
         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port;"
         " the ready file names it); default: no metrics",
     )
+    p.add_argument(
+        "--job",
+        action="append",
+        default=[],
+        metavar="NAME=WEIGHT",
+        help="a traffic class's weight in the fair queue of puts and gets (repeat per job;"
+        " 'default': clients that name no job, 'background': maintenance; both 1 unless set)",
+    )
+    p.add_argument(
+        "--max-write-rate",
+        type=size_arg,
+        default=None,
+        help="bytes/s of puts admitted to the disk, shared by weight (default: no limit)",
+    )
+    p.add_argument(
+        "--max-read-rate",
+        type=size_arg,
+        default=None,
+        help="bytes/s of gets admitted to the disk, shared by weight (default: no limit)",
+    )
     # a service log shows start, ready and shutdown without -v
     p.set_defaults(func=run, daemon_loggers=["chunkstore"])
 
@@ -117,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         scrub_rate=args.scrub_rate,
         scrub_interval=args.scrub_interval,
         metrics_listen=args.metrics_listen,
+        jobs=parse_weights(args.job),
+        max_write_rate=args.max_write_rate or None,
+        max_read_rate=args.max_read_rate or None,
     )
     _raise_fd_limit()
     log.info(

@@ -13,7 +13,13 @@ crashing the node:
 * at most ``max_concurrent_writes`` puts and deletes touch the disk at once, on the threads
   of a ``DiskWorkers`` pool (``chunkstore.disk_workers``), and at most
   ``max_concurrent_reads`` gets, each in a worker thread (``trio.to_thread.run_sync``); the
-  rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes;
+  rest wait, and their count is the ``queue_depth`` placement uses to favour idle nodes.
+  They wait in one queue per traffic class (a job, ``default`` or ``background``) and are
+  admitted by weighted fair queueing (``chunkstore.traffic``): under backlog each job gets
+  its weight's share of the store, and repair cannot crowd out a restore nor one job's
+  burst another's. Puts are admitted up to twice the disk threads, so a thread that
+  finishes takes the next put without waking the event loop (``DiskWorkers``); the order
+  past that short FIFO is the fair queue's;
 * get replies read from disk and not yet sent are bounded too (``reply_budget``): a restore
   burst, or readers slower than the disk, make further gets wait instead of holding a chunk
   per request in memory;
@@ -53,6 +59,7 @@ from chunkstore import layout, reads, writes
 from chunkstore.disk_workers import DiskWorkers
 from chunkstore.metrics import StoreMetrics
 from chunkstore.scrub import Scrubber
+from chunkstore.traffic import FairAdmission, TrafficPolicy
 from tectonic_py.core import auth, buffers, capability, framing, rpc_client, rpc_server, sockets
 from tectonic_py.core.aio import acquire_soon
 from tectonic_py.core.checksum import unpack_table
@@ -113,6 +120,9 @@ class StoreConfig:
     scrub_rate: float = 0.0  # bytes/s re-verified by scrub (chunkstore/scrub.py); 0: off
     scrub_interval: float = 3600.0  # seconds between the starts of two scrub passes
     metrics_listen: str | None = None  # HOST:PORT of the metrics endpoint; None: no metrics
+    jobs: dict[str, int] = field(default_factory=dict)  # traffic class weights (--job)
+    max_write_rate: float | None = None  # bytes/s of puts admitted (None: no pacing)
+    max_read_rate: float | None = None  # bytes/s of gets admitted
     limits: framing.Limits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +149,9 @@ class StoreConfig:
             sockets.parse_address(registry)
         if self.metrics_listen is not None:
             parse_listen(self.metrics_listen)
+        for rate in (self.max_write_rate, self.max_read_rate):
+            if rate is not None and not rate > 0:
+                raise ConfigError("a rate must be positive")
         self.limits = framing.Limits(
             max_payload=MAX_CHUNK,
             payload_budget=self.payload_budget,
@@ -254,7 +267,11 @@ class ChunkStoreServer:
             roles=OP_ROLES,
             metrics=self._metrics.rpc,
         )
-        self._reads = trio.CapacityLimiter(config.max_concurrent_reads)
+        self.traffic = TrafficPolicy(dict(config.jobs))
+        self.write_queue = FairAdmission(
+            2 * config.max_concurrent_writes, rate=config.max_write_rate
+        )
+        self.read_queue = FairAdmission(config.max_concurrent_reads, rate=config.max_read_rate)
         self._locks = _ChunkLocks()
         self.chunk_count = 0
         self.used = 0
@@ -282,6 +299,8 @@ class ChunkStoreServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._writers.serve)
+                nursery.start_soon(self.write_queue.pace)
+                nursery.start_soon(self.read_queue.pace)
                 listen = self.config.metrics_listen
                 self.metrics_address = await start_endpoint(nursery, self.metrics, listen)
                 host, port = await nursery.start(self.rpc.serve, self.config.host, self.config.port)
@@ -368,6 +387,18 @@ class ChunkStoreServer:
         """Requests admitted and not yet done with the disk, plus puts waiting for memory."""
         return self._outstanding + self.rpc.stats.payload_waiters
 
+    def traffic_stats(self) -> dict[str, Any]:
+        """Per traffic class: weights, and per kind (put, get) what waits and what was
+        admitted (the metrics)."""
+        return {
+            "weights": self.traffic.classes(),
+            "put": self.write_queue.stats,
+            "get": self.read_queue.stats,
+        }
+
+    def _class(self, req: Request) -> tuple[str, int]:
+        return self.traffic.classify(req.role, req.job, req.weight)
+
     @property
     def reply_bytes_held(self) -> int:
         return 0 if self._replies is None else self._replies.held
@@ -393,7 +424,10 @@ class ChunkStoreServer:
         await self._reserve(chunk_id, need)
         self._outstanding += 1
         try:
-            async with self._locks.hold(chunk_id):
+            async with (
+                self.write_queue.slot(*self._class(req), len(data)),
+                self._locks.hold(chunk_id),
+            ):
                 stored = await self._writers.run(
                     writes.write_chunk,
                     self.data_dir,
@@ -417,10 +451,12 @@ class ChunkStoreServer:
         chunk_id = self._chunk_id(req)
         offset = req.int("offset", 0, hi=MAX_CHUNK)
         length = req.int("length", None, hi=MAX_CHUNK)
+        # What the get will read, for its class's share: the chunk size a whole get read
+        # last (unknown until the file is opened).
+        cost = length if length is not None else (self._whole_span or layout.SEGMENT_SIZE)
         self._outstanding += 1
         try:
-            await acquire_soon(self._reads)
-            try:
+            async with self.read_queue.slot(*self._class(req), cost):
                 assert self._replies is not None
                 replies = self._replies
                 taken: list[tuple[Buffer, int]] = []
@@ -454,8 +490,6 @@ class ChunkStoreServer:
                     raise
                 if length is None and not offset:
                     self._whole_span = layout.direct_span(header.file_size)
-            finally:
-                self._reads.release()
         finally:
             self._outstanding -= 1
         fields = {"size": header.length, "checksum": header.checksum, "range_checksum": crc}
@@ -474,7 +508,10 @@ class ChunkStoreServer:
         )
         self._outstanding += 1
         try:
-            async with self._locks.hold(chunk_id):
+            async with (
+                self.write_queue.slot(*self._class(req), layout.SEGMENT_SIZE),
+                self._locks.hold(chunk_id),
+            ):
                 size = await self._writers.run(writes.delete_chunk, self.data_dir, chunk_id)
                 if size is not None:
                     self.used -= size
@@ -494,13 +531,13 @@ class ChunkStoreServer:
             header, st = reads.stat_chunk(layout.chunk_path(self.data_dir, chunk_id))
             return {"size": header.length, "checksum": header.checksum, "mtime": st.st_mtime}
 
-        async with self._reads:
+        async with self.read_queue.slot(*self._class(req), layout.SEGMENT_SIZE):
             return await trio.to_thread.run_sync(stat)
 
     async def _list(self, req: Request) -> dict[str, Any]:
         after = req.str("after", "", max_len=layout.MAX_CHUNK_ID_LEN)
         limit = req.int("limit", 1000, lo=1, hi=LIST_LIMIT)
-        async with self._reads:
+        async with self.read_queue.slot(*self._class(req), layout.SEGMENT_SIZE):
             chunks, nxt = await trio.to_thread.run_sync(
                 reads.list_chunk_entries, self.data_dir, after, limit
             )

@@ -62,6 +62,7 @@ from metadata.file_calls import FileCalls
 from metadata.maintenance_calls import MaintenanceCalls
 from metadata.name_calls import NameCalls
 from metadata.quota_calls import QuotaCalls
+from metadata.retention_calls import RetentionCalls
 from metadata.routing import gather
 from metadata.server_calls import ServerCalls
 from tectonic_py.core import rpc_client, sockets
@@ -188,6 +189,7 @@ class MetadataClient:
         servers = ServerCalls(self, blocks)
         maintenance = MaintenanceCalls(self)
         quotas = QuotaCalls(self, names, files)
+        retention = RetentionCalls(self, names, files, checkpoints)
         # Name layer
         self.lookup = names.lookup
         self.resolve = names.resolve
@@ -270,6 +272,13 @@ class MetadataClient:
         self.recover_lease = maintenance.recover_lease
         self.pack_usage = maintenance.pack_usage
         self.relocate_extents = maintenance.relocate_extents
+        # retention policies
+        self.set_retention = retention.set_retention
+        self.retention_of = retention.retention_of
+        self.remove_retention = retention.remove_retention
+        self.retention_policies = retention.retention_policies
+        self.retire_steps = retention.retire_steps
+        self.apply_retention = retention.apply_retention
 
     async def aclose(self) -> None:
         self._closed = True

@@ -47,6 +47,7 @@ from metadata.maintenance_ops import MaintenanceOps
 from metadata.metrics import MetadataMetrics
 from metadata.quota_ops import QuotaOps
 from metadata.registry import Registry, RemoteRegistry
+from metadata.retention_ops import RetentionOps
 from metadata.shard import ShardStore, now_ns
 from metadata.sqlite_engine import SqliteSettings
 from metadata.write_ops import WriteOps
@@ -104,12 +105,15 @@ def write_ready_file(
     os.replace(tmp, path)
 
 
-class MetadataServer(MaintenanceOps, CheckpointOps, WriteOps, CompactionOps, QuotaOps):
+class MetadataServer(
+    MaintenanceOps, CheckpointOps, WriteOps, CompactionOps, QuotaOps, RetentionOps
+):
     """Handlers over the hosted shards. Create, then ``await nursery.start(server.serve, ...)``.
 
     The ops of the background services come from ``MaintenanceOps``
     (metadata/maintenance_ops.py), those of checkpoints (durability, the atomic commit of a
-    step) from ``CheckpointOps`` (metadata/checkpoint_ops.py)."""
+    step) from ``CheckpointOps`` (metadata/checkpoint_ops.py), those of retention from
+    ``RetentionOps`` (metadata/retention_ops.py)."""
 
     def __init__(
         self,

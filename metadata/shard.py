@@ -111,6 +111,11 @@ CREATE TABLE IF NOT EXISTS devices (file_id INTEGER PRIMARY KEY, rdev INTEGER NO
 -- names its file with one of them; draws skip them; unused ones go at expires_ns.
 CREATE TABLE IF NOT EXISTS delegated_ids (id INTEGER PRIMARY KEY, expires_ns INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS delegated_ids_expiry ON delegated_ids (expires_ns);
+-- Retention policies (metadata/retention_ops.py): keep the newest keep_last committed steps
+-- of a directory; in the directory's own shard.
+CREATE TABLE IF NOT EXISTS retention (
+    dir_id INTEGER PRIMARY KEY, keep_last INTEGER NOT NULL, path TEXT NOT NULL,
+    set_ns INTEGER NOT NULL);
 -- Blocks of deleted/overwritten files, waiting for the GC service.
 CREATE TABLE IF NOT EXISTS gc_blocks (block_id INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL);
 -- Queued blocks that a newer version replaced at their index (not deleted nor truncated

@@ -24,7 +24,7 @@ from tectonic_py.launch import monitoring
 
 # Labels a metric may carry: each takes values from a fixed set (an op's name, a wire code, an
 # errno name, a service, a kind). Paths, ids, ranks, peers and ports are never labels.
-ALLOWED_LABELS = {"op", "result", "errno", "service", "kind", "le"}
+ALLOWED_LABELS = {"op", "result", "errno", "service", "kind", "job", "le"}
 UNIT_WORDS = re.compile(r"_(ms|milliseconds|us|microseconds|kb|kib|mb|mib|gb|gib|percent|pct)(_|$)")
 QUANTILE_WORDS = re.compile(r"_(p50|p90|p95|p99|p999|quantile|percentile|median)(_|$)")
 

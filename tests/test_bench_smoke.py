@@ -277,3 +277,26 @@ def test_report_renders_every_section_of_a_run_that_measured_nothing():
         assert "Reproduce: `python -m bench.run_all --only " in section, heading
     assert "Not measured in this run (onedir was skipped)" in report
     assert "**Failed:**" in report.split("## Restore", 1)[1].split("\n## ", 1)[0]
+
+
+def test_bench_sharing_smoke_through_run_all(tmp_path):
+    """The optional ``sharing`` part (bench.bench_sharing: two load tests of jobs weighted
+    1:3 at once, and one alone) runs through run_all --only, and its section is in the
+    report; a run that does not name it leaves it out. Ratios are the benchmark's to judge,
+    not a smoke run's."""
+    from bench.run_all import OPTIONAL_PARTS, PARTS
+
+    assert "sharing" in PARTS and "sharing" in OPTIONAL_PARTS
+    out_dir = tmp_path / "out"
+    r = _run(
+        "bench.run_all", "--smoke", "--only", "sharing", "--out-dir", str(out_dir),
+        "--workdir", str(tmp_path), timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((out_dir / "results.json").read_text())
+    sharing = results["sharing"]
+    assert sharing["status"] == "ok" and sharing["errors"] == 0, sharing
+    assert set(sharing["together_bytes_s"]) == {"a", "b"} and sharing["alone_bytes_s"] > 0
+    assert "ratio_a_to_b" in sharing and sharing["weights"] == {"a": 1, "b": 3}
+    assert "## Jobs sharing a cluster" in (out_dir / "REPORT.md").read_text()
+    assert [p for p in os.listdir(tmp_path) if p.startswith("bench-run-")] == []

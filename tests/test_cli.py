@@ -334,13 +334,14 @@ def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> 
                 help_text = formatter._get_help_string(action)  # type: ignore[attr-defined]
                 assert "default" in help_text, (name, action.option_strings)
     # put get ls rm stat mkdir status stats mount loadtest maintenance repair fsck commit call ...
-    # quota set/get/ls/rm, reserve
-    assert found == 21
+    # quota set/get/ls/rm, reserve, retention set/get/ls/rm
+    assert found == 22
 
 
 SIZE_FLAGS = {
     ("chunkstore", "--capacity"), ("chunkstore", "--payload-budget"),
     ("chunkstore", "--reply-budget"), ("chunkstore", "--scrub-rate"),
+    ("chunkstore", "--max-write-rate"), ("chunkstore", "--max-read-rate"),
     ("maintenance", "--bandwidth"),
     ("loadtest", "--shard-size"), ("loadtest", "--min-size"), ("loadtest", "--max-size"),
     ("set", "--bytes"),

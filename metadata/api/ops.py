@@ -39,6 +39,8 @@ from tectonic_py.core.ec_policy import DEFAULT_POLICY
 from tectonic_py.core.ids import MAX_ID
 from tectonic_py.core.records import MAX_SYMLINK_TARGET
 
+MAX_KEEP = 1_000_000  # steps a retention policy keeps, at most
+
 MAX_MODE = 0o7777
 MAX_UGID = 2**32 - 1
 MAX_PAGE = 10_000  # entries of one name.list page
@@ -382,4 +384,27 @@ def _services() -> list[Op]:
     ]  # fmt: skip
 
 
-OPS = Contract([*_name_layer(), *_file_layer(), *_block_layer(), *_quotas(), *_services()])
+def _retention() -> list[Op]:
+    at = [id_("dir")]
+    return [
+        _op("retention.set",
+            [*at, int_("keep_last", lo=1, hi=MAX_KEEP), str_("path", "", max_len=4096)],
+            "{}", by("dir"), WRITE, mutates=True, repeatable=True,
+            doc="keep the newest keep_last committed steps of a directory (not /)"),
+        _op("retention.get", at, "keep_last (0: none), path", by("dir"), READ, mutates=False),
+        _op("retention.remove", at, "existed", by("dir"), WRITE, mutates=True,
+            repeatable=True),
+        _op("retention.list", [], "policies [[dir, keep_last, path]]", SCAN, READ,
+            mutates=False),
+        _op("retention.retire", [*at, list_("protect", "list", (), max_len=1024)],
+            "retired [[name, tomb, id]], tombs [[tomb, id]], dropped", by("dir"), WRITE,
+            mutates=True, repeatable=True,
+            doc="one transaction: the steps past keep_last (less those a link names) "
+                "renamed to hidden tombs, for the caller to empty (as a client may remove "
+                "steps, it may run the pass: the load test does)"),
+    ]  # fmt: skip
+
+
+OPS = Contract(
+    [*_name_layer(), *_file_layer(), *_block_layer(), *_quotas(), *_services(), *_retention()]
+)

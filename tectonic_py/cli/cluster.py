@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from chunkstore.traffic import parse_weights
 from tectonic_py.core import cluster_file
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError, TectonicError, Timeout
@@ -154,10 +155,17 @@ def _make_cluster(args: argparse.Namespace, root: Path) -> LocalCluster:
         node_timeout=args.node_timeout,
         maintenance=not args.no_maintenance,
         metrics=not args.no_metrics,
-        chunkstore_args=["--scrub-interval", str(args.scrub_interval)],
+        chunkstore_args=["--scrub-interval", str(args.scrub_interval), *_job_args(args)],
         maintenance_args=["--inventory-interval", str(args.inventory_interval)],
         metadata_engine=args.metadata_engine or FRESH["metadata_engine"],
     )
+
+
+def _job_args(args: argparse.Namespace) -> list[str]:
+    """The chunk stores' traffic class weights (``--job NAME=WEIGHT``), checked here so a
+    bad one is one line before any process starts."""
+    parse_weights(args.job)
+    return [a for spec in args.job for a in ("--job", spec)]
 
 
 def _domains(args: argparse.Namespace) -> int:
@@ -268,7 +276,7 @@ def _detach(args: argparse.Namespace, root: Path) -> int:
         "--shards", str(args.shards), "--ec", args.ec, "--node-timeout", str(args.node_timeout),
         "--scrub-interval", str(args.scrub_interval),
         "--inventory-interval", str(args.inventory_interval),
-        "--metadata-engine", args.metadata_engine, "--supervisor",
+        "--metadata-engine", args.metadata_engine, "--supervisor", *_job_args(args),
     ]  # fmt: skip
     if args.no_maintenance:
         argv.append("--no-maintenance")
@@ -432,6 +440,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--scrub-interval", type=_positive, default=3600.0,
         help="seconds between the starts of two scrub passes of every chunk store",
+    )  # fmt: skip
+    up.add_argument(
+        "--job", action="append", default=[], metavar="NAME=WEIGHT",
+        help="a job's weight in the chunk stores' fair queues (repeatable; 'default' for "
+        "clients naming no job, 'background' for maintenance; each 1 unless set); a client "
+        "names its job with job = NAME in its cluster file or tectonic loadtest --job",
     )  # fmt: skip
     up.add_argument(
         "--inventory-interval", type=_positive, default=600.0,

@@ -121,6 +121,18 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="a tuning keyword of open_client for the workers (e.g. slow_chunk_s=60); repeatable",
     )
+    p.add_argument(
+        "--job",
+        default="",
+        help="the job this run's chunk traffic belongs to: its traffic class in the chunk"
+        " stores' fair queues (default: the cluster file's job, else none)",
+    )
+    p.add_argument(
+        "--weight",
+        type=int,
+        default=0,
+        help="the job's weight where the chunk stores set none (--job NAME=W of the stores)",
+    )
     p.add_argument("--results-dir", default="loadtest-results", help="JSON (+ PNG) go here")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -154,6 +166,8 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         daemon_cpu=not args.no_daemon_cpu,
         baseline_stream=args.baseline_stream,
         reserve=args.reserve,
+        job=args.job,
+        job_weight=args.weight,
     )
 
 

@@ -36,6 +36,7 @@ from tectonic_py.cli import (
     maintenance,
     mount,
     quota,
+    retention,
     stats,
     status,
 )
@@ -49,6 +50,7 @@ _COMMAND_MODULES = [
     data,  # tectonic put/get/ls/rm/stat/mkdir/status
     commit,  # tectonic commit
     quota,  # tectonic quota set/get/ls/rm, tectonic reserve
+    retention,  # tectonic retention set/get/ls/rm
     call,  # tectonic call
     mount,  # tectonic mount/umount
     status,  # tectonic status

@@ -24,7 +24,7 @@ from tectonic_py.core import cluster_file
 from tectonic_py.core.aio import open_service_nursery
 from tectonic_py.core.units import size_arg
 from tectonic_py.maintenance import fsck_summary
-from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
+from tectonic_py.maintenance.runtime import SERVICES, Maintenance, MaintenanceSettings
 from tectonic_py.maintenance.services import run_services
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,16 @@ def register(subparsers: Any) -> None:
         "every sweep interval, once older than the grace (0: never)",
     )
     p.add_argument(
+        "--retention-interval",
+        type=float,
+        default=5.0,
+        help="seconds between retention rounds (tectonic retention set): how soon after a"
+        " commit the steps past a directory's keep-last go",
+    )
+    p.add_argument(
         "--services",
-        default="repair,gc,rebalance,inventory,compaction,quotas",
-        help="comma-separated subset of repair,gc,rebalance,inventory,compaction,quotas "
-        "(quotas: fold writers' usage into directory quotas, every 2 s)",
+        default=",".join(SERVICES),
+        help=f"comma-separated subset of {','.join(SERVICES)}",
     )
     p.add_argument("--ready-file", type=Path, help="written (JSON pid) once the services run")
     p.add_argument(
@@ -146,6 +152,7 @@ def settings_from(args: argparse.Namespace) -> MaintenanceSettings:
         rebalance_tolerance=args.rebalance_tolerance,
         rebalance_max_moves=args.rebalance_max_moves,
         compact_below=args.compact_below,
+        retention_interval=args.retention_interval,
         services=tuple(s.strip() for s in args.services.split(",") if s.strip()),
     )
 

@@ -25,9 +25,14 @@ Handshake (frames of ``tectonic_py.core.framing``, no payloads, headers of at mo
 
 1. server -> client ``{"op": "hello", "proto": 3, "nonce": 32 random bytes}``
 2. client -> server ``{"op": "auth", "role": r, "nonce": cn,
-   "mac": HMAC(key_r, "client" | r | sn | cn)}``
-3. server -> client ``{"op": "welcome", "mac": HMAC(key_r, "server" | r | cn | sn)}``,
+   "mac": HMAC(key_r, "client" | t | sn | cn)}``
+3. server -> client ``{"op": "welcome", "mac": HMAC(key_r, "server" | t | cn | sn)}``,
    or an ``auth`` error frame and the connection is closed (and logged).
+
+``t`` is the role, or, when the client names a job (its traffic class at chunk stores:
+chunkstore/traffic.py), ``r | job | weight`` with the auth frame's ``job`` and ``weight``
+fields: the job is bound into both MACs, so it is as authenticated as the role is (any
+holder of a role's key may name any job: a job is a share of the stores, not a right).
 
 The client checks the server's MAC too, so neither side talks to an impostor. Each side
 draws its own nonce, so a recorded exchange cannot be replayed.
@@ -82,6 +87,8 @@ from tectonic_py.core.framing import (
 PROTO = 3  # 2: frames after the handshake carry a tag; 3: the auth frame names its role
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
+MAX_JOB_LEN = 64
+MAX_JOB_WEIGHT = 1000
 # The handshake's frames are ~100 bytes: a peer that has not authenticated may send no more.
 HANDSHAKE_LIMITS = Limits(max_header=512, max_payload=0)
 _NONCE = struct.Struct("!4xQ")  # GCM's 96-bit nonce: the frame's sequence number
@@ -129,10 +136,13 @@ class Credential:
 
     role: str
     key: bytes = b""
+    job: str = ""  # the traffic class named in the handshake ("" for none)
+    weight: int = 0  # the job's weight where the stores do not set it (0: theirs)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"unknown role {self.role!r}; the roles are {', '.join(ROLES)}")
+        check_job(self.job, self.weight)
 
     @classmethod
     def from_secret(cls, secret: bytes, role: str) -> Credential:
@@ -141,7 +151,22 @@ class Credential:
         return cls(role, role_key(secret, role))
 
     def __repr__(self) -> str:  # never the key
-        return f"Credential(role={self.role!r})"
+        return f"Credential(role={self.role!r}, job={self.job!r})"
+
+
+def check_job(job: str, weight: int) -> None:
+    """ConfigError unless ``job`` and ``weight`` can be named in a handshake."""
+    if len(job) > MAX_JOB_LEN or not all(c.isalnum() or c in "_.-" for c in job):
+        raise ConfigError(f"bad job name {job!r}: up to 64 letters, digits and '_.-'")
+    if isinstance(weight, bool) or not isinstance(weight, int):
+        raise ConfigError(f"bad job weight {weight!r}: an integer 1..{MAX_JOB_WEIGHT}")
+    if not 0 <= weight <= MAX_JOB_WEIGHT or (weight and not job):
+        raise ConfigError(f"bad job weight {weight}: 1..{MAX_JOB_WEIGHT}, and only with a job")
+
+
+def _tag(role: str, job: str, weight: int) -> bytes:
+    """What the MACs bind besides the nonces: the role, and the job when one is named."""
+    return role.encode() if not job else f"{role}|{job}|{weight}".encode()
 
 
 class Keyring:
@@ -192,20 +217,28 @@ async def answer_handshake(sock: trio.socket.SocketType, keys: Keyring) -> Frame
     if plen or header.get("op") != "auth":
         raise ProtocolError("expected an auth frame")
     cn, their_mac, role = header.get("nonce"), header.get("mac"), header.get("role")
+    job, weight = header.get("job", ""), header.get("weight", 0)
     if not (
         isinstance(cn, bytes)
         and isinstance(their_mac, bytes)
         and len(cn) == NONCE_BYTES
         and isinstance(role, str)
+        and isinstance(job, str)
     ):
         raise ProtocolError("malformed auth frame")
+    try:
+        check_job(job, weight)
+    except ConfigError as e:
+        raise ProtocolError(f"malformed auth frame: {e}") from None
     key = keys.key(role)
-    tag = role.encode()
+    tag = _tag(role, job, weight)
     if not hmac.compare_digest(their_mac, mac(key, b"client|" + tag, sn, cn)):
         raise AuthError(f"authentication failed (as role {role})")
     welcome = {"op": "welcome", "mac": mac(key, b"server|" + tag, cn, sn)}
     await send_all(sock, pack_frame(welcome, 0))
-    return FrameSession.derive(key, sn, cn, server=True, role=role)
+    session = FrameSession.derive(key, sn, cn, server=True, role=role)
+    session.job, session.weight = job, weight
+    return session
 
 
 async def offer_handshake(
@@ -223,13 +256,15 @@ async def offer_handshake(
     if header.get("proto") != PROTO:
         raise ProtocolError(f"{address}: protocol {header.get('proto')} unsupported")
     cn = secrets.token_bytes(NONCE_BYTES)
-    tag = cred.role.encode()
-    auth = {
+    tag = _tag(cred.role, cred.job, cred.weight)
+    auth: dict[str, Any] = {
         "op": "auth",
         "role": cred.role,
         "nonce": cn,
         "mac": mac(cred.key, b"client|" + tag, sn, cn),
     }
+    if cred.job:
+        auth |= {"job": cred.job, "weight": cred.weight}
     await send_all(sock, pack_frame(auth, 0))
     header, plen = await read_prefix_and_header(sock, HANDSHAKE_LIMITS)
     if "err" in header:
@@ -270,6 +305,7 @@ class FrameSession:
 
     def __init__(self, send_key: bytes, recv_key: bytes, role: str = ROLE_ADMIN) -> None:
         self.role = role  # the role the client side proved in the handshake
+        self.job, self.weight = "", 0  # the job it named (server side: core/auth docstring)
         self._send_key, self._recv_key = send_key, recv_key
         self._send, self._recv = AESGCM(send_key), AESGCM(recv_key)
         self.send_seq = 0

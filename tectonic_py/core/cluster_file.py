@@ -8,6 +8,8 @@ Example::
     shards = 64                     # logical metadata shards, fixed at creation
     default_ec = "rs-6-3"
     chunk_size = 4194304            # bytes per data chunk of a full block
+    job = "train-a"                 # optional: this holder's traffic class at chunk stores
+    job_weight = 3                  # optional: its weight where the stores set none
 
     [[metadata_servers]]
     address = "127.0.0.1:7100"
@@ -40,7 +42,7 @@ from typing import Any
 
 import tomli_w
 
-from tectonic_py.core.auth import ROLE_ADMIN, ROLES, Credential, load_secret
+from tectonic_py.core.auth import ROLE_ADMIN, ROLES, Credential, check_job, load_secret
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.sockets import parse_address
@@ -70,6 +72,10 @@ class ClusterConfig:
     path: Path | None = field(default=None, compare=False)
     role: str = ROLE_ADMIN
     key_file: Path | None = None  # the role's own key (module docstring)
+    # The job this holder's chunk traffic belongs to, and its weight where the chunk stores'
+    # ``--job`` settings name none (chunkstore/traffic.py); "" and 0: none.
+    job: str = ""
+    job_weight: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +83,7 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"unknown role {self.role!r}; the roles are {', '.join(ROLES)}")
+        check_job(self.job, self.job_weight)
         if (self.secret_file is None) == (self.key_file is None):
             raise ConfigError("a cluster file names one of key_file and secret_file")
         if not 1 <= self.shards <= 65536:
@@ -117,9 +124,15 @@ class ClusterConfig:
         """The role this file's holder speaks as, and its key (read now, checked as a
         secret file is: mode 0600, long enough)."""
         if self.key_file is not None:
-            return Credential(self.role, load_secret(self.key_file, what=f"{self.role} key file"))
-        assert self.secret_file is not None
-        return Credential.from_secret(load_secret(self.secret_file), self.role)
+            key = load_secret(self.key_file, what=f"{self.role} key file")
+        else:
+            assert self.secret_file is not None
+            key = Credential.from_secret(load_secret(self.secret_file), self.role).key
+        return Credential(self.role, key, self.job, self.job_weight)
+
+    def with_job(self, job: str, weight: int = 0) -> ClusterConfig:
+        """The same holder, its chunk traffic in the class of ``job`` (``--job``)."""
+        return dataclasses.replace(self, job=job, job_weight=weight)
 
     def with_role(self, role: str, key_file: Path) -> ClusterConfig:
         """The same cluster as seen by another role (``tectonic cluster up`` writes one file
@@ -147,6 +160,8 @@ class ClusterConfig:
             "shards": self.shards,
             "default_ec": self.default_ec,
             "chunk_size": self.chunk_size,
+            **({"job": self.job} if self.job else {}),
+            **({"job_weight": self.job_weight} if self.job_weight else {}),
             "metadata_servers": [
                 {"address": s.address, "shards": list(s.shards)} for s in self.metadata_servers
             ],
@@ -215,6 +230,8 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
             metadata_servers=servers,
             default_ec=str(doc.get("default_ec", "rs-6-3")),
             chunk_size=int(doc.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+            job=str(doc.get("job", "")),
+            job_weight=int(doc.get("job_weight", 0)),
             path=path,
         )
     except (KeyError, TypeError, ValueError) as e:

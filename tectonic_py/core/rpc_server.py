@@ -93,7 +93,7 @@ MAX_QUEUED_REPLIES = 64  # small replies a connection's outbox holds before send
 class Request:
     """One decoded request as a handler sees it: validated typed access to its fields."""
 
-    __slots__ = ("buffer", "fields", "op", "payload", "peer", "role")
+    __slots__ = ("buffer", "fields", "job", "op", "payload", "peer", "role", "weight")
 
     def __init__(
         self,
@@ -103,12 +103,15 @@ class Request:
         peer: str,
         buffer: memoryview | None = None,
         role: str = "admin",
+        job: str = "",
+        weight: int = 0,
     ) -> None:
         self.op = op
         self.fields = fields
         self.payload = payload
         self.peer = peer
         self.role = role  # what the connection proved in its handshake (core/auth.py)
+        self.job, self.weight = job, weight  # the job it named there, if any
         # For ops with a ``payload_room``: the whole page-aligned buffer the payload was
         # received into, at the offset the room asked for (the handler may write around it).
         self.buffer = buffer
@@ -486,7 +489,16 @@ class RpcServer:
                         outbox,
                         inflight,
                         handler,
-                        Request(op, fields, payload, peer, whole, session.role),
+                        Request(
+                            op,
+                            fields,
+                            payload,
+                            peer,
+                            whole,
+                            session.role,
+                            session.job,
+                            session.weight,
+                        ),
                         rid,
                         charge,
                         buf,

@@ -15,6 +15,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from tectonic_py.core import cluster_file
+from tectonic_py.core.auth import check_job
+from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.units import GiB, MiB
 
@@ -49,6 +52,14 @@ class LoadtestConfig:
     daemon_cpu: bool = True  # find the local cluster's daemons and count their CPU
     baseline_stream: bool = False  # also write the same bytes as one file (loadtest.baseline)
     reserve: bool = False  # reserve each step's bytes in its directory before its burst
+    job: str = ""  # --job: the traffic class of the run's chunk traffic (chunkstore/traffic.py)
+    job_weight: int = 0  # --weight: its weight where the chunk stores set none
+
+    def cluster(self) -> ClusterConfig:
+        """The cluster file, speaking as ``job`` when one is given."""
+        assert self.cluster_file is not None
+        config = cluster_file.load(self.cluster_file)
+        return config.with_job(self.job, self.job_weight) if self.job else config
 
     def validate(self) -> None:
         """ConfigError (one line naming the flag) for anything a run cannot do."""
@@ -71,6 +82,13 @@ class LoadtestConfig:
             if not ok:
                 raise ConfigError(message)
         self._validate_client_options()
+        if self.job_weight and not self.job:
+            raise ConfigError("--weight needs --job")
+        if self.job and self.through_mount:
+            raise ConfigError(
+                "--job is for the client library; a mount's job is its cluster file's"
+            )
+        check_job(self.job, self.job_weight)
         if not self.run_dir.startswith("/") or "//" in self.run_dir or ".." in self.run_dir:
             raise ConfigError("the run directory must be an absolute path without '..'")
 

@@ -4,7 +4,10 @@ stops what it started.
 A step is: make the step's directory, a ``write`` phase (every rank at once, after a
 barrier), the step's ``.metadata`` index (written by the coordinator once every rank has
 closed, as DCP's rank 0 does after its gather), then, with ``keep_last``, the removal of the
-step that fell out of the window. After the last step the ``read`` phase restores it and
+steps that fell out of the window: through the client library by the cluster's own retention
+(the run directory gets a policy, ``tectonic retention set``, and the coordinator runs its
+pass after each step, as the maintenance daemon does after a commit: one transaction renames
+the old steps out of sight, metadata/retention_ops.py); through a mount by removing the tree. After the last step the ``read`` phase restores it and
 every rank checks its bytes against the index.
 
 A barrier starts each phase: the coordinator sends every worker a start time a little in the
@@ -92,7 +95,7 @@ async def run_loadtest(cfg: LoadtestConfig, *, progress: bool = False) -> dict[s
     from tectonic_py.client.tectonic_client import open_client
 
     assert cfg.cluster_file is not None
-    async with open_client(cfg.cluster_file) as client:
+    async with open_client(cfg.cluster()) as client:
         daemons = await find_daemons(client, cfg.cluster_file) if cfg.daemon_cpu else Daemons()
         return await _Run(cfg, ClientBackend(client), progress, daemons, client.meta).run()
 
@@ -112,6 +115,7 @@ class _Run:
         self.cfg = cfg
         self.backend = backend
         self.meta = meta  # the metadata client, for ``server.stats`` (None through a mount)
+        self.run_dir_id: int | None = None  # the run directory, once it has its policy
         n = cfg.worker_count()
         self.assignment = [list(range(i, cfg.ranks, n)) for i in range(n)]
         self.shard_bytes = sum(shard_size(cfg, r) for r in range(cfg.ranks))
@@ -172,6 +176,10 @@ class _Run:
             await self._metadata(
                 self.backend.reserve, step_dir(cfg, step), self.shard_bytes, cfg.max_seconds
             )
+        if cfg.keep_last and self.meta is not None and self.run_dir_id is None:
+            attrs = await self.backend.client.stat(cfg.run_dir)
+            await self.meta.set_retention(attrs.id, cfg.keep_last, cfg.run_dir)
+            self.run_dir_id = attrs.id
         await self._phase("write", step)
         if cfg.reserve:
             await self._metadata(self.backend.release, step_dir(cfg, step))
@@ -185,11 +193,15 @@ class _Run:
             self.backend.write_small, self._index_path(step), json.dumps(index).encode()
         )
         if cfg.keep_last and step > cfg.keep_last:
-            old = step - cfg.keep_last
             t = time.perf_counter()
-            await self.backend.remove_tree(step_dir(cfg, old))
+            if self.run_dir_id is not None:
+                names = await self.meta.apply_retention(self.run_dir_id)
+                gone = sorted(int(n.rsplit("_", 1)[1]) for n in names)
+            else:
+                gone = [step - cfg.keep_last]
+                await self.backend.remove_tree(step_dir(cfg, gone[0]))
             self.rec.delete_seconds += time.perf_counter() - t
-            self.rec.deleted_steps.append(old)
+            self.rec.deleted_steps.extend(gone)
         return index
 
     def _index_path(self, step: int) -> str:
@@ -385,6 +397,8 @@ class _Run:
             return
         with trio.move_on_after(CLEANUP_TIMEOUT_S):
             try:
+                if self.run_dir_id is not None:
+                    await self.meta.remove_retention(self.run_dir_id)
                 await self.backend.remove_tree(self.cfg.run_dir)
             except (TectonicError, OSError) as e:
                 self.rec.errors.append(f"cleanup of {self.cfg.run_dir} failed: {e}")

@@ -235,7 +235,7 @@ async def worker_main(spec: dict[str, Any]) -> None:
     from tectonic_py.client.tectonic_client import open_client
 
     assert cfg.cluster_file is not None
-    async with open_client(cfg.cluster_file, **cfg.client_options) as client:
+    async with open_client(cfg.cluster(), **cfg.client_options) as client:
         await _serve(cfg, ClientBackend(client), ranks)
 
 

@@ -128,6 +128,11 @@ class MaintenanceMetrics:
             c.compacted_bytes_freed,
         )
         yield counter(
+            f"{PREFIX}_retired_steps_total",
+            "Committed steps retention removed (past a directory's keep-last)",
+            c.steps_retired,
+        )
+        yield counter(
             f"{PREFIX}_inventory_mismatches_total",
             "Chunks the inventory found missing from, or replaced on, their store",
             c.inventory_mismatches,

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 1024 * 1024
+SERVICES = ("repair", "gc", "rebalance", "inventory", "compaction", "quotas", "retention")
 CHUNK_CALL_TIMEOUT_S = 60.0  # a chunk store that hangs (not down, not answering) is skipped
 
 
@@ -61,7 +62,8 @@ class MaintenanceSettings:
     compact_below: float = 0.25
     # quotas: seconds between folds of the usage deltas into their quotas (quota_layer.py)
     quota_interval: float = 2.0
-    services: tuple[str, ...] = ("repair", "gc", "rebalance", "inventory", "compaction", "quotas")
+    retention_interval: float = 5.0  # seconds between retention rounds (after a commit)
+    services: tuple[str, ...] = SERVICES
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +72,7 @@ class MaintenanceSettings:
             "inventory_interval",
             "bandwidth",
             "quota_interval",
+            "retention_interval",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
@@ -86,14 +89,7 @@ class MaintenanceSettings:
             raise ConfigError("repair concurrency must be >= 1, rebalance moves >= 0")
         if not 0 <= self.compact_below < 1:
             raise ConfigError("compact-below must be at least 0 and below 1")
-        unknown = set(self.services) - {
-            "repair",
-            "gc",
-            "rebalance",
-            "inventory",
-            "compaction",
-            "quotas",
-        }
+        unknown = set(self.services) - set(SERVICES)
         if unknown:
             raise ConfigError(f"unknown services {sorted(unknown)}")
 
@@ -134,6 +130,7 @@ class Counters:
     compacted_bytes_freed: int = 0
     unreachable_collected: int = 0
     inventory_mismatches: int = 0  # chunks found missing from or replaced on their store
+    steps_retired: int = 0  # committed steps retention removed
     rounds: dict[str, int] = field(default_factory=dict)
 
 

@@ -31,6 +31,7 @@ from tectonic_py.maintenance.inventory import Inventory
 from tectonic_py.maintenance.metrics import MaintenanceMetrics
 from tectonic_py.maintenance.rebalance import Rebalancer
 from tectonic_py.maintenance.repair import Repairer
+from tectonic_py.maintenance.retention import Retention
 from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ async def run_services(
                 # small write window and no block cache: packs are rewritten one at a time.
                 client = TectonicClient(config, meta, nursery, window_bytes=64 * MiB, cache_bytes=0)
                 loop("compaction", settings.sweep_interval, Compactor(m, client).round)
+            if "retention" in settings.services:
+                loop("retention", settings.retention_interval, Retention(m).round)
             if ready_file is not None:
                 await trio.to_thread.run_sync(_write_ready_file, ready_file, metrics_address)
             task_status.started(m)
