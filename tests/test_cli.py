@@ -8,6 +8,7 @@ would, without a cluster; tests/test_cli_cluster.py covers the commands against 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tectonic_py.cli.common import DefaultsHelpFormatter
-from tectonic_py.cli.main import build_parser
+from tectonic_py.cli.main import COMMANDS, build_parser
 from tectonic_py.cli.status import layout_warnings
 from tectonic_py.core.cluster_file import ClusterConfig, MetadataServer
 from tectonic_py.core.records import NodeInfo
@@ -201,13 +202,15 @@ def test_cluster_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
             p.wait()
 
 
+# ls waits out the default --connect-wait (5 s), so that the default is what a user meets;
+# the others say the same after 1 s of it, which is all their error's shape needs.
 @pytest.mark.parametrize(
     "argv",
     [
         ["ls", "{cluster}", "/"],
-        ["put", "{cluster}", "{local}", "/x"],
-        ["get", "{cluster}", "/x", "{local}.back"],
-        ["mount", "{cluster}", "{mnt}"],
+        ["put", "{cluster}", "{local}", "/x", "--connect-wait", "1"],
+        ["get", "{cluster}", "/x", "{local}.back", "--connect-wait", "1"],
+        ["mount", "{cluster}", "{mnt}", "--connect-wait", "1"],
     ],
 )
 def test_data_and_mount_commands_unreachable_servers(
@@ -238,7 +241,10 @@ def test_mount_refuses_a_non_empty_directory(tmp_path: Path, secret_file: Path) 
     (mnt / "data").write_text("hidden by a mount")
     assert_one_line_error(run_cli("mount", str(cluster), str(mnt)), "not empty", "--nonempty")
     # --nonempty passes the check: what fails now is the unreachable cluster.
-    assert_one_line_error(run_cli("mount", str(cluster), str(mnt), "--nonempty"), "unavailable")
+    assert_one_line_error(
+        run_cli("mount", str(cluster), str(mnt), "--nonempty", "--connect-wait", "1"),
+        "unavailable",
+    )
     assert not os.path.ismount(mnt) and (mnt / "data").read_text() == "hidden by a mount"
 
 
@@ -288,8 +294,8 @@ def test_closed_stdout_pipe_is_not_a_traceback(tmp_path: Path) -> None:
         "    for _ in range(100000):\n"
         "        print('x' * 100)\n"
         "orig = c.build_parser\n"
-        "def build():\n"
-        "    p = orig()\n"
+        "def build(*modules):\n"
+        "    p = orig(*modules)\n"
         "    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))\n"
         "    sub.add_parser('noisy').set_defaults(func=noisy)\n"
         "    return p\n"
@@ -315,6 +321,38 @@ def _subparsers(parser: argparse.ArgumentParser, prefix: str = "tectonic"):  # t
             for name, sub in action.choices.items():
                 yield f"{prefix} {name}", sub
                 yield from _subparsers(sub, f"{prefix} {name}")
+
+
+def test_each_command_module_registers_the_commands_main_names_for_it() -> None:
+    """main imports only the module of the command asked for (COMMANDS), so each module must
+    register exactly the commands named for it there, and together they make the whole CLI."""
+    for module in set(COMMANDS.values()):
+        parser = build_parser([importlib.import_module(module)])
+        names = {name.split()[1] for name, _ in _subparsers(parser) if name.count(" ") == 1}
+        assert names == {c for c, m in COMMANDS.items() if m == module}, module
+    whole = {name.split()[1] for name, _ in _subparsers(build_parser()) if name.count(" ") == 1}
+    assert whole == set(COMMANDS)
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    """A chunk store (a dozen processes per local cluster) pays for no other command's
+    libraries: not the client's, the mount's nor httpx."""
+    probe = (
+        "import sys\n"
+        "from tectonic_py.cli.main import main\n"
+        "try:\n"
+        "    main(['chunkstore', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    modules = set(proc.stdout.split("\n")[-2].split())
+    assert "chunkstore.main" in modules
+    for other in ("metadata.main", "tectonic_py.cli.data", "tectonic_py.cli.mount", "httpx"):
+        assert other not in modules, other
 
 
 def test_every_subcommand_spells_the_cluster_file_alike_and_shows_defaults() -> None:

@@ -20,6 +20,13 @@ from tectonic_py.core.errors import FileExists, InvalidArgument, InvalidName, Wr
 from tectonic_py.launch.local_cluster import LocalCluster
 
 
+@pytest.fixture
+def local_cluster(shared_local_cluster: LocalCluster) -> LocalCluster:
+    """One cluster for the module's client and CLI tests: neither kills, stops or
+    reconfigures a daemon, and each works under its own directory (/ck, /jobs)."""
+    return shared_local_cluster
+
+
 async def _write(client: TectonicClient, path: str, data: bytes) -> None:
     w = await client.create(path)
     await w.write(data)

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metadata.client import RECONNECT_DEADLINE_S
 from tectonic_py import loadtest
 from tectonic_py.cli.loadtest import client_options
 from tectonic_py.client.tectonic_client import open_client
@@ -24,6 +26,7 @@ from tectonic_py.core.errors import ConfigError
 from tectonic_py.core.units import parse_size
 from tectonic_py.launch.local_cluster import LocalCluster
 from tectonic_py.loadtest import LoadtestConfig, RankResult, ShardData, run_loadtest
+from tectonic_py.loadtest.coordinator import SHARD_STATS_WAIT_S, _Run
 from tectonic_py.loadtest.metrics import Recorder, phase_figures
 from tectonic_py.loadtest.report import creates_table, summary_table
 
@@ -222,6 +225,23 @@ async def test_max_seconds_stops_the_run_and_kills_its_workers(tmp_path):
     assert "max-seconds" in " ".join(result["error_samples"])
     assert _no_workers_left()
     assert not (mnt / "slow").exists()  # still cleaned up
+
+
+async def test_group_commit_figures_never_wait_out_a_dead_metadata_server(autojump_clock, caplog):
+    """A metadata server killed during the burst (tests/test_metadata_etcd.py's 1,024 ranks)
+    would hold ``server.stats`` for the client's reconnect deadline: the figures are left
+    out after SHARD_STATS_WAIT_S instead, with one warning."""
+
+    class DeadServer:
+        async def server_stats(self):  # type: ignore[no-untyped-def]
+            await trio.sleep(RECONNECT_DEADLINE_S)
+            raise AssertionError("waited out the reconnect deadline")
+
+    run = _Run(LoadtestConfig(through_mount="/x", ranks=1), None, False, meta=DeadServer())
+    start = trio.current_time()
+    assert await run._shard_stats() is None
+    assert trio.current_time() - start == pytest.approx(SHARD_STATS_WAIT_S)
+    assert "no group-commit figures" in caplog.text
 
 
 def test_bad_arguments_are_refused_clearly(tmp_path):

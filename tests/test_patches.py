@@ -47,6 +47,13 @@ NO_HEDGE = {"write_hedge_s": 600.0}  # no second copy of a slow put in the byte 
 PATCH_RAW = POLICY.n * file_size_for(-(-PAGE // POLICY.k) + 64)
 
 
+@pytest.fixture
+def mount(shared_mount):  # type: ignore[no-untyped-def]
+    """One cluster and mount for the module's two mount tests: each works on its own file
+    (runs.db, ckpt.bin) and neither kills nor stops a daemon."""
+    return shared_mount
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     """One cluster for the tests that need no maintenance daemon (each its own file)."""

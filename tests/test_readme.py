@@ -80,7 +80,7 @@ def test_quickstart_from_a_fresh_checkout(fresh_checkout: Path) -> None:
         venv_python = repo / ".venv" / "bin" / "python"
         where = subprocess.run(
             [str(venv_python), "-c", "import tectonic_py, torch; print(tectonic_py.__file__)"],
-            cwd="/", capture_output=True, text=True, check=True,
+            cwd="/", env=env, capture_output=True, text=True, check=True,
         )  # fmt: skip
         assert where.stdout.strip() == str(repo / "tectonic_py" / "__init__.py")
         assert (mnt / "quickstart" / "transformer.pt").stat().st_size > 80_000_000
