@@ -43,7 +43,6 @@ down is logged once and retried every interval.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import socket
@@ -73,6 +72,7 @@ from tectonic_py.core.framing import Buffer
 from tectonic_py.core.ids import NODE_ID_RE, parse_chunk_id
 from tectonic_py.core.metrics import Metrics
 from tectonic_py.core.metrics_http import parse_listen, start_endpoint
+from tectonic_py.core.ready_file import write_ready_file
 from tectonic_py.core.rpc_server import Request
 
 log = logging.getLogger(__name__)
@@ -346,17 +346,8 @@ class ChunkStoreServer:
         )
 
     def _write_ready_file(self) -> None:
-        path = self.config.ready_file
-        assert path is not None and self.address is not None
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            info = {"address": self.address, "pid": os.getpid()}
-            if self.metrics_address is not None:
-                info["metrics"] = self.metrics_address
-            json.dump(info, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        assert self.config.ready_file is not None and self.address is not None
+        write_ready_file(self.config.ready_file, address=self.address, metrics=self.metrics_address)
 
     # --- accounting --------------------------------------------------------------------------
 

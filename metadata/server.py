@@ -28,7 +28,6 @@ recorded) whether the destination entry points at the child.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -73,6 +72,7 @@ from tectonic_py.core.errors import (
 )
 from tectonic_py.core.ids import ROOT_ID, shard_of
 from tectonic_py.core.metrics_http import start_endpoint
+from tectonic_py.core.ready_file import write_ready_file
 from tectonic_py.core.records import (
     KIND_DIR,
     NODE_KINDS,
@@ -90,19 +90,6 @@ _BATCHABLE_PREFIXES = ("name.", "file.", "block.")
 def _attrs(attrs: Attrs) -> dict[str, Any]:
     """Attrs as a wire map; a shallow copy (``asdict`` deep-copies, a hot spot in profiles)."""
     return dict(attrs.__dict__)
-
-
-def write_ready_file(
-    path: str | os.PathLike[str], address: str, metrics: str | None = None
-) -> None:
-    """Atomically (tmp + fsync + rename), so a launcher never reads half a ready file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"address": address, "pid": os.getpid(), "metrics": metrics}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class MetadataServer(
@@ -201,7 +188,7 @@ class MetadataServer(
                 await nursery.start(self.engine.run, self)
                 nursery.start_soon(self._recovery_loop)
                 if ready_file is not None:
-                    write_ready_file(ready_file, self.address, self.metrics_address)
+                    write_ready_file(ready_file, address=self.address, metrics=self.metrics_address)
                 task_status.started((h, p))
         finally:
             for store in self.stores.values():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
@@ -46,6 +45,7 @@ from tectonic_py.core import cluster_file
 from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import ConfigError, ShardUnavailable
 from tectonic_py.core.ids import ROOT_ID
+from tectonic_py.core.ready_file import write_ready_file
 
 if TYPE_CHECKING:
     from tectonic_py.mount.operations import Operations
@@ -295,14 +295,8 @@ def _write_ready_file(path: str, mountpoint: str, run: MountRun, metrics: str | 
     """``{mountpoint, pid, options}`` (and ``metrics``, its endpoint's HOST:PORT): the
     options are every value the mount runs with, so a script (or a test) can see what its
     flags and ``-o`` came to."""
-    tmp = f"{path}.tmp"
     settings = {**run.client, **run.fuse, "read_ahead_kb": run.read_ahead_kb}
-    info: dict[str, Any] = {"mountpoint": mountpoint, "pid": os.getpid(), "options": settings}
-    if metrics is not None:
-        info["metrics"] = metrics
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
+    write_ready_file(path, mountpoint=mountpoint, options=settings, metrics=metrics)
 
 
 def mount_device(mountpoint: str) -> str | None:

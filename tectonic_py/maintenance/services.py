@@ -8,9 +8,8 @@ import the plumbing and only this module imports the services.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from tectonic_py.core.cluster_file import ClusterConfig
 from tectonic_py.core.errors import TectonicError
 from tectonic_py.core.metrics import Metrics
 from tectonic_py.core.metrics_http import parse_listen, start_endpoint
+from tectonic_py.core.ready_file import write_ready_file
 from tectonic_py.maintenance.compaction import Compactor
 from tectonic_py.maintenance.gc import GarbageCollector
 from tectonic_py.maintenance.inventory import Inventory
@@ -37,18 +37,6 @@ from tectonic_py.maintenance.runtime import Maintenance, MaintenanceSettings
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-
-
-def _write_ready_file(path: Path, metrics: str | None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    info: dict[str, Any] = {"pid": os.getpid(), "address": ""}
-    if metrics is not None:
-        info["metrics"] = metrics
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 async def _loop(
@@ -123,7 +111,11 @@ async def run_services(
             if "retention" in settings.services:
                 loop("retention", settings.retention_interval, Retention(m).round)
             if ready_file is not None:
-                await trio.to_thread.run_sync(_write_ready_file, ready_file, metrics_address)
+                await trio.to_thread.run_sync(
+                    functools.partial(
+                        write_ready_file, ready_file, address="", metrics=metrics_address
+                    )
+                )
             task_status.started(m)
             await trio.sleep_forever()
         finally:
