@@ -51,7 +51,7 @@ import dataclasses
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
@@ -84,6 +84,7 @@ from tectonic_py.mount.xattrs import XattrOps
 
 if TYPE_CHECKING:
     from tectonic_py.client.tectonic_client import TectonicClient
+    from tectonic_py.client.writer import FileWriter
 
 log = logging.getLogger(__name__)
 
@@ -308,51 +309,44 @@ class Operations(NamespaceOps, XattrOps, pyfuse3.Operations):
         return attrs
 
     async def _truncate(self, inode: int, size: int) -> None:
-        """ftruncate: grow sparse or cut. A file no handle writes gets a writer of its own
-        for the change, sealed at once (truncate(1) on a path, or O_TRUNC on a kernel
+        """ftruncate: grow sparse or cut (truncate(1) on a path, or O_TRUNC on a kernel
         without atomic_o_trunc)."""
         if size < 0:
             raise InvalidArgument(f"negative size {size}")
-        ofile = self.cache.open_file(inode)
-        try:
-            async with ofile.lock:
-                if ofile.error is not None:
-                    raise ofile.error
-                if ofile.writer is not None:
-                    await self._guard(ofile, ofile.writer.truncate(size))
-                    ofile.write_seq += 1
-                    ofile.times.clear()
-                    return
-                writer = await self.client.open_writer(inode, truncate=size == 0)
-                try:
-                    if size:
-                        await writer.truncate(size)
-                    await writer.close()
-                except BaseException:
-                    with trio.CancelScope(shield=True):
-                        await _abort(writer)
-                    raise
-        finally:
-            self.cache.drop_if_idle(ofile)
+        await self._change(inode, lambda w: w.truncate(size), fresh=size == 0, times_changed=True)
 
     async def fallocate_inode(self, inode: int, keep_size: bool, offset: int, length: int) -> None:
         """fallocate(2) of modes 0 and KEEP_SIZE on a file (client/writer.py's
-        ``fallocate``), through its open writer here or a writer of its own, sealed at once
-        (the ``tectonic.fallocate`` attribute: pyfuse3 3.5 passes no fallocate call on)."""
+        ``fallocate``; the ``tectonic.fallocate`` attribute: pyfuse3 3.5 passes no fallocate
+        call on)."""
+        await self._change(inode, lambda w: w.fallocate(offset, length, keep_size=keep_size))
+
+    async def _change(
+        self,
+        inode: int,
+        change: Callable[[FileWriter], Awaitable[None]],
+        *,
+        fresh: bool = False,
+        times_changed: bool = False,
+    ) -> None:
+        """A change of a file's bytes outside write(): through the writer a handle holds, or
+        a writer of its own, sealed at once (``fresh``: opened truncated, which is the whole
+        change)."""
         ofile = self.cache.open_file(inode)
         try:
             async with ofile.lock:
                 if ofile.error is not None:
                     raise ofile.error
                 if ofile.writer is not None:
-                    await self._guard(
-                        ofile, ofile.writer.fallocate(offset, length, keep_size=keep_size)
-                    )
+                    await self._guard(ofile, change(ofile.writer))
                     ofile.write_seq += 1
+                    if times_changed:
+                        ofile.times.clear()
                     return
-                writer = await self.client.open_writer(inode)
+                writer = await self.client.open_writer(inode, truncate=fresh)
                 try:
-                    await writer.fallocate(offset, length, keep_size=keep_size)
+                    if not fresh:
+                        await change(writer)
                     await writer.close()
                 except BaseException:
                     with trio.CancelScope(shield=True):
