@@ -166,7 +166,7 @@ def format_table(results: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
-        if name == "ratios":
+        if name == "ratios" or not isinstance(r, dict):  # run_all adds its own fields
             continue
         if "torch_save" not in r:
             lines.append(f"| {name} | unavailable: {r.get('unavailable', '')[:80]} | | | |")
@@ -183,7 +183,7 @@ def format_table(results: dict[str, Any]) -> str:
                 parts = ", ".join(f"{g} {v}" for g, v in split["cpu_s_by_process"].items())
                 lines.append(f"\n{name} {verb} CPU-s by process: {parts}")
     lines += ["", "| ratio | value |", "|---|---:|"]
-    lines += [f"| {k} | {v} |" for k, v in results["ratios"].items()]
+    lines += [f"| {k} | {v} |" for k, v in results.get("ratios", {}).items()]
     return "\n".join(lines)
 
 
