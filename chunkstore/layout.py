@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tectonic_py.core.checksum import SEGMENT_SIZE, segment_checksums
+from tectonic_py.core.checksum import SEGMENT_SIZE, pack_table, segment_checksums
 from tectonic_py.core.checksum import checksum as crc32c
 from tectonic_py.core.errors import ChunkCorrupt, InvalidArgument
 from tectonic_py.core.ids import parse_chunk_id
@@ -171,7 +171,7 @@ def encode_header(
             raise InvalidArgument(f"{len(crcs)} segment CRCs for {length} bytes")
     if version is None:
         version = version_for(length)
-    table = struct.pack(f"!{len(crcs)}I", *crcs)
+    table = pack_table(crcs)
     head = HEADER.pack(version, MAGIC, length, whole_crc, SEGMENT_SIZE, len(crcs), 0)
     hcrc = crc32c(table, crc32c(head[:HEADER_CRC_OFFSET]))
     prefix = head[:HEADER_CRC_OFFSET] + struct.pack("!I", hcrc) + table

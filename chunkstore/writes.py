@@ -187,8 +187,8 @@ def write_chunk(
     Checks the payload against ``checksum`` first (ChecksumMismatch: the bytes were damaged
     on the way). ``segment_crcs``: the segment table the writer sent with the payload, in
     the same authenticated frame; it is checked against ``checksum`` without a pass over
-    the bytes (``checksum.whole_from_table``), else one pass computes both. The same chunk again is a no-op (0, 0); different contents under the same id
-    raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
+    the bytes (``checksum.whole_from_table``), else one pass computes both. The same chunk
+    again is a no-op (0, 0); different contents under the same id raise ChunkConflict. An existing file that fails its own checks is replaced, so a retried
     put heals a chunk damaged on disk. A full disk raises DiskFull and leaves no temporary
     file. The caller serialises writes of one chunk id.
     """

@@ -87,6 +87,15 @@ def _shift(n: int) -> _Shift:
     return shift
 
 
+def _of_full_segments(crcs: list[int], segment_size: int) -> int:
+    """The CRC-32C of consecutive ``segment_size``-byte segments from their CRCs."""
+    shift = _shift(segment_size)
+    whole = 0
+    for c in crcs:
+        whole = shift(whole) ^ c
+    return whole
+
+
 def pack_table(crcs: list[int]) -> bytes:
     """A segment table on the wire and on disk: big-endian 32-bit CRCs."""
     return struct.pack(f"!{len(crcs)}I", *crcs)
@@ -111,10 +120,7 @@ def whole_from_table(
     full, tail = divmod(len(view), segment_size)
     if len(crcs) != full + (1 if tail else 0):
         return None
-    whole = 0
-    shift = _shift(segment_size)
-    for c in crcs[:full]:
-        whole = shift(whole) ^ c
+    whole = _of_full_segments(crcs[:full], segment_size)
     if tail:
         piece = view[full * segment_size :]
         if _crc32c(piece) != crcs[full]:
@@ -147,15 +153,12 @@ def segment_checksums(
     view = memoryview(data).cast("B")
     length = len(view)
     full = length - length % segment_size
-    shift = _shift(segment_size)
     mode = _gil_release_mode(keep_gil)
     crcs = [
         _crc32c(view[i : i + segment_size], 0, gil_release_mode=mode)
         for i in range(0, full, segment_size)
     ]
-    whole = 0
-    for c in crcs:
-        whole = shift(whole) ^ c
+    whole = _of_full_segments(crcs, segment_size)
     if full < length:
         # The short tail: a second pass over < segment_size bytes beats a table for an
         # arbitrary length.
