@@ -119,10 +119,10 @@ def warm_memory(nbytes: int = 6 * 1024**3) -> None:
     """Touch and free ``nbytes`` of memory, so the measured run that follows does not pay
     the first touch of guest pages.
 
-    On these VMs a page the guest has not used lately costs the kernel a fault into the host
-    the first time it is touched (DAMON reclaim hands cold free pages back): a ``dd`` of 1.5
-    GiB with fsync took 7.0 s of system CPU the first time and 0.63 s right after. Whichever
-    filesystem a bench ran first paid it for the page cache and its buffers."""
+    On these VMs free guest memory is handed back to the host (free page reporting), and the
+    first touch of such a page costs a fault into the host, charged as system CPU to the
+    process that touched it: whichever filesystem a bench ran first paid it for its page
+    cache and buffers (measured in docs/byte-budget.md)."""
     import mmap
 
     piece = b"\1" * (64 * 1024 * 1024)

@@ -2,8 +2,8 @@
 
 A server opens its engine here (``open_engine``) and knows it only through the interface of
 metadata/engine.py; a new engine is one module and one entry in ``ENGINES``. The etcd engine's
-module is imported only when it is asked for: it brings httpx (75 ms of CPU), which a server
-on SQLite, started by every test cluster, has no use for.
+module is imported only when it is asked for: it brings httpx, whose import a server on
+SQLite, started by every test cluster, would pay for nothing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the top layer) exposes ``register(subparsers)``, which adds its subcommands with
 ``set_defaults(func=...)``; ``func(args)`` returns an exit code. Only the module of the
 command asked for is imported (all of them for ``--help``, ``--version`` or an unknown
 command): every daemon, mount and CLI call is a process of its own, and importing every
-command's libraries cost each of them about 0.2 s of CPU (a local cluster starts a dozen). User
+command's libraries would charge each of them for the others' (the measurement is in
+docs/decisions/2026-12-05-suite-time.md). User
 mistakes and domain failures (``TectonicError``) print one clear line and exit non-zero;
 only a genuine bug prints a traceback.
 
