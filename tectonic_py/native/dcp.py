@@ -42,12 +42,13 @@ under a temporary name and renamed into place).
 
 Reads: the rank's plan names, for each item, a file, an offset and a length; ``read_data``
 opens each file once and fetches just those ranges in batches of at most
-``READ_BATCH_BYTES``, each range cut at block boundaries and ``READ_PIECES_IN_FLIGHT``
+``READ_BATCH_BYTES`` into one buffer the load reuses for every batch, each range cut at
+block boundaries and ``READ_PIECES_IN_FLIGHT``
 pieces of a rank fetched at once (not every range at once: every rank loads at the same
 moment, and a whole checkpoint asked for at once queues on the chunk stores for longer
 than the client's hedge delays, which then ask for more), then deserialises them as
-``FileSystemReader`` does (``torch.load`` of the record, narrowed to the slice the plan
-asks for). A piece of half a block or more is read as whole data chunks through the
+``FileSystemReader`` does (``torch.load`` of the record, read in place from that buffer,
+narrowed to the slice the plan asks for). A piece of half a block or more is read as whole data chunks through the
 client's block cache, a smaller one as chunk ranges.
 """
 
@@ -63,7 +64,7 @@ import posixpath
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 import trio
@@ -415,11 +416,17 @@ class TectonicReader(FileSystemReader):
         """Fetch the plan's ranges in batches (each file opened once), then load each item
         into the planner's tensors or bytes."""
         readers: dict[str, FileReader] = {}
+        arena = bytearray()
         try:
             for batch in self._batches(plan.items):
-                blobs = self.client.run(self._fetch, batch, readers)
+                ranges = sorted({self._range(req) for req in batch})
+                need = sum(length for _, _, length in ranges)
+                if len(arena) < need:
+                    arena = bytearray(need)
+                blobs = self.client.run(self._fetch, ranges, readers, memoryview(arena))
                 for req in batch:
                     self._load_item(req, blobs[self._range(req)], planner)
+                del blobs
         finally:
             self.client.run(_close_readers, list(readers.values()))
         fut: Future[None] = Future()
@@ -447,12 +454,15 @@ class TectonicReader(FileSystemReader):
             yield batch
 
     async def _fetch(
-        self, batch: list[ReadItem], readers: dict[str, FileReader]
-    ) -> dict[tuple[str, int, int], bytearray]:
-        """The batch's ranges (each fetched once, however many items share it), with the
-        files' readers opened on first use and kept in ``readers`` for later batches."""
-        ranges = sorted({self._range(req) for req in batch})
-        blobs: dict[tuple[str, int, int], bytearray] = {}
+        self,
+        ranges: list[tuple[str, int, int]],
+        readers: dict[str, FileReader],
+        arena: memoryview,
+    ) -> dict[tuple[str, int, int], memoryview]:
+        """A batch's ranges, side by side in ``arena`` (one buffer for every batch of a
+        load: fresh memory per batch cost more in page faults than the copies did), with
+        the files' readers opened on first use and kept in ``readers`` for later batches."""
+        blobs: dict[tuple[str, int, int], memoryview] = {}
 
         async def open_one(path: str) -> None:
             readers[path] = await self.client.client.open_read(path)
@@ -467,22 +477,23 @@ class TectonicReader(FileSystemReader):
         paths = sorted({path for path, _, _ in ranges} - readers.keys())
         await _gather([functools.partial(open_one, p) for p in paths], OPEN_CONCURRENCY)
         pieces = []
+        at = 0
         for key in ranges:
             path, offset, length = key
-            blobs[key] = blob = bytearray(length)
-            view = memoryview(blob)
+            blobs[key] = view = arena[at : at + length]
+            at += length
             for piece in readers[path].layout.pieces(offset, length):
                 into = view[piece.out_offset : piece.out_offset + piece.length]
                 pieces.append(functools.partial(fetch_piece, path, offset + piece.out_offset, into))
         await _gather(pieces, READ_PIECES_IN_FLIGHT)
         return blobs
 
-    def _load_item(self, req: ReadItem, blob: bytearray, planner: LoadPlanner) -> None:
+    def _load_item(self, req: ReadItem, blob: memoryview, planner: LoadPlanner) -> None:
         """One item, as FileSystemReader loads it: stream transforms, then bytes to the
         planner or a ``torch.load`` narrowed to the requested slice into its tensor."""
         info = self.storage_data[req.storage_index]
         stream = self.transforms.transform_load_stream(
-            req, info.transform_descriptors or (), io.BytesIO(blob)
+            req, info.transform_descriptors or (), cast(IO[bytes], _ViewStream(blob))
         )
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(stream.read()))
@@ -498,6 +509,39 @@ class TectonicReader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+class _ViewStream(io.RawIOBase):
+    """A seekable read stream over a memoryview without copying it (``io.BytesIO`` of a
+    bytearray or view copies the whole item before torch.load copies it again)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        if base + offset < 0:
+            raise OSError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        got = self._view[self._pos : self._pos + out.nbytes]
+        out[: got.nbytes] = got
+        self._pos += got.nbytes
+        return got.nbytes
 
 
 async def _close_readers(readers: list[FileReader]) -> None:
