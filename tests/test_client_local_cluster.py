@@ -10,6 +10,7 @@ import pytest
 
 from tectonic_py.client.tectonic_client import open_client
 from tectonic_py.core.errors import ConfigError
+from tectonic_py.launch.fork_server import command_line
 from tectonic_py.launch.local_cluster import LocalCluster
 
 
@@ -54,7 +55,7 @@ def _domains(cluster: LocalCluster) -> list[str]:
     out = []
     for pid in cluster.chunkstore_pids():
         assert pid is not None
-        argv = psutil.Process(pid).cmdline()
+        argv = command_line(pid)
         out.append(argv[argv.index("--failure-domain") + 1])
     return out
 

@@ -37,6 +37,7 @@ from chunkstore.traffic import parse_weights
 from tectonic_py.core import cluster_file
 from tectonic_py.core.ec_policy import ECPolicy
 from tectonic_py.core.errors import ConfigError, TectonicError, Timeout
+from tectonic_py.launch.fork_server import command_line
 from tectonic_py.launch.local_cluster import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _ours(pid: int, root: Path) -> psutil.Process | None:
         proc = psutil.Process(pid)
         if not _alive(proc):
             return None
-        cmdline = proc.cmdline()
+        cmdline = command_line(pid)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     text = str(root)
