@@ -14,12 +14,13 @@ bash deploy/install.sh
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$PWD/.venv/pycache}"
 set +e
-# Two workers, a test file each (--dist loadfile: a file's daemons and fixtures stay in one
-# process): most tests wait on daemons, timeouts and mounts rather than compute, so the
-# suite takes about half as long on two cores. `-n 0` as an argument runs it serially.
+# Three workers, a test file each (--dist loadfile: a file's daemons and fixtures stay in one
+# process). Many tests wait on daemons, timeouts and mounts rather than compute: with two
+# workers the two cores sat idle 17% of the run, with three 5%
+# (docs/decisions/2026-12-05-suite-time.md). `-n 0` as an argument runs it serially.
 # Files are handed out longest first, as tests/conftest.py orders them
-# (--no-loadscope-reorder), so that no long file starts when the other worker is almost done.
-.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# (--no-loadscope-reorder), so that no long file starts when the others are almost done.
+.venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
