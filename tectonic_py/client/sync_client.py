@@ -151,12 +151,12 @@ class BlockingClient:
         self.close()
 
 
-class _RawStream(io.RawIOBase):
-    """Position bookkeeping shared by the raw writer and reader: both are positioned
-    streams over a pwrite/pread interface, so seek/tell are pure arithmetic on ``_pos``."""
+class PositionedStream(io.RawIOBase):
+    """Position bookkeeping for raw streams over a pwrite/pread interface (the client's
+    files, native.dcp's in-memory items): seek/tell are pure arithmetic on ``_pos``."""
 
-    def __init__(self, owner: BlockingClient) -> None:
-        self._owner = owner
+    def __init__(self) -> None:
+        super().__init__()
         self._pos = 0
 
     @property
@@ -175,6 +175,14 @@ class _RawStream(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+
+class _RawStream(PositionedStream):
+    """A client file as a raw stream, its calls sent through the owner's portal."""
+
+    def __init__(self, owner: BlockingClient) -> None:
+        super().__init__()
+        self._owner = owner
 
     def fileno(self) -> int:
         raise OSError("a tectonic file has no file descriptor")

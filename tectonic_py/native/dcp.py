@@ -89,7 +89,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tectonic_py.client.reader import FileReader
-from tectonic_py.client.sync_client import BlockingClient, shared_client
+from tectonic_py.client.sync_client import BlockingClient, PositionedStream, shared_client
 from tectonic_py.core.errors import FileNotFound, TectonicError
 
 __all__ = ["TectonicReader", "TectonicWriter"]
@@ -511,30 +511,20 @@ class TectonicReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
-class _ViewStream(io.RawIOBase):
+class _ViewStream(PositionedStream):
     """A seekable read stream over a memoryview without copying it (``io.BytesIO`` of a
     bytearray or view copies the whole item before torch.load copies it again)."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
         self._view = view
-        self._pos = 0
+
+    @property
+    def _size(self) -> int:
+        return self._view.nbytes
 
     def readable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        if base + offset < 0:
-            raise OSError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
