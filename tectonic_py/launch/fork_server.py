@@ -32,16 +32,14 @@ from typing import IO, Any
 import psutil
 import setproctitle
 
+from tectonic_py.core.errors import InvalidArgument, Unavailable
+
 # The program a daemon runs, named as the subprocess path names it (``python -m CLI``): the
 # launcher runs that command line and uses none of the CLI's or the servers' code itself, so
 # they are imported by name, as a program is loaded, not as a dependency of this layer.
 CLI = "tectonic_py.cli.main"
 # What the daemons import: done once in the server, shared by every fork.
 PRELOAD = (CLI, "chunkstore.main", "metadata.main", "tectonic_py.cli.maintenance")
-
-
-class ForkServerError(RuntimeError):
-    """The fork server is gone or answered something it should not have."""
 
 
 class ForkServer:
@@ -58,7 +56,7 @@ class ForkServer:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 if request["op"] != "spawn":
-                    raise ForkServerError("the fork server is not running")
+                    raise Unavailable("the fork server is not running")
                 with open(self._log_file, "ab") as log:
                     self._proc = subprocess.Popen(
                         [sys.executable, "-m", __name__],
@@ -75,12 +73,12 @@ class ForkServer:
                 self._proc.stdin.flush()
                 line = self._proc.stdout.readline()
             except OSError as e:
-                raise ForkServerError(f"fork server: {e}") from e
+                raise Unavailable(f"fork server: {e}") from e
         if not line:
-            raise ForkServerError(f"the fork server exited; its log: {self._log_file}")
+            raise Unavailable(f"the fork server exited; its log: {self._log_file}")
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
-            raise ForkServerError(reply["error"])
+            raise InvalidArgument(f"fork server: {reply['error']}")
         return reply
 
     def spawn(
@@ -123,7 +121,7 @@ class ForkedProcess:
         if self.returncode is None:
             try:
                 self.returncode = self._server.returncode(self.pid)
-            except ForkServerError:
+            except Unavailable:
                 # Its server (its parent) was closed: it is running while its PID is.
                 try:
                     os.kill(self.pid, 0)
