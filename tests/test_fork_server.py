@@ -105,5 +105,27 @@ def test_a_handle_outlives_its_server(tmp_path: Path) -> None:
     sleeper.wait(30)
     forks.close()
     assert proc.poll() is not None and sleeper.poll() == 0
-    orphan = ForkedProcess(forks, os.getpid())
+    orphan = ForkedProcess(forks, os.getpid(), server_pid=1)
     assert orphan.poll() is None  # its server is gone; the PID is alive
+
+
+def test_a_killed_fork_server_loses_no_daemon(tmp_path: Path) -> None:
+    """kill -9 of the fork server: its daemons serve on, a stop still stops them all, and
+    the next start forks from a new server."""
+    cluster = _small(tmp_path / "c")
+    try:
+        cluster.start()
+        pids = cluster.pids()
+        server = cluster._forks._proc  # type: ignore[union-attr]
+        assert server is not None
+        os.kill(server.pid, 9)
+        server.wait(30)
+        assert all(psutil.Process(p).status() != "zombie" for p in pids)
+        cluster.kill_chunkstore(0)  # its parent is gone: reaped by init, read by its PID
+        assert cluster.chunkstore_pids()[0] is None
+        cluster.start_chunkstore(0)
+        assert cluster._forks._proc is not server  # type: ignore[union-attr]
+        pids = cluster.pids()
+    finally:
+        cluster.stop()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

@@ -52,11 +52,19 @@ class ForkServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
-    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, request: dict[str, Any], server: int | None = None) -> dict[str, Any]:
+        """``request`` to the running server; ``server``: only to that one (the PID of the
+        server that forked a daemon, which alone knows its exit status)."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            if (
+                self._proc is None
+                or self._proc.poll() is not None
+                or server not in (None, self._proc.pid)
+            ):
                 if request["op"] != "spawn":
-                    raise Unavailable("the fork server is not running")
+                    raise Unavailable("the fork server of that daemon is gone")
+                if self._proc is not None and self._proc.poll() is not None:
+                    _close_pipes(self._proc)  # a server that died: a new one takes over
                 with open(self._log_file, "ab") as log:
                     self._proc = subprocess.Popen(
                         [sys.executable, "-m", __name__],
@@ -86,10 +94,15 @@ class ForkServer:
     ) -> ForkedProcess:
         """``tectonic ARGS`` as a forked daemon, its stdout and stderr appended to ``log_file``."""
         request = {"op": "spawn", "args": args, "log": str(log_file), "cwd": str(cwd), "env": env}
-        return ForkedProcess(self, int(self._call(request)["pid"]))
+        pid = int(self._call(request)["pid"])
+        assert self._proc is not None
+        return ForkedProcess(self, pid, self._proc.pid)
 
-    def returncode(self, pid: int) -> int | None:
-        return self._call({"op": "poll", "pid": pid})["returncode"]  # type: ignore[no-any-return]
+    def returncode(self, pid: int, server: int) -> int | None:
+        """``pid``'s exit status, None while it runs; ``Unavailable`` once ``server`` (the
+        server that forked it) is gone."""
+        reply = self._call({"op": "poll", "pid": pid}, server)
+        return reply["returncode"]  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """End the server (its daemons run on, as subprocesses would: stop them first)."""
@@ -103,8 +116,17 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None and not pipe.closed:
+            try:
+                pipe.close()
+            except OSError:  # a write buffered for a server that is gone
+                pass
 
 
 class ForkedProcess:
@@ -112,17 +134,19 @@ class ForkedProcess:
 
     POLL_S = 0.02
 
-    def __init__(self, server: ForkServer, pid: int) -> None:
+    def __init__(self, server: ForkServer, pid: int, server_pid: int) -> None:
         self._server = server
+        self._server_pid = server_pid
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
-                self.returncode = self._server.returncode(self.pid)
+                self.returncode = self._server.returncode(self.pid, self._server_pid)
             except Unavailable:
-                # Its server (its parent) was closed: it is running while its PID is.
+                # Its server (its parent) was closed or killed: it is running while its
+                # PID is (init reaps it); the exit status went with the server.
                 try:
                     os.kill(self.pid, 0)
                 except ProcessLookupError:
