@@ -69,7 +69,7 @@ def pid_file(root: Path) -> dict[str, Any]:
 def chunkstore_pid(root: Path, node_id: str) -> int:
     for pid in pid_file(root)["daemons"]:
         try:
-            cmdline = command_line(pid)
+            cmdline = command_line(psutil.Process(pid))
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue  # one killed earlier in the test
         if "chunkstore" in cmdline and cmdline[cmdline.index("--node-id") + 1] == node_id:
@@ -187,7 +187,7 @@ def test_foreground_ctrl_c_stops_everything(tmp_path: Path) -> None:
         info = pid_file(root)
         assert info["pid"] == proc.pid
         # 1 metadata server, 3 chunk stores and the maintenance daemon (on by default)
-        commands = [" ".join(command_line(pid)) for pid in info["daemons"]]
+        commands = [" ".join(command_line(psutil.Process(pid))) for pid in info["daemons"]]
         assert len(commands) == 5
         assert sum(" maintenance " in c for c in commands) == 1
         second = run_cli("cluster", "up", "--detach", "--dir", str(root))
@@ -232,7 +232,7 @@ def test_detached_start_failure_is_one_line_and_leaves_nothing(tmp_path: Path) -
 def metadata_pid(root: Path, index: int) -> int:
     for pid in pid_file(root)["daemons"]:
         try:
-            cmdline = command_line(pid)
+            cmdline = command_line(psutil.Process(pid))
         except psutil.NoSuchProcess:  # includes ZombieProcess: one killed earlier in the test
             continue
         if "metadata" in cmdline and str(root / "metadata" / str(index)) in cmdline:

@@ -55,7 +55,7 @@ def _domains(cluster: LocalCluster) -> list[str]:
     out = []
     for pid in cluster.chunkstore_pids():
         assert pid is not None
-        argv = command_line(pid)
+        argv = command_line(psutil.Process(pid))
         out.append(argv[argv.index("--failure-domain") + 1])
     return out
 

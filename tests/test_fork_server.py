@@ -28,7 +28,7 @@ def test_forked_daemons_are_processes_of_their_own(tmp_path: Path) -> None:
         assert len(set(pids)) == 4 and os.getpid() not in pids
         for pid in pids:
             assert os.getsid(pid) == pid  # its own session, as start_new_session gave
-            args = command_line(pid)
+            args = command_line(psutil.Process(pid))
             assert args[1:3] == ["-m", "tectonic_py.cli.main"]
             assert str(tmp_path / "c") in " ".join(args)  # `cluster down` finds it by this
             assert psutil.Process(pid).cwd() == str(PROJECT_ROOT)

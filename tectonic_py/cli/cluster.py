@@ -90,7 +90,7 @@ def _ours(pid: int, root: Path) -> psutil.Process | None:
         proc = psutil.Process(pid)
         if not _alive(proc):
             return None
-        cmdline = command_line(pid)
+        cmdline = command_line(proc)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     text = str(root)

@@ -1,15 +1,15 @@
 """Daemons of a local cluster forked from one process that has imported them already.
 
 Why: most of a daemon's start is Python importing trio, cryptography, msgpack and our own
-tree (about a quarter of a CPU-second each, docs/decisions/2026-12-05-suite-time.md), and a
-local cluster starts eleven of them, again after every kill. A fork of a process that has
-done those imports costs a few milliseconds. Each daemon is still a process of its own: its
+tree, and a local cluster starts eleven daemons, again after every kill; a fork of a process
+that has done those imports costs far less (docs/decisions/2026-12-05-suite-time.md). Each daemon is still a process of its own: its
 own PID (``kill -9`` of one takes only it), its own session, log file, working directory and
 environment, running the same ``tectonic`` command line a subprocess would.
 
 ``ForkServer`` starts ``python -m tectonic_py.launch.fork_server`` and speaks JSON lines on
-its stdin and stdout: ``spawn`` (argv, log, cwd, env) answers the new daemon's PID, ``poll``
-its exit status once it has ended (the server is the daemons' parent and reaps them).
+its stdin and stdout: ``spawn`` (argv, log, cwd, env) answers the new daemon's PID and the
+server's own (a daemon's status is asked only of its parent), ``poll`` its exit status once
+it has ended (the server is the daemons' parent and reaps them).
 ``ForkedProcess`` is the handle a caller gets, with the part of ``subprocess.Popen``'s
 interface that a supervisor uses (``pid``, ``poll``, ``wait``, ``returncode``).
 
@@ -53,33 +53,20 @@ class ForkServer:
         self._lock = threading.Lock()
 
     def _call(self, request: dict[str, Any], server: int | None = None) -> dict[str, Any]:
-        """``request`` to the running server; ``server``: only to that one (the PID of the
-        server that forked a daemon, which alone knows its exit status)."""
+        """``request`` to the running server (a spawn starts one if none runs); ``server``:
+        only to that one (the PID of the server that forked a daemon, which alone knows its
+        exit status)."""
         with self._lock:
-            if (
-                self._proc is None
-                or self._proc.poll() is not None
-                or server not in (None, self._proc.pid)
-            ):
-                if request["op"] != "spawn":
-                    raise Unavailable("the fork server of that daemon is gone")
-                if self._proc is not None and self._proc.poll() is not None:
-                    _close_pipes(self._proc)  # a server that died: a new one takes over
-                with open(self._log_file, "ab") as log:
-                    self._proc = subprocess.Popen(
-                        [sys.executable, "-m", __name__],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        start_new_session=True,
-                        cwd=str(self._cwd),
-                        env=self._env,
-                    )
-            assert self._proc.stdin is not None and self._proc.stdout is not None
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else None
+            if request["op"] == "spawn":
+                proc = proc or self._start()
+            elif proc is None or proc.pid != server:
+                raise Unavailable("the fork server of that daemon is gone")
+            assert proc.stdin is not None and proc.stdout is not None
             try:
-                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self._proc.stdin.flush()
-                line = self._proc.stdout.readline()
+                proc.stdin.write(json.dumps(request).encode() + b"\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
             except OSError as e:
                 raise Unavailable(f"fork server: {e}") from e
         if not line:
@@ -89,14 +76,29 @@ class ForkServer:
             raise InvalidArgument(f"fork server: {reply['error']}")
         return reply
 
+    def _start(self) -> subprocess.Popen[bytes]:
+        """A new server, in place of none or of one that died (its pipes closed)."""
+        if self._proc is not None:
+            _close_pipes(self._proc)
+        with open(self._log_file, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+                cwd=str(self._cwd),
+                env=self._env,
+            )
+        return self._proc
+
     def spawn(
         self, args: list[str], log_file: Path, cwd: Path, env: dict[str, str]
     ) -> ForkedProcess:
         """``tectonic ARGS`` as a forked daemon, its stdout and stderr appended to ``log_file``."""
         request = {"op": "spawn", "args": args, "log": str(log_file), "cwd": str(cwd), "env": env}
-        pid = int(self._call(request)["pid"])
-        assert self._proc is not None
-        return ForkedProcess(self, pid, self._proc.pid)
+        reply = self._call(request)
+        return ForkedProcess(self, int(reply["pid"]), int(reply["server"]))
 
     def returncode(self, pid: int, server: int) -> int | None:
         """``pid``'s exit status, None while it runs; ``Unavailable`` once ``server`` (the
@@ -163,10 +165,16 @@ class ForkedProcess:
         return self.returncode
 
 
-def command_line(pid: int) -> list[str]:
-    """``pid``'s arguments, as psutil gives them, also for a daemon forked here: its title,
+def tectonic_argv(args: list[str]) -> list[str]:
+    """The command line of ``tectonic ARGS`` run as a subprocess, and the title a forked
+    daemon shows in its place."""
+    return [sys.executable, "-m", CLI, *args]
+
+
+def command_line(proc: psutil.Process) -> list[str]:
+    """``proc``'s arguments, as psutil gives them, also for a daemon forked here: its title,
     written by setproctitle as one string and padded with NULs, reads as one argument."""
-    args = [a for a in psutil.Process(pid).cmdline() if a]
+    args = [a for a in proc.cmdline() if a]
     return args[0].split(" ") if len(args) == 1 else args
 
 
@@ -190,7 +198,7 @@ def _run_daemon(args: list[str], log: str, cwd: str, env: dict[str, str]) -> Non
         os.close(null)
         # ps and psutil see the command line a subprocess would have had: `tectonic cluster
         # down` finds a cluster's daemons by the paths in theirs.
-        setproctitle.setproctitle(" ".join([sys.executable, "-m", CLI, *args]))
+        setproctitle.setproctitle(" ".join(tectonic_argv(args)))
         os.environ.clear()
         os.environ.update(env)
         main = importlib.import_module(CLI).main
@@ -241,7 +249,7 @@ def serve(requests: IO[bytes], replies: IO[bytes]) -> None:
                 if pid == 0:
                     _run_daemon(*spec)
                 children.add(pid)
-                reply: dict[str, Any] = {"pid": pid}
+                reply: dict[str, Any] = {"pid": pid, "server": os.getpid()}
             elif request["op"] == "poll":
                 pid = int(request["pid"])
                 reply = {"returncode": ended.get(pid)}

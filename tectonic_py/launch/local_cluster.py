@@ -33,13 +33,14 @@ Every daemon is ``tectonic metadata|chunkstore|maintenance ...`` in its own proc
 session (so a Ctrl-C in a terminal reaches only the supervisor), and the launcher waits for
 its ``--ready-file``. By default (``fork_server=True``) the daemons are forked from one
 server process that has imported their code once (tectonic_py/launch/fork_server.py): a
-start then costs a fork instead of a quarter of a CPU-second of imports, and each daemon is
-still a process of its own (logs/fork-server.log is the server's own log). ``fork_server=
-False`` runs each as ``python -m tectonic_py.cli.main``. ``stop`` signals only the PIDs it started: SIGTERM, then SIGKILL after a
-timeout. Restarting on the same root brings back all data, on the same ports when free.
+start then costs a fork instead of the imports, and each daemon is still a process of its
+own (logs/fork-server.log is the server's own log);
+``fork_server=False`` runs each as ``python -m tectonic_py.cli.main``. ``stop`` signals only
+the PIDs it started: SIGTERM, then SIGKILL after a timeout. Restarting on the same root
+brings back all data, on the same ports when free.
 
-Why subprocesses rather than in-process daemons: fault injection by ``kill -9`` is the point
-of many tests, and a subprocess is what production runs.
+Why processes of their own rather than in-process daemons: fault injection by ``kill -9`` is
+the point of many tests, and a process per daemon is what production runs.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -69,7 +69,7 @@ from tectonic_py.core.ec_policy import DEFAULT_POLICY, ECPolicy
 from tectonic_py.core.errors import ConfigError, Timeout
 from tectonic_py.core.process_env import PROJECT_ROOT, child_env
 from tectonic_py.launch import monitoring
-from tectonic_py.launch.fork_server import ForkedProcess, ForkServer
+from tectonic_py.launch.fork_server import ForkedProcess, ForkServer, tectonic_argv
 from tectonic_py.launch.local_etcd import EtcdCluster
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def _port_free(port: int) -> bool:
 
 
 class _Daemon:
-    """One subprocess we started, its ready file and its log."""
+    """One daemon process we started, its ready file and its log."""
 
     def __init__(
         self, name: str, ready_file: Path, log_file: Path, forks: ForkServer | None = None
@@ -108,17 +108,17 @@ class _Daemon:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def spawn(self, argv: list[str]) -> None:
-        """``argv``: ``tectonic``'s command line (``LocalCluster._cli()`` and its arguments),
-        forked from the fork server where the cluster has one, else run as a subprocess."""
+    def spawn(self, args: list[str]) -> None:
+        """``tectonic ARGS``, forked from the fork server where the cluster has one, else
+        run as a subprocess."""
         self.ready_file.unlink(missing_ok=True)
         env = child_env()
         if self.forks is not None:
-            self.proc = self.forks.spawn(argv[3:], self.log_file, PROJECT_ROOT, env)
+            self.proc = self.forks.spawn(args, self.log_file, PROJECT_ROOT, env)
             return
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                argv,
+                tectonic_argv(args),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -365,8 +365,7 @@ class LocalCluster:
         """(Re)start the ``tectonic maintenance`` process with ``maintenance_args``."""
         if not self._maint.running:
             self._maint.spawn(
-                self._cli()
-                + [
+                [
                     "maintenance",
                     str(self.maintenance_file),
                     "--ready-file",
@@ -481,15 +480,12 @@ class LocalCluster:
             port = 0
         return f"{HOST}:{port}"
 
-    def _cli(self) -> list[str]:
-        return [sys.executable, "-m", "tectonic_py.cli.main"]
-
     def _spawn_metadata(self, i: int, require_same_port: bool = False) -> None:
         d = self._meta[i]
         data = self.metadata_dir(i)
         data.mkdir(parents=True, exist_ok=True)
         shards = self.shards_of(i)
-        argv = self._cli() + [
+        argv = [
             "metadata",
             "--data-dir",
             str(data),
@@ -530,7 +526,7 @@ class LocalCluster:
         data = self.chunkstore_dir(i)
         data.mkdir(parents=True, exist_ok=True)
         assert self.config is not None
-        argv = self._cli() + [
+        argv = [
             "chunkstore",
             "--data-dir",
             str(data),
@@ -593,7 +589,7 @@ class LocalCluster:
         another ``ec`` sets the root's policy (inherited by everything created below it)."""
         if ECPolicy.parse(self.ec) == DEFAULT_POLICY:
             return
-        argv = self._cli() + ["mkdir", str(self.cluster_file), "/", "-p", "--ec", self.ec]
+        argv = tectonic_argv(["mkdir", str(self.cluster_file), "/", "-p", "--ec", self.ec])
         env = child_env()
         r = subprocess.run(
             argv,
